@@ -1,0 +1,96 @@
+"""Parameter counts and FLOPs, in the paper's conventions (DESIGN.md §1, §6).
+
+- "embeddings" counts the input embedding and the unembedding (once if tied).
+- A recurrent model's "body" is prelude + core + coda (no adapter, no final norm, as in the paper's tables);
+  a fixed-depth model's "body" is its layers plus the final norm.
+- FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
+  `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
+  run without. A fixed-depth model costs `6·N`.
+All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from .modeling import RecurrentForCausalLM
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameters by part. Recurrent: embeddings, prelude, core, coda, adapter, final_norm (+ body, total);
+    a fixed-depth parent: embeddings, layers, final_norm (+ body, total)."""
+    embeddings = _numel(model.get_input_embeddings())
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is not model.get_input_embeddings().weight:
+        embeddings += _numel(head)
+    body = model.model
+    if isinstance(model, RecurrentForCausalLM):
+        counts = {
+            "embeddings": embeddings,
+            "prelude": _numel(body.prelude),
+            "core": _numel(body.core),
+            "coda": _numel(body.coda),
+            "adapter": _numel(body.adapter),
+            "final_norm": _numel(body.norm),
+        }
+        counts["body"] = counts["prelude"] + counts["core"] + counts["coda"]
+    else:
+        counts = {"embeddings": embeddings, "layers": _numel(body.layers), "final_norm": _numel(body.norm)}
+        counts["body"] = counts["layers"] + counts["final_norm"]
+    counts["total"] = _numel(model)  # parameters() yields a tied matrix once
+    return counts
+
+
+def _counts(model_or_counts) -> Mapping[str, int]:
+    return model_or_counts if isinstance(model_or_counts, Mapping) else count_parameters(model_or_counts)
+
+
+def _is_recurrent(counts: Mapping[str, int]) -> bool:
+    return "core" in counts
+
+
+def effective_parameters(model_or_counts, num_steps: int) -> int:
+    """Non-embedding parameters applied per token at r = `num_steps`: prelude + r·core + coda.
+
+    A fixed-depth model's effective parameters are its body, whatever r."""
+    c = _counts(model_or_counts)
+    if not _is_recurrent(c):
+        return c["body"]
+    return c["prelude"] + num_steps * c["core"] + c["coda"]
+
+
+def _step_parameters(c: Mapping[str, int]) -> int:
+    return c["core"] + c["adapter"]
+
+
+def inference_flops_per_token(model_or_counts, num_steps: int) -> int:
+    """Forward FLOPs per token at r recurrences: 2 × (prelude + r·(core + adapter) + coda + final norm).
+
+    Attention over the context is not included (it depends on the sequence length)."""
+    c = _counts(model_or_counts)
+    if not _is_recurrent(c):
+        return 2 * c["body"]
+    return 2 * (c["prelude"] + num_steps * _step_parameters(c) + c["coda"] + c["final_norm"])
+
+
+def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int:
+    """Training FLOPs per token for one step of depth (n, k): 6·N1 + 2·N2 (6·N for a fixed-depth model)."""
+    c = _counts(model_or_counts)
+    if not _is_recurrent(c):
+        return 6 * c["body"]
+    n, k = num_steps
+    with_grad = c["prelude"] + c["coda"] + c["final_norm"] + k * _step_parameters(c)
+    return 6 * with_grad + 2 * n * _step_parameters(c)
+
+
+def training_flops(model_or_counts, tokens: int, mean_recurrence: int = 1, backprop_depth: int = 1) -> int:
+    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth:
+    k = min(k̄, r̄) steps with gradient and n = r̄ - k without."""
+    k = min(backprop_depth, mean_recurrence)
+    return tokens * training_flops_per_token(model_or_counts, (mean_recurrence - k, k))

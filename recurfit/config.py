@@ -1,0 +1,85 @@
+"""`RecurrentConfig`: the configuration of a depth-recurrent LM made from a parent family's layers."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+# Huginn-0125's initial-state scale, sqrt(2 / (5 * 5280)); the paper's retrofitted models inherit it.
+DEFAULT_STATE_INIT_STD = math.sqrt(2 / (5 * 5280))
+ADAPTERS = ("linear", "add")
+
+
+class RecurrentConfig(PreTrainedConfig):
+    r"""A prelude of `num_prelude_layers`, a core of `num_core_layers` looped r times, a coda of `num_coda_layers`.
+
+    `text_config` is the parent family's own config describing the kept decoder layers in execution order
+    (prelude, then core, then coda): its `num_hidden_layers` is their total and its per-layer fields follow
+    them. `source_layers` ({"prelude": [...], "core": [...], "coda": [...]}) and `parent_name_or_path` record
+    where each part came from.
+
+    Recurrence: `s_0 ~ TruncNormal(0, state_init_std², ±3σ)` (zeros when 0), `s_i = core(adapter([s_{i-1}; e]))`.
+    `mean_recurrence` is the default test-time r and the training sampler's mean; `mean_backprop_depth` is
+    the number of final steps that receive gradient in training.
+    """
+
+    model_type = "recurfit"
+    sub_configs = {"text_config": AutoConfig}
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    text_config: dict | PreTrainedConfig | None = None
+    num_prelude_layers: int = 2
+    num_core_layers: int = 4
+    num_coda_layers: int = 2
+    source_layers: dict | None = None
+    parent_name_or_path: str | None = None
+    adapter: str = "linear"
+    state_init_std: float = DEFAULT_STATE_INIT_STD
+    mean_recurrence: int = 32
+    mean_backprop_depth: int = 8
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        total = self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
+        if isinstance(self.text_config, dict):
+            text = dict(self.text_config)
+            self.text_config = CONFIG_MAPPING[text.pop("model_type", "llama")](**text)
+        elif self.text_config is None:
+            self.text_config = CONFIG_MAPPING["llama"](num_hidden_layers=total)
+        self._validate(total)
+        super().__post_init__(**kwargs)
+
+    def _validate(self, total: int) -> None:
+        if min(self.num_prelude_layers, self.num_coda_layers) < 0 or self.num_core_layers < 1:
+            raise ValueError(
+                f"RecurrentConfig needs num_core_layers >= 1 and non-negative prelude/coda sizes, got "
+                f"({self.num_prelude_layers}, {self.num_core_layers}, {self.num_coda_layers})."
+            )
+        if self.text_config.num_hidden_layers != total:
+            raise ValueError(
+                f"text_config describes {self.text_config.num_hidden_layers} layers but the shape "
+                f"({self.num_prelude_layers}, {self.num_core_layers}, {self.num_coda_layers}) needs {total}."
+            )
+        if self.adapter not in ADAPTERS:
+            raise ValueError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}.")
+        if not self.state_init_std >= 0:
+            raise ValueError(f"state_init_std must be >= 0 (0 means a zero initial state), got {self.state_init_std}.")
+        if self.mean_recurrence < 1 or self.mean_backprop_depth < 1:
+            raise ValueError(
+                f"mean_recurrence and mean_backprop_depth must be >= 1, got "
+                f"{self.mean_recurrence} and {self.mean_backprop_depth}."
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.num_prelude_layers, self.num_core_layers, self.num_coda_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size

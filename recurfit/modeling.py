@@ -1,0 +1,252 @@
+"""`RecurrentForCausalLM`: prelude → (adapter + core) × r → coda, built from a parent family's own layers.
+
+    e   = prelude(embed(x))
+    s_0 ~ TruncNormal(0, σ², ±3σ)             (zeros when σ = 0)
+    s_i = core(adapter([s_{i-1}; e]))          i = 1..r
+    p   = lm_head(norm(coda(s_r)))
+
+The decoder layers are the parent family's classes from transformers (LlamaDecoderLayer, Olmo2DecoderLayer,
+…), so attention backends, RoPE variants, QK-norm and post-norm behave exactly as in the parent. The
+attention masks and rotary embeddings are computed once per forward and shared by every layer and step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+
+from .config import RecurrentConfig
+from .families import FAMILIES, attention_types
+from .sampling import parse_num_steps, sample_depth
+
+_MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+@dataclass
+class RecurrentCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus the depth actually run: `num_steps = (n, k)`.
+
+    With `output_hidden_states=True`, `hidden_states` holds the recurrent state after every step (r tensors).
+    """
+
+    num_steps: tuple[int, int] | None = None
+
+
+class LinearAdapter(nn.Linear):
+    """`A([s; e]) = W [s; e]` with W: 2h → h, no bias. `reset_to_identity` gives W = [0 | I], i.e. A = e."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__(2 * hidden_size, hidden_size, bias=False)
+
+    def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.cat([state, embedded], dim=-1))
+
+    @torch.no_grad()
+    def reset_to_identity(self) -> None:
+        hidden = self.out_features
+        self.weight.zero_()
+        self.weight[:, hidden:] = torch.eye(hidden, dtype=self.weight.dtype, device=self.weight.device)
+
+
+class AddAdapter(nn.Module):
+    """The paper's "Add" ablation: `A([s; e]) = s + e`, no parameters."""
+
+    def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        return state + embedded
+
+    def reset_to_identity(self) -> None:  # nothing to reset: s + e has no weights
+        pass
+
+
+class RecurrentPreTrainedModel(PreTrainedModel):
+    config_class = RecurrentConfig
+    config: RecurrentConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, LinearAdapter):
+            # At init the adapter passes the prelude output through, so the state starts out ignored.
+            module.reset_to_identity()
+
+
+class RecurrentModel(RecurrentPreTrainedModel):
+    """The body: embeddings, prelude, adapter, core, coda and final norm (no head)."""
+
+    def __init__(self, config: RecurrentConfig):
+        super().__init__(config)
+        text = config.text_config
+        family = FAMILIES[text.model_type]
+        self._no_split_modules = [family.decoder_layer.__name__]
+        self.embed_scale = text.hidden_size**0.5 if family.scale_embeddings else None
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size, getattr(text, "pad_token_id", None))
+        # Each layer gets its position in execution order as `layer_idx`, so its config fields
+        # (text_config.layer_types[i]) and KV-cache slot are its own.
+        P, R, C = config.shape
+        self.prelude = nn.ModuleList(family.decoder_layer(text, i) for i in range(P))
+        self.adapter = LinearAdapter(text.hidden_size) if config.adapter == "linear" else AddAdapter()
+        self.core = nn.ModuleList(family.decoder_layer(text, P + i) for i in range(R))
+        self.coda = nn.ModuleList(family.decoder_layer(text, P + R + i) for i in range(C))
+        self.norm = family.norm(text.hidden_size, eps=text.rms_norm_eps)
+        self.rotary_emb = family.rotary_embedding(config=text)
+        self.layer_attention = attention_types(text)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        embedded = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        return embedded
+
+    def initial_state(self, embedded: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """s_0: truncated normal N(0, σ²) cut at ±3σ, or zeros when `config.state_init_std` is 0."""
+        std = self.config.state_init_std
+        state = torch.zeros_like(embedded)
+        if std > 0:
+            nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+        return state
+
+    def _run(self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, masks: dict, **kwargs) -> torch.Tensor:
+        """Apply `layers`, whose first has index `first` in execution order, each with its attention's mask."""
+        for index, layer in enumerate(layers, start=first):
+            hidden = layer(hidden, attention_mask=masks[self.layer_attention[index]], **kwargs)
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        num_steps=None,
+        initial_state: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, tuple[int, int], tuple[torch.Tensor, ...] | None]:
+        """Returns the final hidden states (after the norm), the `(n, k)` run, and the per-step states."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        n, k = self.resolve_num_steps(num_steps)
+        embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device)
+        mask_inputs = dict(inputs_embeds=embedded, attention_mask=attention_mask, past_key_values=None)
+        masks = {
+            kind: _MASK_BUILDERS[kind](config=self.config.text_config, position_ids=position_ids, **mask_inputs)
+            for kind in set(self.layer_attention)
+        }
+        layer_kwargs = dict(
+            position_embeddings=self.rotary_emb(embedded, position_ids), position_ids=position_ids, **kwargs
+        )
+
+        P, R, _ = self.config.shape
+        e = self._run(self.prelude, 0, embedded, masks, **layer_kwargs)
+        state = self.initial_state(e) if initial_state is None else initial_state
+        states = []
+        for step in range(n + k):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
+                state = self._run(self.core, P, self.adapter(state, e), masks, **layer_kwargs)
+            if output_hidden_states:
+                states.append(state)
+        hidden = self.norm(self._run(self.coda, P + R, state, masks, **layer_kwargs))
+        return hidden, (n, k), tuple(states) if output_hidden_states else None
+
+    def resolve_num_steps(self, num_steps) -> tuple[int, int]:
+        """`num_steps` as `(n, k)`. Unset: a sampled depth in training, `config.mean_recurrence` otherwise."""
+        if num_steps is not None:
+            return parse_num_steps(num_steps)
+        if self.training and torch.is_grad_enabled():
+            return sample_depth(self.config.mean_recurrence, self.config.mean_backprop_depth)
+        return 0, self.config.mean_recurrence
+
+
+def positions_from_mask(attention_mask: torch.Tensor | None, length: int, device) -> torch.LongTensor:
+    """Position ids that start at 0 on each row's first real token, so left padding does not shift RoPE."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return torch.arange(length, device=device).unsqueeze(0)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
+
+
+class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # only when config.tie_word_embeddings
+
+    def __init__(self, config: RecurrentConfig):
+        super().__init__(config)
+        self.model = RecurrentModel(config)
+        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self.post_init()
+        if self.generation_config is not None:
+            # The step-aware KV cache is not implemented yet: generate re-runs the whole prefix each token.
+            self.generation_config.use_cache = False
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        num_steps=None,
+        initial_state: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> RecurrentCausalLMOutput:
+        r"""
+        num_steps (`int` or `(n, k)`, *optional*):
+            Recurrences of the core: `r`, or `n` steps without gradient followed by `k` with gradient (truncated
+            backprop). Unset: sampled from the Poisson-lognormal in training, `config.mean_recurrence` in eval.
+        initial_state (`torch.Tensor` of shape `(batch, seq, hidden)`, *optional*):
+            s_0; drawn from TruncNormal(0, config.state_init_std²) when unset.
+        labels (`torch.LongTensor`, *optional*):
+            Next-token targets, shifted inside (HF convention); positions where `attention_mask` is 0 are ignored.
+        """
+        if past_key_values is not None or use_cache:
+            raise NotImplementedError(
+                "recurfit models do not have a KV cache yet; call generate(..., use_cache=False) "
+                "or forward without past_key_values."
+            )
+        output_hidden_states = output_hidden_states or self.config.output_hidden_states
+        hidden, steps, states = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            num_steps=num_steps,
+            initial_state=initial_state,
+            output_hidden_states=output_hidden_states,
+            **kwargs,
+        )
+        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        loss = None
+        if labels is not None:
+            if attention_mask is not None and attention_mask.shape == labels.shape:
+                labels = labels.masked_fill(attention_mask == 0, -100)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return RecurrentCausalLMOutput(loss=loss, logits=logits, hidden_states=states, num_steps=steps)

@@ -1,0 +1,46 @@
+"""How many recurrences a forward pass runs: the training depth sampler and `num_steps` parsing."""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+# `num_steps` as users write it: r (all steps), or (n, k): n steps without gradient, then k with.
+NumSteps = Union[int, tuple[int, int]]
+
+
+def parse_num_steps(num_steps) -> tuple[int, int]:
+    """Normalise `r` or `(n, k)` to `(n, k)`; a ValueError names the problem for anything else."""
+    if isinstance(num_steps, torch.Tensor) and num_steps.numel() in (1, 2):
+        num_steps = num_steps.tolist()
+    if isinstance(num_steps, int) and not isinstance(num_steps, bool):
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1 recurrence, got {num_steps}.")
+        return 0, num_steps
+    if isinstance(num_steps, (tuple, list)) and len(num_steps) == 2:
+        n, k = num_steps
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in (n, k)) and n >= 0 and k >= 0 and n + k >= 1:
+            return n, k
+    raise ValueError(
+        f"num_steps must be an int r >= 1 or a pair (n, k) of non-negative ints with n + k >= 1 "
+        f"(n steps without gradient, then k with), got {num_steps!r}."
+    )
+
+
+def sample_depth(
+    mean_recurrence: float, backprop_depth: int, generator: torch.Generator | None = None, sigma: float = 0.5
+) -> tuple[int, int]:
+    """Draw `(n, k)` from the Poisson-lognormal depth distribution of Geiping et al. (DESIGN.md §1).
+
+    T = Poisson(LogNormal(μ, σ)) + 1 with μ = ln(r̄) - σ²/2, so E[T] = r̄ + 1 when r̄ ≥ k̄; the last
+    `k = min(k̄, T)` steps get gradient, the `n = T - k` before them do not. Pass a generator seeded by
+    the optimizer step so every rank, and a resumed run, draws the same depth.
+    """
+    t = max(mean_recurrence - backprop_depth, 0)
+    s = backprop_depth
+    mu = math.log(t + s) - sigma**2 / 2
+    tau = torch.exp(mu + sigma * torch.randn((), generator=generator, dtype=torch.float64))
+    total = int(torch.poisson(tau, generator=generator).item()) + 1
+    return max(total - s, 0), min(s, total)

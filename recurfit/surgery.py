@@ -1,0 +1,236 @@
+"""Surgery: choose which parent layers become prelude, core and coda, and move their weights over.
+
+    retrofit(parent, shape=(4, 8, 4))                                   # the paper's rule
+    retrofit(parent, prelude=[0, 1], core=[4, 5, 6, 7], coda=[8, 9])    # explicit parent indices
+    retrofit(parent, shape=(4, 8, 4), select="shortgpt", calibration=ids)  # keep high Block-Influence layers
+
+Works on a parent on the meta device too (plan shapes and FLOPs from a config alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .config import DEFAULT_STATE_INIT_STD, RecurrentConfig
+from .families import config_for_layers, family_of
+from .modeling import LinearAdapter, RecurrentForCausalLM
+
+ADAPTER_INITS = ("identity", "random")
+SELECTIONS = ("paper", "shortgpt")
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Parent layer indices for each part, each strictly increasing, no index used twice."""
+
+    prelude: tuple[int, ...]
+    core: tuple[int, ...]
+    coda: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.prelude), len(self.core), len(self.coda)
+
+    @property
+    def kept(self) -> list[int]:
+        """Parent indices in execution order: prelude, core, coda."""
+        return [*self.prelude, *self.core, *self.coda]
+
+    def dropped(self, num_layers: int) -> list[int]:
+        return sorted(set(range(num_layers)) - set(self.kept))
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return {"prelude": list(self.prelude), "core": list(self.core), "coda": list(self.coda)}
+
+    @classmethod
+    def explicit(cls, prelude: Sequence[int], core: Sequence[int], coda: Sequence[int], num_layers: int):
+        """Validate user-given indices; a ValueError names the first problem found."""
+        parts = {"prelude": list(prelude), "core": list(core), "coda": list(coda)}
+        if not parts["core"]:
+            raise ValueError("The core is empty: give at least one layer index for the recurrent core.")
+        for name, indices in parts.items():
+            if any(not isinstance(i, int) or isinstance(i, bool) for i in indices):
+                raise ValueError(f"{name} indices must be integers, got {indices}.")
+            outside = [i for i in indices if not 0 <= i < num_layers]
+            if outside:
+                raise ValueError(
+                    f"{name} indices {outside} are out of range: the parent has {num_layers} layers (0..{num_layers - 1})."
+                )
+            if any(b <= a for a, b in zip(indices, indices[1:])):
+                raise ValueError(
+                    f"{name} indices {indices} must be strictly increasing (layers run in parent order, each once)."
+                )
+        seen: dict[int, str] = {}
+        for name, indices in parts.items():
+            for i in indices:
+                if i in seen:
+                    raise ValueError(f"Layer {i} is in both {seen[i]} and {name}: each parent layer can be used once.")
+                seen[i] = name
+        return cls(tuple(parts["prelude"]), tuple(parts["core"]), tuple(parts["coda"]))
+
+    @classmethod
+    def paper_rule(cls, shape: Sequence[int], num_layers: int):
+        """Prelude = first P layers, coda = last C, core = the R layers just before the coda (DESIGN.md §6)."""
+        P, R, C = _check_shape(shape, num_layers)
+        return cls(tuple(range(P)), tuple(range(num_layers - C - R, num_layers - C)), tuple(range(num_layers - C, num_layers)))
+
+    @classmethod
+    def from_scores(cls, shape: Sequence[int], scores: Sequence[float]):
+        """Keep the P+R+C layers with the highest scores, in parent order, and split them into P, R, C."""
+        P, R, C = _check_shape(shape, len(scores))
+        kept = sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[: P + R + C])
+        return cls(tuple(kept[:P]), tuple(kept[P : P + R]), tuple(kept[P + R :]))
+
+
+def _check_shape(shape: Sequence[int], num_layers: int) -> tuple[int, int, int]:
+    if len(shape) != 3 or any(not isinstance(x, int) or isinstance(x, bool) for x in shape):
+        raise ValueError(f"shape must be three integers (prelude, core, coda), got {tuple(shape)}.")
+    P, R, C = shape
+    if min(P, C) < 0 or R < 1:
+        raise ValueError(f"shape {tuple(shape)} needs a core of at least 1 layer and non-negative prelude and coda.")
+    if P + R + C > num_layers:
+        raise ValueError(f"shape {tuple(shape)} needs {P + R + C} layers but the parent has only {num_layers}.")
+    return P, R, C
+
+
+@torch.no_grad()
+def block_influence(parent: PreTrainedModel, calibration) -> list[float]:
+    """ShortGPT's Block Influence per parent layer: 1 - mean cosine(input, output) over real tokens.
+
+    `calibration` is a LongTensor of token ids or a tokenizer output with `input_ids` / `attention_mask`.
+    Layers that barely change the residual stream score low and are the first to be dropped.
+    """
+    if isinstance(calibration, Mapping):
+        input_ids, attention_mask = calibration["input_ids"], calibration.get("attention_mask")
+    else:
+        input_ids, attention_mask = calibration, None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError("select='shortgpt' needs calibration token ids: a non-empty LongTensor of shape (batch, seq).")
+    device = parent.get_input_embeddings().weight.device
+    if device.type == "meta":
+        raise ValueError("select='shortgpt' runs the parent on calibration text, so it needs real weights, not meta.")
+    input_ids = input_ids.to(device)
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    scores: list[float] = []
+
+    def score(module, args, kwargs, output):
+        before = args[0] if args else kwargs["hidden_states"]
+        after = output[0] if isinstance(output, tuple) else output
+        cosine = nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)
+        scores.append(1.0 - cosine[valid].mean().item())
+
+    hooks = [layer.register_forward_hook(score, with_kwargs=True) for layer in parent.model.layers]
+    try:
+        parent(input_ids=input_ids, attention_mask=None if attention_mask is None else valid.long())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return scores
+
+
+def retrofit(
+    parent: PreTrainedModel,
+    shape: Sequence[int] | None = None,
+    *,
+    prelude: Sequence[int] | None = None,
+    core: Sequence[int] | None = None,
+    coda: Sequence[int] | None = None,
+    select: str = "paper",
+    calibration=None,
+    adapter: str = "linear",
+    adapter_init: str = "identity",
+    untie_embeddings: bool = True,
+    state_init_std: float = DEFAULT_STATE_INIT_STD,
+    mean_recurrence: int = 32,
+    mean_backprop_depth: int = 8,
+) -> RecurrentForCausalLM:
+    """Turn a pretrained causal LM into a `RecurrentForCausalLM` (see module docstring for the layer choices).
+
+    With the identity adapter (`adapter="linear", adapter_init="identity"`), the result computes exactly the
+    parent with the dropped layers removed, at every number of recurrences, until it is trained.
+    """
+    family = family_of(parent.config)
+    num_layers = parent.config.num_hidden_layers
+    selection = _select_layers(parent, num_layers, shape, prelude, core, coda, select, calibration)
+    if adapter_init not in ADAPTER_INITS:
+        raise ValueError(f"adapter_init must be one of {ADAPTER_INITS}, got {adapter_init!r}.")
+    text = config_for_layers(parent.config, selection.kept)
+    text.tie_word_embeddings = not untie_embeddings
+    P, R, C = selection.shape
+    config = RecurrentConfig(
+        text_config=text,
+        num_prelude_layers=P,
+        num_core_layers=R,
+        num_coda_layers=C,
+        source_layers=selection.as_dict(),
+        parent_name_or_path=getattr(parent, "name_or_path", None) or None,
+        adapter=adapter,
+        state_init_std=state_init_std,
+        mean_recurrence=mean_recurrence,
+        mean_backprop_depth=mean_backprop_depth,
+        tie_word_embeddings=not untie_embeddings,
+        dtype=parent.dtype,
+    )
+    config._attn_implementation = parent.config._attn_implementation
+    with torch.device("meta"):
+        model = RecurrentForCausalLM(config)
+    model.load_state_dict(_transfer_weights(parent, selection, config, adapter_init), strict=True, assign=True)
+    # Non-persistent buffers (RoPE frequencies) are not in a state dict: build them where the weights live.
+    with parent.get_input_embeddings().weight.device:
+        model.model.rotary_emb = family.rotary_embedding(config=text)
+    if not untie_embeddings:
+        model.tie_weights()
+    if parent.generation_config is not None:
+        model.generation_config = parent.generation_config
+        model.generation_config.use_cache = False
+    return model.train(parent.training)
+
+
+def _select_layers(parent, num_layers, shape, prelude, core, coda, select, calibration) -> LayerSelection:
+    indices_given = any(part is not None for part in (prelude, core, coda))
+    if indices_given and shape is not None:
+        raise ValueError("Give either shape=(P, R, C) or explicit prelude/core/coda indices, not both.")
+    if select not in SELECTIONS:
+        raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}.")
+    if indices_given:
+        if select != "paper":
+            raise ValueError(f"select={select!r} chooses layers from a shape; it cannot be combined with explicit indices.")
+        return LayerSelection.explicit(prelude or [], core or [], coda or [], num_layers)
+    if shape is None:
+        raise ValueError("Give shape=(P, R, C), e.g. (4, 8, 4), or explicit prelude/core/coda layer indices.")
+    if select == "shortgpt":
+        return LayerSelection.from_scores(shape, block_influence(parent, calibration))
+    return LayerSelection.paper_rule(tuple(shape), num_layers)
+
+
+def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig, adapter_init: str) -> dict:
+    """The new model's state dict, copied (not shared) from the parent's kept layers, embeddings and head."""
+    embeddings = parent.get_input_embeddings().weight
+    state = {
+        "model.embed_tokens.weight": embeddings,
+        # The parent's head may be its embedding matrix (tied); the copy below unties them.
+        "lm_head.weight": parent.get_output_embeddings().weight,
+        **{f"model.norm.{k}": v for k, v in parent.model.norm.state_dict().items()},
+    }
+    for part, indices in selection.as_dict().items():
+        for new, old in enumerate(indices):
+            for key, value in parent.model.layers[old].state_dict().items():
+                state[f"model.{part}.{new}.{key}"] = value
+    state = {key: value.detach().clone() for key, value in state.items()}
+    if config.adapter == "linear":
+        state["model.adapter.weight"] = _adapter_weight(config, embeddings, adapter_init)
+    return state
+
+
+def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str) -> torch.Tensor:
+    adapter = LinearAdapter(config.text_config.hidden_size).to(device=like.device, dtype=like.dtype)
+    if init == "identity":
+        adapter.reset_to_identity()
+    else:
+        nn.init.normal_(adapter.weight, std=getattr(config.text_config, "initializer_range", 0.02))
+    return adapter.weight.detach()
