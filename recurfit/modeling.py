@@ -75,8 +75,20 @@ class RecurrentPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
 
+    def __init__(self, config: RecurrentConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # PreTrainedModel settles the attention backend on the top config only, but the family's layers read
+        # it from text_config: without this, a loaded model would silently fall back to eager attention.
+        config.text_config._attn_implementation_internal = config._attn_implementation
+
+    @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
+        if isinstance(module, FAMILIES[self.config.text_config.model_type].rotary_embedding):
+            # RoPE frequencies are non-persistent buffers, never loaded: recompute them the family's own way
+            # (the generic init misses families with one set per layer type, like OLMo-3).
+            for name, value in type(module)(config=module.config).named_buffers():
+                module.get_buffer(name).copy_(value)
         if isinstance(module, LinearAdapter):
             # At init the adapter passes the prelude output through, so the state starts out ignored.
             module.reset_to_identity()
@@ -102,6 +114,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         self.norm = family.norm(text.hidden_size, eps=text.rms_norm_eps)
         self.rotary_emb = family.rotary_embedding(config=text)
         self.layer_attention = attention_types(text)
+        self.rope_per_layer_type = family.rope_per_layer_type
         self.post_init()
 
     def get_input_embeddings(self):
@@ -124,11 +137,29 @@ class RecurrentModel(RecurrentPreTrainedModel):
             nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state
 
-    def _run(self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, masks: dict, **kwargs) -> torch.Tensor:
-        """Apply `layers`, whose first has index `first` in execution order, each with its attention's mask."""
+    def _run(self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, inputs: dict, **kwargs) -> torch.Tensor:
+        """Apply `layers` (the first has index `first` in execution order), each with its attention kind's inputs."""
         for index, layer in enumerate(layers, start=first):
-            hidden = layer(hidden, attention_mask=masks[self.layer_attention[index]], **kwargs)
+            hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
         return hidden
+
+    def attention_inputs(self, embedded, attention_mask, position_ids) -> dict[str, dict]:
+        """Mask and rotary embeddings for each attention kind present, computed once per forward."""
+        text = self.config.text_config
+        shared_rope = None if self.rope_per_layer_type else self.rotary_emb(embedded, position_ids)
+        return {
+            kind: {
+                "attention_mask": _MASK_BUILDERS[kind](
+                    config=text,
+                    inputs_embeds=embedded,
+                    attention_mask=attention_mask,
+                    past_key_values=None,
+                    position_ids=position_ids,
+                ),
+                "position_embeddings": shared_rope or self.rotary_emb(embedded, position_ids, kind),
+            }
+            for kind in set(self.layer_attention)
+        }
 
     def forward(
         self,
@@ -148,25 +179,19 @@ class RecurrentModel(RecurrentPreTrainedModel):
         embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device)
-        mask_inputs = dict(inputs_embeds=embedded, attention_mask=attention_mask, past_key_values=None)
-        masks = {
-            kind: _MASK_BUILDERS[kind](config=self.config.text_config, position_ids=position_ids, **mask_inputs)
-            for kind in set(self.layer_attention)
-        }
-        layer_kwargs = dict(
-            position_embeddings=self.rotary_emb(embedded, position_ids), position_ids=position_ids, **kwargs
-        )
+        inputs = self.attention_inputs(embedded, attention_mask, position_ids)
+        layer_kwargs = dict(inputs=inputs, position_ids=position_ids, **kwargs)
 
         P, R, _ = self.config.shape
-        e = self._run(self.prelude, 0, embedded, masks, **layer_kwargs)
+        e = self._run(self.prelude, 0, embedded, **layer_kwargs)
         state = self.initial_state(e) if initial_state is None else initial_state
         states = []
         for step in range(n + k):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
-                state = self._run(self.core, P, self.adapter(state, e), masks, **layer_kwargs)
+                state = self._run(self.core, P, self.adapter(state, e), **layer_kwargs)
             if output_hidden_states:
                 states.append(state)
-        hidden = self.norm(self._run(self.coda, P + R, state, masks, **layer_kwargs))
+        hidden = self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
         return hidden, (n, k), tuple(states) if output_hidden_states else None
 
     def resolve_num_steps(self, num_steps) -> tuple[int, int]:

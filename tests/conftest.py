@@ -1,0 +1,59 @@
+"""Tiny random parents of every supported family, and the reference they must match after surgery."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+VOCAB = 97
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)
+# Sliding windows shorter than the test sequences, so that the per-layer masks matter.
+FAMILY_KWARGS = {
+    "llama": {},
+    "mistral": dict(sliding_window=5),
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=3),
+    "qwen3": dict(use_sliding_window=True, sliding_window=5, max_window_layers=2),
+    "olmo2": {},
+    "olmo3": dict(sliding_window=5),
+    "gemma": dict(head_dim=16),
+}
+FAMILIES = list(FAMILY_KWARGS)
+
+
+def tiny_parent(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:
+    config = CONFIG_MAPPING[model_type](num_hidden_layers=num_layers, **{**COMMON, **FAMILY_KWARGS[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    # Random init leaves norms at 1 and some weights tiny; perturb everything so no layer is a no-op.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def pruned(parent: torch.nn.Module, kept: list[int]) -> torch.nn.Module:
+    """The parent with every layer not in `kept` removed: what an identity-adapter retrofit must compute."""
+    model = copy.deepcopy(parent)
+    model.model.layers = torch.nn.ModuleList(model.model.layers[i] for i in kept)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [parent.config.layer_types[i] for i in kept]
+    model.config.num_hidden_layers = len(kept)
+    model.config.use_cache = False  # the kept layers keep their old cache indices
+    return model
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+def token_batch(batch: int = 2, length: int = 12, seed: int = 1) -> torch.LongTensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)

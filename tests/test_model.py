@@ -1,0 +1,132 @@
+"""Behaviour of the recurrent forward: depth semantics, truncated backprop, checkpointing, save and load."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_parent, token_batch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import recurfit
+
+
+def trained_like(model_type="llama", **kwargs):
+    """A retrofit whose adapter reads the state (random init), so depth and s_0 change the output."""
+    kwargs = {"adapter_init": "random", "state_init_std": 0.0, **kwargs}
+    return recurfit.retrofit(tiny_parent(model_type), shape=(2, 2, 1), **kwargs)
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_truncated_backprop_equals_restarting_from_the_detached_state():
+    """(n, k): the n no-grad steps act as a constant initial state for the k steps that get gradient."""
+    model = trained_like().train()
+    ids = token_batch()
+    s0 = torch.randn(2, 12, 64) * 0.01
+    model(ids, labels=ids, num_steps=(3, 2), initial_state=s0).loss.backward()
+    truncated = grads(model)
+    model.zero_grad()
+    with torch.no_grad():
+        s3 = model(ids, num_steps=3, initial_state=s0, output_hidden_states=True).hidden_states[-1]
+    model(ids, labels=ids, num_steps=2, initial_state=s3).loss.backward()
+    restarted = grads(model)
+    assert truncated.keys() == restarted.keys()
+    assert any(k.startswith("model.prelude") for k in truncated)  # the prelude learns through e
+    for name in truncated:
+        torch.testing.assert_close(truncated[name], restarted[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_no_grad_steps_change_the_output_but_not_the_graph():
+    model = trained_like().train()
+    ids = token_batch()
+    shallow = model(ids, labels=ids, num_steps=(0, 2))
+    deep = model(ids, labels=ids, num_steps=(6, 2))
+    assert deep.num_steps == (6, 2) and not torch.allclose(shallow.logits, deep.logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = trained_like("qwen3").train()
+    ids = token_batch()
+    model(ids, labels=ids, num_steps=(1, 3)).loss.backward()
+    plain = grads(model)
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(ids, labels=ids, num_steps=(1, 3)).loss.backward()
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_default_depth_is_sampled_in_training_and_the_mean_in_eval():
+    model = trained_like(mean_recurrence=6, mean_backprop_depth=2)
+    ids = token_batch()
+    torch.manual_seed(0)
+    model.train()
+    drawn = {model(ids).num_steps for _ in range(20)}
+    assert len(drawn) > 1 and all(k == min(2, n + k) for n, k in drawn)
+    model.eval()
+    with torch.no_grad():
+        assert model(ids).num_steps == (0, 6)
+
+
+def test_hidden_states_are_the_state_after_every_step():
+    model = trained_like()
+    ids = token_batch()
+    with torch.no_grad():
+        out = model(ids, num_steps=5, output_hidden_states=True)
+        four = model(ids, num_steps=4, output_hidden_states=True)
+    assert len(out.hidden_states) == 5
+    torch.testing.assert_close(out.hidden_states[3], four.hidden_states[-1])
+
+
+def test_loss_follows_the_hf_convention_and_ignores_padding():
+    model = trained_like()
+    ids = token_batch()
+    with torch.no_grad():
+        out = model(ids, labels=ids, num_steps=2)
+        manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss, manual)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        padded = model(ids, attention_mask=mask, labels=ids, num_steps=2)
+        labels = ids.clone()
+        labels[0, :5] = -100
+        explicit = model(ids, attention_mask=mask, labels=labels, num_steps=2)
+    torch.testing.assert_close(padded.loss, explicit.loss)
+
+
+@pytest.mark.parametrize("bad", [0, -1, (0, 0), (2, -1), 1.5, True, (1, 2, 3), "4"])
+def test_bad_num_steps_is_a_clear_error(bad):
+    model = trained_like()
+    with pytest.raises(ValueError, match="num_steps"):
+        model(token_batch(), num_steps=bad)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "olmo3"])
+def test_save_and_load_round_trip(tmp_path, model_type):
+    model = trained_like(model_type, mean_recurrence=5)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "recurfit"
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again, recurfit.RecurrentForCausalLM) and not again.training
+    assert again.config.source_layers == model.config.source_layers and again.config.mean_recurrence == 5
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), recurfit.RecurrentConfig)
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids, num_steps=3).logits, again(ids, num_steps=3).logits)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, again.state_dict()[name]), name
+
+
+def test_generate_greedy_matches_manual_argmax_decoding():
+    model = trained_like().eval()
+    ids = token_batch(1, 6)
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, num_steps=3, pad_token_id=0)
+    manual = ids
+    with torch.no_grad():
+        for _ in range(5):
+            next_token = model(manual, num_steps=3).logits[:, -1].argmax(-1, keepdim=True)
+            manual = torch.cat([manual, next_token], dim=1)
+    assert torch.equal(out, manual)
