@@ -222,6 +222,19 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             # The step-aware KV cache is not implemented yet: generate re-runs the whole prefix each token.
             self.generation_config.use_cache = False
 
+    @classmethod
+    def from_state_dict(cls, config: RecurrentConfig, state: dict[str, torch.Tensor]) -> "RecurrentForCausalLM":
+        """Build the model around `state`'s tensors (adopted, not copied; no random init first)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        # Non-persistent buffers (RoPE frequencies) are in no state dict: build them where the weights live.
+        with state["model.embed_tokens.weight"].device:
+            model.model.rotary_emb = type(model.model.rotary_emb)(config=config.text_config)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        return model
+
     def get_output_embeddings(self):
         return self.lm_head
 

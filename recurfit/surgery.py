@@ -154,7 +154,7 @@ def retrofit(
     With the identity adapter (`adapter="linear", adapter_init="identity"`), the result computes exactly the
     parent with the dropped layers removed, at every number of recurrences, until it is trained.
     """
-    family = family_of(parent.config)
+    family_of(parent.config)  # a clear error for unsupported architectures, before any work
     num_layers = parent.config.num_hidden_layers
     selection = _select_layers(parent, num_layers, shape, prelude, core, coda, select, calibration)
     if adapter_init not in ADAPTER_INITS:
@@ -177,14 +177,7 @@ def retrofit(
         dtype=parent.dtype,
     )
     config._attn_implementation = parent.config._attn_implementation
-    with torch.device("meta"):
-        model = RecurrentForCausalLM(config)
-    model.load_state_dict(_transfer_weights(parent, selection, config, adapter_init), strict=True, assign=True)
-    # Non-persistent buffers (RoPE frequencies) are not in a state dict: build them where the weights live.
-    with parent.get_input_embeddings().weight.device:
-        model.model.rotary_emb = family.rotary_embedding(config=text)
-    if not untie_embeddings:
-        model.tie_weights()
+    model = RecurrentForCausalLM.from_state_dict(config, _transfer_weights(parent, selection, config, adapter_init))
     if parent.generation_config is not None:
         model.generation_config = parent.generation_config
         model.generation_config.use_cache = False

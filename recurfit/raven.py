@@ -1,0 +1,138 @@
+"""Import the paper authors' released checkpoints ("huginn_raven" format, DESIGN.md §5) as recurfit models.
+
+Their retrofitted Llama and OLMo-2 models name things `transformer.wte`, `transformer.prelude.{i}`,
+`transformer.adapter`, `transformer.core_block.{i}`, `transformer.coda.{i}`, `transformer.ln_f`, `lm_head`,
+with fused `attn.Wqkv` (rows q; k; v) and `mlp.fc` (rows gate; up). Their code ignores the attention mask
+and applies `ln_f` after the coda only, which is what recurfit computes for unpadded inputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from .config import RecurrentConfig
+from .errors import RecurfitError
+from .modeling import RecurrentForCausalLM
+
+# Per family: huginn norm name -> the family's decoder-layer norm (Llama is pre-norm, OLMo-2 post-norm).
+NORMS = {
+    "llama": {"norm_1": "input_layernorm", "norm_2": "post_attention_layernorm"},
+    "olmo2": {"norm_1": "post_attention_layernorm", "norm_2": "post_feedforward_layernorm"},
+}
+PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
+
+
+def read_raven_state(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint folder: safetensors (single or sharded), or a .bin loaded weights-only."""
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return {k: v for f in files for k, v in load_file(f).items()}
+    files = sorted(folder.glob("*.bin"))
+    if files:
+        return {k: v for f in files for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+    raise RecurfitError(f"No *.safetensors or *.bin weights in {folder}.")
+
+
+def detect_family(state: dict[str, torch.Tensor]) -> str:
+    """OLMo-2 checkpoints carry QK-norm weights; Llama ones do not."""
+    return "olmo2" if any(k.endswith("attn.q_norm.weight") for k in state) else "llama"
+
+
+def raven_config(raw: dict, family: str, dtype: torch.dtype) -> RecurrentConfig:
+    """Translate their config.json keys to a `RecurrentConfig` over the family's own config."""
+    try:
+        hidden = raw["n_embd"]
+        heads = raw.get("num_attention_heads", raw.get("n_heads"))
+        shape = (raw["n_layers_in_prelude"], raw["n_layers_in_recurrent_block"], raw["n_layers_in_coda"])
+        theta = raw.get("rope_theta", raw.get("rope_base", 10000.0))
+        text = dict(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=sum(shape),
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or hidden // heads,
+            rms_norm_eps=raw.get("norm_eps", 1e-5),
+            max_position_embeddings=raw.get("max_position_embeddings", raw.get("block_size", 4096)),
+            rope_parameters={"rope_type": "default", **_rope_scaling(raw.get("rope_scaling")), "rope_theta": theta},
+            tie_word_embeddings=False,
+        )
+    except KeyError as missing:
+        raise RecurfitError(f"Not a huginn_raven config: it has no {missing} key.") from None
+    std = (raw.get("init_values") or {}).get("std", 0.0)
+    return RecurrentConfig(
+        text_config=CONFIG_MAPPING[family](**text),
+        num_prelude_layers=shape[0],
+        num_core_layers=shape[1],
+        num_coda_layers=shape[2],
+        state_init_std=std,
+        mean_recurrence=raw.get("mean_recurrence", 32),
+        mean_backprop_depth=raw.get("mean_backprop_depth", 8),
+        dtype=dtype,
+    )
+
+
+def _rope_scaling(scaling: dict | None) -> dict:
+    if not scaling:
+        return {}
+    scaling = dict(scaling)
+    scaling["rope_type"] = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return scaling
+
+
+def convert_state(state: dict[str, torch.Tensor], config: RecurrentConfig, family: str) -> dict[str, torch.Tensor]:
+    """Rename and split their tensors into recurfit's state dict."""
+    text = config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    q_rows, kv_rows = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
+    vocab = text.vocab_size
+    out = {
+        "model.embed_tokens.weight": state["transformer.wte.weight"][:vocab],
+        "lm_head.weight": state["lm_head.weight"][:vocab],
+        "model.norm.weight": state["transformer.ln_f.weight"],
+        "model.adapter.weight": state["transformer.adapter.weight"],
+    }
+    for theirs, ours in PARTS.items():
+        prefix = f"transformer.{theirs}."
+        for i in sorted({int(k[len(prefix) :].split(".")[0]) for k in state if k.startswith(prefix)}):
+            src, dst = f"{prefix}{i}.", f"model.{ours}.{i}."
+            q, k, v = state[src + "attn.Wqkv.weight"].split([q_rows, kv_rows, kv_rows])
+            gate, up = state[src + "mlp.fc.weight"].chunk(2)
+            out |= {
+                dst + "self_attn.q_proj.weight": q,
+                dst + "self_attn.k_proj.weight": k,
+                dst + "self_attn.v_proj.weight": v,
+                dst + "self_attn.o_proj.weight": state[src + "attn.proj.weight"],
+                dst + "mlp.gate_proj.weight": gate,
+                dst + "mlp.up_proj.weight": up,
+                dst + "mlp.down_proj.weight": state[src + "mlp.proj.weight"],
+            }
+            out |= {dst + f"{name}.weight": state[src + f"{theirs_norm}.weight"] for theirs_norm, name in NORMS[family].items()}
+            if family == "olmo2":
+                out[dst + "self_attn.q_norm.weight"] = state[src + "attn.q_norm.weight"]
+                out[dst + "self_attn.k_norm.weight"] = state[src + "attn.k_norm.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def import_raven(folder: str | Path, family: str | None = None) -> RecurrentForCausalLM:
+    """Load a huginn_raven checkpoint folder (config.json + weights) as a `RecurrentForCausalLM`."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise RecurfitError(f"{folder} is not a checkpoint folder: it has no config.json.")
+    raw = json.loads((folder / "config.json").read_text())
+    state = read_raven_state(folder)
+    family = family or detect_family(state)
+    if family not in NORMS:
+        raise RecurfitError(f"huginn_raven variants are {sorted(NORMS)}, got {family!r}.")
+    config = raven_config(raw, family, state["transformer.wte.weight"].dtype)
+    try:
+        model = RecurrentForCausalLM.from_state_dict(config, convert_state(state, config, family))
+    except (KeyError, RuntimeError) as problem:
+        raise RecurfitError(f"The weights in {folder} do not match its config ({family} variant): {problem}") from None
+    return model.eval()
