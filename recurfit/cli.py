@@ -1,0 +1,304 @@
+"""`recurfit …`: the command line. Each subcommand is a thin layer over the Python API.
+
+User errors (bad specs, missing files, offline Hub ids) print one message and exit with status 2;
+set RECURFIT_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from .errors import RecurfitError
+
+console = Console()
+DEFAULT_SHAPE = (4, 8, 4)  # the paper's headline shape (TinyLlama 4,8,4)
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def int_list(text: str) -> list[int]:
+    """"0,1,2" or "0-3,10-17" → [0, 1, 2, ...]."""
+    values: list[int] = []
+    try:
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            first, _, last = item.partition("-")
+            values.extend(range(int(first), int(last) + 1) if last else [int(first)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 0,1,2 or 10-17, got {text!r}") from None
+    return values
+
+
+def shape_arg(text: str) -> tuple[int, int, int]:
+    values = int_list(text)
+    if len(values) != 3 or "-" in text:
+        raise argparse.ArgumentTypeError(f"expected three integers P,R,C such as 4,8,4, got {text!r}")
+    return tuple(values)
+
+
+def positive_ints(text: str) -> list[int]:
+    values = int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected recurrences >= 1 such as 1,4,32, got {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_retrofit(args) -> None:
+    import torch
+
+    from .loading import load_model
+    from .surgery import retrofit
+
+    indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
+    explicit = any(v is not None for v in indices.values())
+    if explicit and args.shape:
+        raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
+    calibration = _calibration_ids(args) if args.select == "shortgpt" else None
+    parent = load_model(args.model, dtype=args.dtype)
+    model = retrofit(
+        parent,
+        None if explicit else (args.shape or DEFAULT_SHAPE),
+        **(indices if explicit else {}),
+        select=args.select,
+        calibration=calibration,
+        adapter=args.adapter,
+        adapter_init=args.adapter_init,
+        untie_embeddings=not args.tie_embeddings,
+        state_init_std=args.state_std,
+        mean_recurrence=args.mean_recurrence,
+        mean_backprop_depth=args.backprop_depth,
+    )
+    tokenizer = _optional_tokenizer(args.model)
+    _print_model(model, [1, 4, 32])
+    if args.adapter == "linear" and args.adapter_init == "identity":
+        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size, torch))
+    _save(model, tokenizer, args.out, args.force)
+
+
+def _optional_tokenizer(name_or_path):
+    """The parent's tokenizer, or None (with a note) for a folder that has none."""
+    from .loading import load_tokenizer
+
+    try:
+        return load_tokenizer(name_or_path)
+    except (RecurfitError, ValueError, OSError):
+        console.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
+        return None
+
+
+def _calibration_ids(args):
+    from .loading import load_tokenizer
+
+    if args.calibration is None:
+        raise RecurfitError("--select shortgpt scores layers on text: pass --calibration FILE (plain text).")
+    path = Path(args.calibration)
+    if not path.is_file():
+        raise RecurfitError(f"Calibration file not found: {path}.")
+    ids = load_tokenizer(args.model)(path.read_text(), return_tensors="pt").input_ids[:, : args.calibration_tokens]
+    if ids.numel() < 16:
+        raise RecurfitError(f"{path} holds only {ids.numel()} tokens; give at least a paragraph of text.")
+    return ids
+
+
+def cmd_inspect(args) -> None:
+    """Parts, parameters and FLOPs from the config alone (meta device): no weights are loaded."""
+    from .loading import load_config, meta_model
+    from .surgery import retrofit
+
+    config = load_config(args.model)
+    model = meta_model(config)
+    if args.shape:
+        if config.model_type == "recurfit":
+            raise RecurfitError("This is already a recurfit model; --shape plans a retrofit of a parent model.")
+        model = retrofit(model, args.shape)
+    name = args.model or "the embedded SmolLM2-135M-Instruct"
+    console.print(f"[bold]{name}[/] — {config.model_type}" + (f", planned shape {args.shape}" if args.shape else ""))
+    _print_model(model, args.steps)
+
+
+def cmd_import_raven(args) -> None:
+    from .raven import import_raven
+
+    model = import_raven(args.path, family=args.family)
+    _print_model(model, [1, 4, 32])
+    _save(model, None, args.out, args.force)
+
+
+def cmd_demo(args) -> None:
+    """For now: retrofit the embedded model, show its parts, its parity and greedy text at several depths."""
+    import torch
+
+    from .loading import load_model, load_tokenizer
+    from .surgery import retrofit
+
+    console.rule("[bold]recurfit demo[/] — retrofit SmolLM2-135M-Instruct")
+    parent = load_model(None, dtype=torch.float32)
+    tokenizer = load_tokenizer(None)
+    model = retrofit(parent, args.shape)
+    console.print(
+        f"Shape {args.shape}: the paper's rule keeps the first {args.shape[0]} layers as prelude, the last "
+        f"{args.shape[2]} as coda, the {args.shape[1]} before them as the recurrent core, and drops the rest."
+    )
+    _print_model(model, [1, 4, 32])
+    _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size, torch))
+    _print_generations(parent, model, tokenizer, args.steps, args.max_new_tokens, torch)
+    if args.out:
+        _save(model, tokenizer, args.out, args.force)
+
+
+# ---------------------------------------------------------------- shared output
+
+
+def _print_model(model, steps) -> None:
+    from .summary import flops_table, parts_table
+
+    console.print(parts_table(model))
+    console.print(flops_table(model, steps))
+
+
+SAMPLES = [
+    "Depth-recurrent language models loop a block of layers to think longer.",
+    "The quick brown fox jumps over the lazy dog.",
+]
+
+
+def _parity_batch(tokenizer, vocab_size: int, torch) -> dict:
+    """Two sample sentences, left-padded (so the check covers padding), or random tokens without a tokenizer."""
+    if tokenizer is None:
+        ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    tokenizer.padding_side = "left"
+    return dict(tokenizer(SAMPLES, return_tensors="pt", padding=True))
+
+
+def _print_parity(parent, model, batch) -> None:
+    from .surgery import parity
+
+    diffs = parity(parent, model, batch["input_ids"], batch["attention_mask"], steps=(1, 32))
+    worst = max(diffs.values())
+    verdict = "[green]✓ equal[/]" if worst <= 1e-4 else "[red]✗ differs[/]"
+    console.print(
+        f"Parity with the parent minus its dropped layers (left-padded batch of {len(batch['input_ids'])}): "
+        + ", ".join(f"r={r}: max |Δlogit| = {d:.1e}" for r, d in diffs.items())
+        + f"  {verdict}"
+    )
+
+
+def _print_generations(parent, model, tokenizer, steps, max_new_tokens, torch) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+
+    def greedy(lm, **kwargs) -> str:
+        with torch.no_grad():
+            out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+    console.print(f"Greedy answers to {messages[0]['content']!r}:")
+    console.print(f"[bold]parent, all {parent.config.num_hidden_layers} layers[/] {greedy(parent)!r}")
+    texts = {r: greedy(model, num_steps=r) for r in steps}
+    for r, text in texts.items():
+        console.print(f"[bold]retrofit, r={r:>2}[/] {text!r}")
+    if len(set(texts.values())) == 1:
+        console.print(
+            "[dim]Identical at every r, as expected before training: the identity adapter [0 | I] passes the "
+            "prelude output through and ignores the state, so extra recurrences repeat the same computation. "
+            "Dropping layers costs quality until the model is healed by training, which also teaches the core "
+            "to use the state.[/]"
+        )
+    else:
+        console.print("[dim]The depth changes the text: the adapter reads the recurrent state.[/]")
+
+
+def _save(model, tokenizer, out, force) -> None:
+    from .files import staged_directory
+
+    with staged_directory(Path(out), replace=force) as staging:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+    console.print(f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`.")
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recurfit", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = "parent model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
+
+    p = commands.add_parser("retrofit", help="turn a pretrained LM into a depth-recurrent one")
+    p.add_argument("--model", help=model_help)
+    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {DEFAULT_SHAPE})")
+    for part in ("prelude", "core", "coda"):
+        p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
+    p.add_argument("--select", choices=["paper", "shortgpt"], default="paper", help="how --shape picks layers")
+    p.add_argument("--calibration", help="text file for --select shortgpt")
+    p.add_argument("--calibration-tokens", type=int, default=2048)
+    p.add_argument("--adapter", choices=["linear", "add"], default="linear")
+    p.add_argument("--adapter-init", choices=["identity", "random"], default="identity")
+    p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
+    p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
+    p.add_argument("--mean-recurrence", type=int, default=32)
+    p.add_argument("--backprop-depth", type=int, default=8)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.set_defaults(run=cmd_retrofit)
+
+    p = commands.add_parser("inspect", help="parts, parameters and FLOPs per token (from the config alone)")
+    p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model)")
+    p.add_argument("--shape", type=shape_arg, help="plan a retrofit of this parent with shape P,R,C")
+    p.add_argument("--steps", type=positive_ints, default=[1, 4, 8, 16, 32], help="test recurrences, e.g. 1,4,32")
+    p.set_defaults(run=cmd_inspect)
+
+    p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
+    p.add_argument("path", help="checkpoint folder with config.json and weights")
+    p.add_argument("--family", choices=["llama", "olmo2"], help="variant (default: detected from the weights)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(run=cmd_import_raven)
+
+    p = commands.add_parser("demo", help="the main job on the embedded SmolLM2-135M")
+    p.add_argument("--shape", type=shape_arg, default=DEFAULT_SHAPE)
+    p.add_argument("--steps", type=positive_ints, default=[1, 4, 16], help="depths for the sample generation")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--out", help="also save the retrofitted model here")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "state_std", 0) is None:
+        from .config import DEFAULT_STATE_INIT_STD
+
+        args.state_std = DEFAULT_STATE_INIT_STD
+    try:
+        import recurfit  # noqa: F401  (registers the Auto classes)
+
+        args.run(args)
+    except (RecurfitError, ValueError, FileNotFoundError) as error:
+        if os.environ.get("RECURFIT_DEBUG"):
+            raise
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Human-readable summaries of a model: its parts, parameters and FLOPs per token (rich tables)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.table import Table
+
+from .accounting import count_parameters, effective_parameters, inference_flops_per_token, training_flops_per_token
+from .modeling import RecurrentForCausalLM
+
+
+def _layers(indices: Sequence[int]) -> str:
+    if not indices:
+        return "—"
+    runs, start = [], indices[0]
+    for prev, cur in zip(indices, [*indices[1:], None]):
+        if cur != prev + 1:
+            runs.append(f"{start}" if start == prev else f"{start}–{prev}")
+            start = cur
+    return ", ".join(runs)
+
+
+def parts_table(model) -> Table:
+    counts = count_parameters(model)
+    table = Table(title="Parts", title_justify="left")
+    for column in ("part", "parent layers", "parameters"):
+        table.add_column(column, justify="right" if column == "parameters" else "left")
+    if isinstance(model, RecurrentForCausalLM):
+        source = model.config.source_layers or {}
+        table.add_row("embeddings (in + out)", "", f"{counts['embeddings']:,}")
+        for part in ("prelude", "core", "coda"):
+            label = f"{part} ({len(getattr(model.model, part))} layers)" + (" ×r" if part == "core" else "")
+            table.add_row(label, _layers(source.get(part, [])), f"{counts[part]:,}")
+        table.add_row(f"adapter ({model.config.adapter})", "", f"{counts['adapter']:,}")
+        table.add_row("final norm", "", f"{counts['final_norm']:,}")
+    else:
+        table.add_row("embeddings (in + out)", "", f"{counts['embeddings']:,}")
+        table.add_row(f"layers ({model.config.num_hidden_layers})", "all", f"{counts['layers']:,}")
+        table.add_row("final norm", "", f"{counts['final_norm']:,}")
+    table.add_row("body (paper's count)", "", f"{counts['body']:,}", style="bold")
+    table.add_row("total", "", f"{counts['total']:,}")
+    return table
+
+
+def flops_table(model, steps: Sequence[int]) -> Table:
+    """Per test recurrence r: effective parameters and forward FLOPs per token; training FLOPs at (r - k, k)."""
+    recurrent = isinstance(model, RecurrentForCausalLM)
+    depth = model.config.mean_backprop_depth if recurrent else 0
+    table = Table(title="Compute per token (non-embedding; attention over the context not included)", title_justify="left")
+    for column in ("r", "effective params", "inference GFLOPs", f"training GFLOPs (k ≤ {depth})" if recurrent else "training GFLOPs"):
+        table.add_column(column, justify="right")
+    for r in steps if recurrent else [1]:
+        k = min(depth, r)
+        table.add_row(
+            str(r) if recurrent else "—",
+            f"{effective_parameters(model, r) / 1e6:,.1f} M",
+            f"{inference_flops_per_token(model, r) / 1e9:.3f}",
+            f"{training_flops_per_token(model, (r - k, k)) / 1e9:.3f}",
+        )
+    return table
