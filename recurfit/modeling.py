@@ -19,7 +19,6 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import slice_logits_to_keep
 
 from .config import RecurrentConfig
 from .families import FAMILIES, attention_types
@@ -281,7 +280,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             **kwargs,
         )
-        logits = self.lm_head(slice_logits_to_keep(hidden, logits_to_keep))
+        # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention).
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
             if attention_mask is not None and attention_mask.shape == labels.shape:
