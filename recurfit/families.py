@@ -21,7 +21,6 @@ class Family:
     prefix: str  # class-name prefix in transformers.models.<model_type>.modeling_<model_type>
     examples: str
     scale_embeddings: bool = False  # Gemma multiplies token embeddings by sqrt(hidden_size)
-    rope_per_layer_type: bool = False  # OLMo-3 keeps separate RoPE parameters for sliding and full layers
 
     def _class(self, suffix: str) -> type:
         module = importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
@@ -48,7 +47,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2", "Qwen2, Qwen2.5"),
         Family("qwen3", "Qwen3", "Qwen3"),
         Family("olmo2", "Olmo2", "OLMo-2"),
-        Family("olmo3", "Olmo3", "OLMo-3", rope_per_layer_type=True),
+        Family("olmo3", "Olmo3", "OLMo-3"),
         Family("gemma", "Gemma", "Gemma", scale_embeddings=True),
     )
 }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -46,11 +47,10 @@ class LinearAdapter(nn.Linear):
     def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         return super().forward(torch.cat([state, embedded], dim=-1))
 
-    @torch.no_grad()
     def reset_to_identity(self) -> None:
-        hidden = self.out_features
-        self.weight.zero_()
-        self.weight[:, hidden:] = torch.eye(hidden, dtype=self.weight.dtype, device=self.weight.device)
+        hidden, like = self.out_features, dict(dtype=self.weight.dtype, device=self.weight.device)
+        identity = torch.cat([torch.zeros(hidden, hidden, **like), torch.eye(hidden, **like)], dim=1)
+        init.copy_(self.weight, identity)  # transformers' guarded copy: leaves weights loaded from disk alone
 
 
 class AddAdapter(nn.Module):
@@ -113,7 +113,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
         self.norm = family.norm(text.hidden_size, eps=text.rms_norm_eps)
         self.rotary_emb = family.rotary_embedding(config=text)
         self.layer_attention = attention_types(text)
-        self.rope_per_layer_type = family.rope_per_layer_type
+        # Some families (OLMo-3 in recent transformers) keep one RoPE setting per attention kind.
+        self.rope_per_layer_type = isinstance(getattr(self.rotary_emb, "rope_type", None), dict)
         self.post_init()
 
     def get_input_embeddings(self):
