@@ -77,3 +77,22 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     save_file({"transformer.wte.weight": torch.zeros(4, 64)}, tmp_path / "model.safetensors")
     with pytest.raises(RecurfitError, match="Not a huginn_raven config"):
         import_raven(tmp_path)
+
+
+def test_import_raven_command_writes_a_loadable_model(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from recurfit.cli import main
+
+    original = recurfit.retrofit(tiny_parent("olmo2"), shape=(1, 2, 1), adapter_init="random")
+    (tmp_path / "raven").mkdir()
+    write_raven_checkpoint(original, tmp_path / "raven", "olmo2", padded_vocab=97)
+    assert main(["import-raven", str(tmp_path / "raven"), "--out", str(tmp_path / "out")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids, zero = token_batch(), torch.zeros(2, 12, 64)
+    with torch.no_grad():
+        expected = original.eval()(ids, num_steps=3, initial_state=zero).logits
+        assert torch.allclose(loaded(ids, num_steps=3, initial_state=zero).logits, expected, atol=1e-5)
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "out"), "--steps", "1,2"]) == 0
+    assert "core (2 layers) ×r" in " ".join(capsys.readouterr().out.split())
