@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Union
 
 import torch
@@ -44,3 +45,49 @@ def sample_depth(
     tau = torch.exp(mu + sigma * torch.randn((), generator=generator, dtype=torch.float64))
     total = int(torch.poisson(tau, generator=generator).item()) + 1
     return max(total - s, 0), min(s, total)
+
+
+CURRICULA = ("constant", "linear", "1-sqrt")
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    """A depth that ramps from 1 to `target` over the first `ramp_steps` optimizer steps, then stays there.
+
+        linear:  d(t) = ceil(D · t/W)
+        1-sqrt:  d(t) = ceil(D · (1 - sqrt(1 - t/W)))    (climbs slowly at first: cheaper early steps)
+
+    a staircase of integers, never below 1 (DESIGN.md §1). `constant` is D from the start.
+    """
+
+    target: int
+    kind: str = "constant"
+    ramp_steps: int = 0
+
+    def __post_init__(self):
+        if self.kind not in CURRICULA:
+            raise ValueError(f"curriculum must be one of {CURRICULA}, got {self.kind!r}.")
+        if self.target < 1 or self.ramp_steps < 0:
+            raise ValueError(f"curriculum needs target >= 1 and ramp_steps >= 0, got {self.target}, {self.ramp_steps}.")
+
+    def at(self, step: int) -> int:
+        if self.kind == "constant" or step >= self.ramp_steps:
+            return self.target
+        fraction = step / self.ramp_steps
+        if self.kind == "1-sqrt":
+            fraction = 1 - math.sqrt(1 - fraction)
+        return max(1, math.ceil(self.target * fraction))
+
+
+@dataclass(frozen=True)
+class DepthSchedule:
+    """The depth of every training step: curricula for the mean recurrence and the backprop depth, and a
+    draw seeded by (seed, step), so every rank and a resumed run get the same (n, k) at the same step."""
+
+    mean_recurrence: Curriculum
+    backprop_depth: Curriculum
+    seed: int = 0
+
+    def sample(self, step: int) -> tuple[int, int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return sample_depth(self.mean_recurrence.at(step), self.backprop_depth.at(step), generator)

@@ -31,3 +31,41 @@ def test_parse_num_steps():
     assert parse_num_steps((24, 8)) == (24, 8)
     assert parse_num_steps([0, 1]) == (0, 1)
     assert parse_num_steps(torch.tensor(3)) == (0, 3)
+
+
+def test_curricula_are_staircases_from_one_to_the_target():
+    from recurfit.sampling import Curriculum
+
+    linear = Curriculum(32, "linear", ramp_steps=100)
+    one_minus_sqrt = Curriculum(32, "1-sqrt", ramp_steps=100)
+    assert [linear.at(t) for t in (0, 1, 50, 99, 100, 500)] == [1, 1, 16, 32, 32, 32]
+    assert [one_minus_sqrt.at(t) for t in (0, 50, 75, 100)] == [1, 10, 16, 32]
+    for curriculum in (linear, one_minus_sqrt):
+        depths = [curriculum.at(t) for t in range(120)]
+        assert depths == sorted(depths) and set(depths) <= set(range(1, 33))
+    # 1-sqrt spends less depth early on: the paper's cheaper curriculum.
+    assert sum(one_minus_sqrt.at(t) for t in range(100)) < sum(linear.at(t) for t in range(100))
+    assert Curriculum(8).at(0) == 8
+
+
+def test_curriculum_rejects_bad_settings():
+    from recurfit.sampling import Curriculum
+
+    with pytest.raises(ValueError, match="curriculum must be one of"):
+        Curriculum(8, "cosine", 10)
+    with pytest.raises(ValueError, match="target >= 1"):
+        Curriculum(0, "linear", 10)
+
+
+def test_depth_schedule_draws_depend_only_on_seed_and_step():
+    from recurfit.sampling import Curriculum, DepthSchedule
+
+    schedule = DepthSchedule(Curriculum(16, "linear", 50), Curriculum(4), seed=3)
+    first = [schedule.sample(step) for step in range(80)]
+    assert first == [schedule.sample(step) for step in range(80)]  # a resumed run redraws the same depths
+    assert [schedule.sample(step) for step in range(60, 80)] == first[60:]
+    assert first != [DepthSchedule(schedule.mean_recurrence, schedule.backprop_depth, seed=4).sample(s) for s in range(80)]
+    assert all(k <= 4 for _, k in first)
+    early = sum(n + k for n, k in first[:10]) / 10
+    late = sum(n + k for n, k in first[60:]) / 20
+    assert early < late  # the mean ramps up
