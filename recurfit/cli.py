@@ -52,8 +52,6 @@ def positive_ints(text: str) -> list[int]:
 
 
 def cmd_retrofit(args) -> None:
-    import torch
-
     from .loading import load_model
     from .surgery import retrofit
 
@@ -79,7 +77,7 @@ def cmd_retrofit(args) -> None:
     tokenizer = _optional_tokenizer(args.model)
     _print_model(model, [1, 4, 32])
     if args.adapter == "linear" and args.adapter_init == "identity":
-        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size, torch))
+        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
     _save(model, tokenizer, args.out, args.force)
 
 
@@ -148,8 +146,8 @@ def cmd_demo(args) -> None:
         f"{args.shape[2]} as coda, the {args.shape[1]} before them as the recurrent core, and drops the rest."
     )
     _print_model(model, [1, 4, 32])
-    _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size, torch))
-    _print_generations(parent, model, tokenizer, args.steps, args.max_new_tokens, torch)
+    _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
+    _print_generations(parent, model, tokenizer, args.steps, args.max_new_tokens)
     if args.out:
         _save(model, tokenizer, args.out, args.force)
 
@@ -170,8 +168,10 @@ SAMPLES = [
 ]
 
 
-def _parity_batch(tokenizer, vocab_size: int, torch) -> dict:
+def _parity_batch(tokenizer, vocab_size: int) -> dict:
     """Two sample sentences, left-padded (so the check covers padding), or random tokens without a tokenizer."""
+    import torch
+
     if tokenizer is None:
         ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
@@ -194,7 +194,9 @@ def _print_parity(parent, model, batch) -> None:
     )
 
 
-def _print_generations(parent, model, tokenizer, steps, max_new_tokens, torch) -> None:
+def _print_generations(parent, model, tokenizer, steps, max_new_tokens) -> None:
+    import torch
+
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
