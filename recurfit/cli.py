@@ -152,6 +152,38 @@ def cmd_demo(args) -> None:
         _save(model, tokenizer, args.out, args.force)
 
 
+def cmd_data_prepare(args) -> None:
+    from .data import prepare
+    from .loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    result = prepare(
+        tokenizer, args.source, args.seq_len, args.out, tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
+        val_fraction=args.val_fraction, text_field=args.text_field, seed=args.seed, force=args.force,
+    )  # fmt: skip
+    meta = result.meta
+    if result.skipped:
+        console.print(f"{args.out} already holds this data (same sources, tokenizer and settings): nothing to do.")
+    console.print(
+        f"[bold]{args.out}[/]: {meta['documents']:,} documents → {meta['rows']['train']:,} training rows and "
+        f"{meta['rows']['val']:,} validation rows of {meta['seq_len'] + 1} tokens ({meta['tokens']['train']:,} "
+        f"training tokens, {meta['dtype']})."
+    )
+
+
+def cmd_train(args) -> None:
+    from .train import load_config, train
+
+    config = load_config(args.config, args.overrides)
+    result = train(config, resume=args.resume)
+    counters = result.counters
+    if int(os.environ.get("RANK", "0")) == 0:
+        console.print(
+            f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
+            f"({counters.skipped} updates skipped). Log: {result.out / 'log.jsonl'}; model: {result.out / 'final'}."
+        )
+
+
 # ---------------------------------------------------------------- shared output
 
 
@@ -271,6 +303,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true")
     p.set_defaults(run=cmd_import_raven)
+
+    p = commands.add_parser("data", help="prepare training data (tokenise and pack into a token store)")
+    data = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    p = data.add_parser("prepare", help="tokenise sources with the model's tokenizer into packed rows")
+    p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: the embedded model)")
+    p.add_argument(
+        "--source", action="append", required=True,
+        help="a .jsonl/.parquet/.txt file or folder, hf:DATASET[:CONFIG][@SPLIT], embedded:prose or "
+        "embedded:math[:N] (repeat for several)",
+    )  # fmt: skip
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence (rows hold one more)")
+    p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
+    p.add_argument("--text-field", help="JSON/parquet field holding the text (default: text, content or document)")
+    p.add_argument("--seed", type=int, default=0, help="seed of generated sources (embedded:math)")
+    p.add_argument("--out", required=True, help="token-store folder")
+    p.add_argument("--force", action="store_true", help="replace --out if it holds other data")
+    p.set_defaults(run=cmd_data_prepare)
+
+    p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
+    p.add_argument("config", help="YAML training config (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value settings that override the config, e.g. steps=200")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the config's out")
+    p.set_defaults(run=cmd_train)
 
     p = commands.add_parser("demo", help="the main job on the embedded SmolLM2-135M")
     p.add_argument("--shape", type=shape_arg, default=DEFAULT_SHAPE)

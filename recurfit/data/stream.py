@@ -1,0 +1,117 @@
+"""The training data order: phases of weighted mixtures of token stores, deterministic and resumable.
+
+The stream is one global sequence of rows. A step takes the next `global_batch` rows; every rank walks the
+same sequence and reads only its own slice, so 1 process and N processes see the same global batches, and
+the stream's whole position (`state_dict`) is a handful of integers saved with each checkpoint.
+
+- Within a store, rows come in a random permutation per epoch, seeded by (seed, store, epoch).
+- Between stores of a mixture, rows interleave by smooth weighted round-robin: after any prefix, each store
+  has contributed its weight's share to within one row (no random bursts, nothing to re-draw on resume).
+- A phase ends after its token budget; the last phase runs until training stops (e.g. healing on prose for
+  the first N tokens, then a mixture, as in the paper's two-phase training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import RecurfitError
+from .store import TokenStore
+
+
+@dataclass(frozen=True)
+class Phase:
+    mixture: Mapping[str, float]  # token-store folder -> weight
+    tokens: int | None = None  # budget; None: until training ends (last phase only)
+
+
+class RowStream:
+    def __init__(self, phases: Sequence[Phase], seed: int = 0):
+        if not phases:
+            raise RecurfitError("The data config needs at least one source.")
+        for index, phase in enumerate(phases):
+            if phase.tokens is None and index != len(phases) - 1:
+                raise RecurfitError(f"Data phase {index + 1} has no token budget; only the last phase may run open-ended.")
+            if not phase.mixture or any(w <= 0 for w in phase.mixture.values()):
+                raise RecurfitError(f"Data phase {index + 1} needs sources with positive weights, got {dict(phase.mixture)}.")
+        self.phases, self.seed = list(phases), seed
+        self.paths = list(dict.fromkeys(path for phase in phases for path in phase.mixture))
+        self.stores = [TokenStore(path, "train") for path in self.paths]
+        lengths = {store.seq_len for store in self.stores}
+        if len(lengths) != 1:
+            raise RecurfitError(f"All training stores need the same seq_len; got {dict(zip(self.paths, lengths))}.")
+        self.seq_len = lengths.pop()
+        self._permutations: dict[tuple[int, int], np.ndarray] = {}
+        self.position = 0  # rows taken so far, over all phases
+        self.phase = 0
+        self.phase_start = 0  # position where the current phase began
+        self.consumed = [0] * len(self.stores)  # rows taken from each store, over all phases
+        self.credit = [0.0] * len(self.stores)
+
+    # ------------------------------------------------------------ order
+
+    def _next(self) -> tuple[int, int]:
+        """(store index, row index) of the next row, advancing the stream."""
+        phase = self.phases[self.phase]
+        if phase.tokens is not None and (self.position - self.phase_start) * self.seq_len >= phase.tokens:
+            self.phase += 1
+            self.phase_start = self.position
+            self.credit = [0.0] * len(self.stores)
+            phase = self.phases[self.phase]
+        total = sum(phase.mixture.values())
+        for path, weight in phase.mixture.items():
+            self.credit[self.paths.index(path)] += weight / total
+        source = max((self.paths.index(path) for path in phase.mixture), key=lambda i: (self.credit[i], -i))
+        self.credit[source] -= 1.0
+        epoch, offset = divmod(self.consumed[source], len(self.stores[source]))
+        self.consumed[source] += 1
+        self.position += 1
+        return source, int(self._permutation(source, epoch)[offset])
+
+    def _permutation(self, source: int, epoch: int) -> np.ndarray:
+        key = (source, epoch)
+        if key not in self._permutations:
+            self._permutations = {k: v for k, v in self._permutations.items() if k[0] != source}
+            rng = np.random.default_rng([self.seed, source, epoch])
+            self._permutations[key] = rng.permutation(len(self.stores[source]))
+        return self._permutations[key]
+
+    def next_batch(self, global_rows: int, rank: int = 0, world: int = 1) -> torch.LongTensor:
+        """The next `global_rows` rows of the stream; this rank's contiguous share as a (rows/world, L+1) tensor."""
+        if global_rows % world:
+            raise RecurfitError(f"The global batch ({global_rows} rows) must divide among {world} processes.")
+        order = [self._next() for _ in range(global_rows)]
+        share = global_rows // world
+        mine = order[rank * share : (rank + 1) * share]
+        rows = np.stack([self.stores[source][row] for source, row in mine]).astype(np.int64)
+        return torch.from_numpy(rows)
+
+    @property
+    def current_phase(self) -> int:
+        return self.phase
+
+    # ------------------------------------------------------------ resume
+
+    def state_dict(self) -> dict:
+        return {
+            "paths": self.paths,
+            "seed": self.seed,
+            "position": self.position,
+            "phase": self.phase,
+            "phase_start": self.phase_start,
+            "consumed": list(self.consumed),
+            "credit": list(self.credit),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["paths"] != self.paths or state["seed"] != self.seed:
+            raise RecurfitError(
+                "The checkpoint was trained on other data (sources or seed differ from the config); "
+                "resume with the config it was started with."
+            )
+        self.position, self.phase, self.phase_start = state["position"], state["phase"], state["phase_start"]
+        self.consumed, self.credit = list(state["consumed"]), list(state["credit"])

@@ -1,0 +1,255 @@
+"""The training config: one YAML file, validated against these dataclasses, plus `key.sub=value` overrides.
+
+    model:       what to train (a saved model, a parent retrofitted on the fly, or random init of a shape)
+    data:        phases of weighted token stores, and validation stores
+    depth:       mean recurrence and backprop depth, their curricula
+    optimizer:   muon (+AdamW) | adamw | adamw*; the LR schedule
+    batch, steps, precision, compile, distributed, checkpoint, log, eval, seed, out
+
+Unknown keys and bad values are errors that name the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from ..errors import RecurfitError
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # folder or Hub id; None: the embedded SmolLM2-135M
+    shape: Optional[list[int]] = None  # [P, R, C]: retrofit `path` with the paper's layer rule
+    init: Literal["pretrained", "random"] = "pretrained"  # random: the scaled (Takase) init of the same shape
+    adapter: Literal["linear", "add"] = "linear"
+    state_init_std: Optional[float] = None  # None: keep the model's (DESIGN.md §1)
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SourceWeight:
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
+class PhaseConfig:
+    sources: list[SourceWeight]
+    tokens: Optional[int] = None  # budget for this phase; None on the last phase: until the end
+
+
+@dataclass
+class DataConfig:
+    phases: list[PhaseConfig] = field(default_factory=list)
+    validation: list[str] = field(default_factory=list)  # stores whose `val` split is evaluated
+
+
+@dataclass
+class DepthConfig:
+    mean_recurrence: int = 32
+    backprop_depth: int = 8
+    curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
+    curriculum_fraction: float = 0.75  # of all steps, for the mean-recurrence ramp
+    backprop_curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
+    backprop_curriculum_fraction: float = 0.25
+    fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["muon", "adamw", "adamw*"] = "muon"
+    lr: float = 5e-5  # AdamW's (under muon: embeddings, head, norms, biases)
+    muon_lr: float = 1e-3
+    weight_decay: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    muon_momentum: float = 0.95
+    grad_clip: float = 1.0  # 0: no clipping
+    warmup: float = 0.05  # fraction of steps (or a step count if >= 1)
+    decay: float = 0.2  # final fraction of steps with a linear decay to min_lr_ratio
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class BatchConfig:
+    micro: int = 8  # rows per forward on each process
+    global_: int = 64  # rows per optimizer step, over all processes (YAML key: global)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps; 0: only at the end
+    keep: int = 2
+
+
+@dataclass
+class LogConfig:
+    every: int = 1
+    tensorboard: bool = False
+    wandb: Optional[str] = None  # project name
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps; 0: only at the end
+    steps: list[int] = field(default_factory=lambda: [1, 4, 8])  # test recurrences
+    rows: int = 16  # validation rows per store
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    steps: int = 100
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    compile: bool = False
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 0
+    max_bad_steps: int = 5  # non-finite losses in a row before the run stops
+
+    def validate(self) -> "TrainConfig":
+        problems = []
+        if self.steps < 1:
+            problems.append("steps must be >= 1")
+        if self.batch.micro < 1 or self.batch.global_ < self.batch.micro:
+            problems.append("batch.micro must be >= 1 and batch.global >= batch.micro")
+        elif self.batch.global_ % self.batch.micro:
+            problems.append(f"batch.global ({self.batch.global_}) must be a multiple of batch.micro ({self.batch.micro})")
+        if self.model.shape is not None and (len(self.model.shape) != 3 or min(self.model.shape) < 0 or self.model.shape[1] < 1):
+            problems.append(f"model.shape must be [P, R, C] with R >= 1, got {self.model.shape}")
+        if self.depth.mean_recurrence < 1 or self.depth.backprop_depth < 1:
+            problems.append("depth.mean_recurrence and depth.backprop_depth must be >= 1")
+        if not self.data.phases:
+            problems.append("data.phases needs at least one phase with sources")
+        for number, phase in enumerate(self.data.phases, 1):
+            if not phase.sources:
+                problems.append(f"data.phases[{number}] has no sources")
+            if any(s.weight <= 0 for s in phase.sources):
+                problems.append(f"data.phases[{number}]: source weights must be positive")
+            if phase.tokens is None and number != len(self.data.phases):
+                problems.append(f"data.phases[{number}] needs a token budget (only the last phase may omit it)")
+        if min(self.eval.steps, default=1) < 1:
+            problems.append("eval.steps must be recurrences >= 1")
+        if self.checkpoint.keep < 1:
+            problems.append("checkpoint.keep must be >= 1")
+        for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
+            if not 0 <= getattr(self.depth, name) <= 1:
+                problems.append(f"depth.{name} must be in [0, 1]")
+        if problems:
+            raise RecurfitError("Invalid training config: " + "; ".join(problems) + ".")
+        return self
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+    """Read a YAML config (or start from `base`), apply `a.b=value` overrides, validate."""
+    raw: dict = dict(base or {})
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecurfitError(f"Config file not found: {path}.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as problem:
+            raise RecurfitError(f"{path} is not valid YAML: {problem}") from None
+        if not isinstance(raw, dict):
+            raise RecurfitError(f"{path} must hold a mapping of config keys.")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise RecurfitError(f"Overrides look like key.sub=value, got {override!r}.")
+        target = raw
+        *parents, last = key.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise RecurfitError(f"Override {override!r}: {part} is not a section.")
+        target[last] = yaml.safe_load(value)
+    return _build(TrainConfig, raw, "").validate()
+
+
+def _yaml_name(f: dataclasses.Field) -> str:
+    return f.name.rstrip("_")  # `global_` is `global` in YAML
+
+
+def _build(cls, raw, where: str):
+    if not isinstance(raw, dict):
+        raise RecurfitError(f"{where or 'the config'} must be a mapping, got {raw!r}.")
+    fields = {_yaml_name(f): f for f in dataclasses.fields(cls)}
+    unknown = set(raw) - set(fields)
+    if unknown:
+        key = sorted(unknown)[0]
+        hint = difflib.get_close_matches(key, fields, n=1)
+        raise RecurfitError(
+            f"Unknown config key {where + key!r}"
+            + (f"; did you mean {where + hint[0]!r}?" if hint else f"; {where or 'top level'} accepts {sorted(fields)}.")
+        )
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, f in fields.items():
+        if name in raw:
+            values[f.name] = _convert(hints[f.name], raw[name], where + name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecurfitError(f"The config needs {where + name!r}.")
+    return cls(**values)
+
+
+def _convert(kind, value, where: str) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        kind = next(a for a in args if a is not type(None))
+        return _convert(kind, value, where)
+    if dataclasses.is_dataclass(kind):
+        if kind is SourceWeight and isinstance(value, str):
+            value = {"path": value}
+        return _build(kind, value, where + ".")
+    if origin is Literal:
+        if value not in args:
+            raise RecurfitError(f"{where} must be one of {list(args)}, got {value!r}.")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise RecurfitError(f"{where} must be a list, got {value!r}.")
+        return [_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads 1e-3 as a string
+        except ValueError:
+            pass
+    if kind in (int, str, bool) and type(value) is kind:
+        return value
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise RecurfitError(f"{where} must be {kind.__name__}, got {value!r}.")
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {_yaml_name(f): _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_to_plain(v) for v in value]
+    return value

@@ -1,0 +1,310 @@
+"""The training loop: one optimizer step at a time, nanoGPT-style, on one process or under torchrun.
+
+Per step:
+  1. the depth (n, k) from the curriculum and the step-seeded sampler (the same on every rank, and on resume);
+  2. the next global batch of rows from the data stream, this rank's share split into micro-batches;
+  3. forward (n steps without gradient, k with) and backward per micro-batch, gradients accumulated;
+  4. a non-finite loss or gradient skips the update (counted; too many in a row stop the run);
+  5. clip, optimizer and LR-schedule step; log; validate and checkpoint on their schedule.
+
+Every source of randomness is a function of (seed, step, row): the data order, the depth draw, and the
+initial recurrent state (re-seeded per micro-batch from its first global row). A resumed run, or the same
+global batch split over any number of processes, therefore computes the same losses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.progress import TextColumn
+
+from ..accounting import count_parameters, training_flops, training_flops_per_token
+from ..data import Phase, RowStream, TokenStore
+from ..errors import RecurfitError
+from ..progress import progress_bar
+from ..sampling import Curriculum, DepthSchedule
+from .checkpoint import checkpoint_folders, gather_state, load_checkpoint, write_checkpoint
+from .config import TrainConfig
+from .distributed import Processes
+from .metrics import MetricsLog, peak_flops
+from .model import build_model, is_recurrent, optional_tokenizer
+from .optim import build_optimizers, build_schedulers, global_grad_norm
+
+
+@dataclass
+class Counters:
+    """Everything the loop accumulates that a resumed run must continue from."""
+
+    step: int = 0  # optimizer steps done
+    tokens: int = 0
+    flops: float = 0.0  # from the depths actually drawn
+    flops_paper: float = 0.0  # the paper's rule: mean recurrence and backprop depth of each step
+    skipped: int = 0  # updates skipped for a non-finite loss or gradient
+    bad_in_row: int = 0
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    counters: Counters
+    losses: list[float] = field(default_factory=list)  # per step run in this process (not the resumed prefix)
+
+
+def depth_schedule(config: TrainConfig) -> DepthSchedule:
+    depth, steps = config.depth, config.steps
+    return DepthSchedule(
+        Curriculum(depth.mean_recurrence, depth.curriculum, round(depth.curriculum_fraction * steps)),
+        Curriculum(depth.backprop_depth, depth.backprop_curriculum, round(depth.backprop_curriculum_fraction * steps)),
+        seed=config.seed,
+    )
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, resume: bool = False, processes: Processes | None = None):
+        self.config, self.out = config, Path(config.out)
+        self.processes = processes or Processes.from_environment()
+        self._check_out_folder(resume)
+        self.model = build_model(config.model, config.depth, config.seed).to(self.processes.device)
+        self.recurrent = is_recurrent(self.model)
+        self.parameter_counts = count_parameters(self.model)
+        self.stream = RowStream(
+            [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases], seed=config.seed
+        )
+        self._check_vocabulary()
+        self.validation = [TokenStore(path, "val") for path in config.data.validation]
+        self.schedule = depth_schedule(config)
+        if config.compile:
+            for layer in self._layers():
+                layer.compile()
+        self.wrapped = self.processes.wrap(self.model, config.distributed)
+        self.optimizers = build_optimizers(self.model, config.optimizer)
+        self.schedulers = build_schedulers(self.optimizers, config.optimizer, config.steps)
+        self.counters = Counters()
+        if resume:
+            self._resume()
+        self.log = None
+        if self.processes.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.log = MetricsLog(
+                self.out, resume_step=self.counters.step if resume else None,
+                tensorboard=config.log.tensorboard, wandb=config.log.wandb, config=config.to_dict(),
+            )  # fmt: skip
+
+    # ------------------------------------------------------------ set-up checks
+
+    def _check_out_folder(self, resume: bool) -> None:
+        existing = checkpoint_folders(self.out / "checkpoints")
+        if resume and not existing:
+            raise RecurfitError(f"--resume: {self.out} has no checkpoint to resume from; start without --resume.")
+        if not resume and (existing or (self.out / "log.jsonl").exists()):
+            raise RecurfitError(f"{self.out} already holds a run; pass --resume to continue it, or set out= elsewhere.")
+
+    def _check_vocabulary(self) -> None:
+        vocab = self.model.config.vocab_size
+        for store in self.stream.stores:
+            if store.vocab_size > vocab:
+                raise RecurfitError(
+                    f"{store.folder} was tokenised with a {store.vocab_size}-token vocabulary "
+                    f"({store.meta.get('tokenizer') or 'unknown tokenizer'}), larger than the model's {vocab}: "
+                    "prepare the data with the model's own tokenizer."
+                )
+
+    def _layers(self):
+        return [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+    # ------------------------------------------------------------ one step
+
+    def _autocast(self):
+        precision = self.config.precision
+        if precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda"):
+            return torch.autocast(self.processes.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int) -> torch.Tensor:
+        # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
+        torch.manual_seed(self.config.seed * 1_000_003 + first_row)
+        rows = rows.to(self.processes.device, non_blocking=True)
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        kwargs = {"num_steps": num_steps} if self.recurrent else {}
+        with self._autocast():
+            logits = self.wrapped(input_ids=inputs, **kwargs).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def train_step(self) -> dict:
+        config, processes, counters = self.config, self.processes, self.counters
+        step = counters.step
+        num_steps = self._depth(step)
+        started = time.perf_counter()
+        batch_start = self.stream.position
+        rows = self.stream.next_batch(config.batch.global_, processes.rank, processes.world)
+        micro = config.batch.micro
+        chunks = rows.split(micro)
+        share = rows.shape[0]
+        total_loss = torch.zeros((), device=processes.device)
+        for index, chunk in enumerate(chunks):
+            first_row = batch_start + processes.rank * share + index * micro
+            with processes.no_sync(self.wrapped, index == len(chunks) - 1):
+                loss = self._micro_batch_loss(chunk, num_steps, first_row)
+                (loss * chunk.shape[0] / share).backward()
+            total_loss += loss.detach() * chunk.shape[0] / share
+        loss = processes.mean(total_loss).item()
+        grad_norm = global_grad_norm(self.model.parameters(), config.optimizer.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            for optimizer in self.optimizers:
+                optimizer.step()
+            counters.bad_in_row = 0
+        else:
+            counters.skipped += 1
+            counters.bad_in_row += 1
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        lrs = [scheduler.get_last_lr()[0] for scheduler in self.schedulers]  # the LRs this step used
+        for scheduler in self.schedulers:
+            scheduler.step()
+        if processes.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        return self._account(step, num_steps, loss, grad_norm, finite, seconds, lrs)
+
+    def _depth(self, step: int) -> tuple[int, int]:
+        if not self.recurrent:
+            return (0, 1)
+        depth = self.config.depth
+        if depth.fixed:
+            mean = self.schedule.mean_recurrence.at(step)
+            k = min(self.schedule.backprop_depth.at(step), mean)
+            return (mean - k, k)
+        return self.schedule.sample(step)
+
+    def _account(self, step, num_steps, loss, grad_norm, finite, seconds, lrs) -> dict:
+        counters, config = self.counters, self.config
+        tokens = config.batch.global_ * self.stream.seq_len
+        mean, depth = self.schedule.mean_recurrence.at(step), self.schedule.backprop_depth.at(step)
+        counters.step += 1
+        counters.tokens += tokens
+        step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
+        counters.flops += step_flops
+        # The paper's rule takes N1, N2 at the step's mean depth; a fixed-depth parent costs the same either way.
+        counters.flops_paper += training_flops(self.parameter_counts, tokens, mean, depth) if self.recurrent else step_flops
+        peak = peak_flops(self.processes.device)
+        record = {
+            "kind": "train", "step": counters.step, "loss": loss, "lr": lrs[-1],
+            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": mean, "backprop_depth": depth,
+            "tokens": counters.tokens, "flops": counters.flops, "flops_paper": counters.flops_paper,
+            "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.current_phase,
+            "skipped": counters.skipped, "seconds": seconds,
+        }  # fmt: skip
+        if len(self.optimizers) > 1:
+            record["muon_lr"] = lrs[0]
+        if peak:
+            record["mfu"] = step_flops / seconds / (peak * self.processes.world)
+        if counters.bad_in_row >= config.max_bad_steps:
+            raise RecurfitError(
+                f"Step {counters.step}: {counters.bad_in_row} non-finite losses or gradients in a row; stopping. "
+                "Lower optimizer.lr / optimizer.muon_lr, or check the data and precision."
+            )
+        if not finite and self.processes.is_main:
+            print(f"step {counters.step}: non-finite loss or gradient, update skipped ({counters.skipped} so far)")
+        return record
+
+    # ------------------------------------------------------------ validation
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        """Mean validation loss per store and test recurrence (the parent: once, recurrence does not apply)."""
+        if not self.validation:
+            return None
+        self.model.eval()
+        record = {"kind": "eval", "step": self.counters.step}
+        depths = self.config.eval.steps if self.recurrent else [1]
+        for store in self.validation:
+            rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))
+            if len(rows) == 0:
+                continue
+            for r in depths:
+                losses = [self._micro_batch_loss(chunk, (0, r), index) for index, chunk in enumerate(rows.split(self.config.batch.micro))]
+                key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")
+                record[key] = processes_mean_float(self.processes, torch.stack(losses).mean())
+        self.model.train()
+        return record
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint(self) -> None:
+        model_state, optimizer_states = gather_state(self.model, self.optimizers)
+        if self.processes.is_main:
+            trainer = {"counters": vars(self.counters), "stream": self.stream.state_dict(), "config": self.config.to_dict()}
+            write_checkpoint(
+                self.out / "checkpoints", self.counters.step, model_state, optimizer_states, self.schedulers,
+                trainer, self.config.checkpoint.keep,
+            )  # fmt: skip
+        self.processes.barrier()
+
+    def _resume(self) -> None:
+        latest = checkpoint_folders(self.out / "checkpoints")[-1]
+        trainer = load_checkpoint(latest, self.model, self.optimizers, self.schedulers)
+        self.counters = Counters(**trainer["counters"])
+        self.stream.load_state_dict(trainer["stream"])
+
+    def export(self) -> Path:
+        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one)."""
+        model_state, _ = gather_state(self.model, [])
+        final = self.out / "final"
+        if self.processes.is_main:
+            from ..files import staged_directory
+
+            with staged_directory(final, replace=True) as staging:
+                self.model.save_pretrained(staging, state_dict=model_state)
+                tokenizer = optional_tokenizer(self.config.model.path)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(staging)
+        self.processes.barrier()
+        return final
+
+    # ------------------------------------------------------------ the run
+
+    def run(self) -> TrainResult:
+        config, counters = self.config, self.counters
+        result = TrainResult(self.out, counters)
+        loss_column = TextColumn("loss {task.fields[loss]:.4f}  r̄ {task.fields[mean]}  {task.fields[rate]:,.0f} tok/s")
+        show = config.log.progress and self.processes.is_main
+        with progress_bar(loss_column, disable=not show) as bar:
+            task = bar.add_task("training", total=config.steps, completed=counters.step, loss=float("nan"), mean=0, rate=0)
+            while counters.step < config.steps:
+                record = self.train_step()
+                result.losses.append(record["loss"])
+                bar.update(task, advance=1, loss=record["loss"], mean=record["mean_recurrence"], rate=record["tokens_per_s"])
+                step = counters.step
+                if self.log is not None and (step % config.log.every == 0 or step == config.steps):
+                    self.log.write(record)
+                if config.eval.every and step % config.eval.every == 0 and step < config.steps:
+                    self._write(self.validate())
+                if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
+                    self.checkpoint()
+        self._write(self.validate())
+        self.checkpoint()
+        self.export()
+        if self.log is not None:
+            self.log.close()
+        return result
+
+    def _write(self, record: dict | None) -> None:
+        if record is not None and self.log is not None:
+            self.log.write(record)
+
+
+def processes_mean_float(processes: Processes, value: torch.Tensor) -> float:
+    return processes.mean(value.detach().float()).item()
+
+
+def train(config: TrainConfig, resume: bool = False) -> TrainResult:
+    """Run (or continue) the training `config` describes; returns the counters and this run's losses."""
+    return Trainer(config, resume=resume).run()
