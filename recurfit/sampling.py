@@ -89,5 +89,8 @@ class DepthSchedule:
     seed: int = 0
 
     def sample(self, step: int) -> tuple[int, int]:
+        """(n, k) for `step`. The backprop depth is capped at the step's mean recurrence: early in a curriculum
+        (r̄ = 1, k̄ = 8) the formula would otherwise draw about k̄ + 1 steps and undo the cheap start."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return sample_depth(self.mean_recurrence.at(step), self.backprop_depth.at(step), generator)
+        mean = self.mean_recurrence.at(step)
+        return sample_depth(mean, min(self.backprop_depth.at(step), mean), generator)

@@ -57,3 +57,49 @@ def family(request) -> str:
 def token_batch(batch: int = 2, length: int = 12, seed: int = 1) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+# ---------------------------------------------------------------- training fixtures
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,!?0123456789\n"
+WORDS = "the cat sat on a mat dog ran far and then slept under big red tree".split()
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer whose 46 ids fit the tiny models' 97-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(CHARS)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", bos_token="<s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+def write_documents(path, count: int, seed: int = 0, words=WORDS) -> None:
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as file:
+        for _ in range(count):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) + "."
+            file.write(json.dumps({"text": text}) + "\n")
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A tiny llama parent with a tokenizer, and two prepared token stores (seq_len 32)."""
+    from recurfit.data import prepare
+
+    root = tmp_path_factory.mktemp("workspace")
+    tokenizer = char_tokenizer()
+    parent = tiny_parent("llama", num_layers=6)
+    parent.save_pretrained(root / "parent")
+    tokenizer.save_pretrained(root / "parent")
+    for name, seed, words in (("prose", 0, WORDS), ("math", 1, list("0123456789") + ["plus", "is"])):
+        write_documents(root / f"{name}.jsonl", 300, seed, words)
+        prepare(tokenizer, [str(root / f"{name}.jsonl")], 32, root / name, show_progress=False, val_fraction=0.05)
+    return root

@@ -11,6 +11,7 @@ Unknown keys and bad values are errors that name the key and what it accepts.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -163,7 +164,7 @@ class TrainConfig:
 
 def load_config(path: str | Path | None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
     """Read a YAML config (or start from `base`), apply `a.b=value` overrides, validate."""
-    raw: dict = dict(base or {})
+    raw: dict = copy.deepcopy(base or {})
     if path is not None:
         path = Path(path)
         if not path.is_file():
