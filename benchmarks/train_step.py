@@ -1,0 +1,164 @@
+"""Training-step cost and activation memory of a retrofitted model against its parent (issue 3 benchmarks).
+
+    python benchmarks/train_step.py                       # embedded SmolLM2-135M, (4,8,4), CPU
+    python benchmarks/train_step.py --parent tinyllama --device cuda --dtype bf16 [--compile]   # GPU
+
+1. Step cost: forward+backward time at fixed (n, k) over the parent's time on the same tokens, divided by
+   the FLOP ratio the accounting predicts. ≈ 1 means the recurrence machinery costs nothing beyond its FLOPs.
+   Two predictions are printed: the paper's non-embedding FLOPs, and the same plus the LM head (which both
+   models pay equally, so it pulls the measured ratio towards 1).
+2. Memory: bytes saved for backward (and CUDA peak) at k = 4, n ∈ {0, 8, 28}: no-grad steps keep nothing,
+   so these must be flat.
+3. Throughput (GPU): tokens/s and MFU of training steps at the sampled depth of mean recurrence 32.
+Times are medians of several repeats measured in this one run (the machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import recurfit
+from recurfit.accounting import count_parameters, training_flops_per_token
+from recurfit.loading import load_model
+from recurfit.sampling import sample_depth
+from recurfit.train.metrics import peak_flops
+
+TINYLLAMA = dict(  # TinyLlama-1.1B's public config (DESIGN.md §6); random weights, no download
+    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+    num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def parent_model(name: str) -> torch.nn.Module:
+    if name == "tinyllama":
+        return AutoModelForCausalLM.from_config(LlamaConfig(**TINYLLAMA), dtype=torch.float32)
+    return load_model(None if name == "embedded" else name, dtype=torch.float32)
+
+
+def step_seconds(model, ids, num_steps, autocast, repeats: int) -> float:
+    kwargs = {} if num_steps is None else {"num_steps": num_steps}
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up (and compiles)
+        start = time.perf_counter()
+        with autocast:
+            loss = model(input_ids=ids, labels=ids, **kwargs).loss
+        loss.backward()
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def saved_bytes(model, ids, num_steps, autocast) -> int:
+    """Bytes of activations autograd keeps for backward during one forward (storages counted once; the
+    weights, which backward also references, are not activations and are left out)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        loss = model(input_ids=ids, labels=ids, num_steps=num_steps).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parent", default="embedded", help="embedded | tinyllama (random weights) | a folder")
+    parser.add_argument("--shape", default="4,8,4")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", default="4,4", help="fixed (n, k) for the step-cost ratio")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--attn", default=None, help="attention implementation, e.g. sdpa or flash_attention_2")
+    parser.add_argument("--throughput-steps", type=int, default=0, help="GPU: time this many sampled-depth steps")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    n, k = (int(x) for x in args.steps.split(","))
+    parent = parent_model(args.parent)
+    if args.attn:
+        parent.config._attn_implementation = args.attn
+    model = recurfit.retrofit(parent, shape).to(device).train()
+    parent = parent.to(device).train()
+    if args.attn:
+        model.set_attn_implementation(args.attn)
+    if args.compile:
+        for module in [*model.modules(), *parent.modules()]:
+            if type(module).__name__.endswith("DecoderLayer"):
+                module.compile()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
+    ids = torch.randint(0, parent.config.vocab_size, (args.batch, args.seq_len), device=device)
+    tokens = ids.numel()
+    print(f"parent {args.parent} ({parent.config.num_hidden_layers} layers), shape {shape}, {args.batch}×{args.seq_len} "
+          f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}")
+
+    # 1. step cost
+    t_parent = step_seconds(parent, ids, None, autocast, args.repeats)
+    t_model = step_seconds(model, ids, (n, k), autocast, args.repeats)
+    counts_model, counts_parent = count_parameters(model), count_parameters(parent)
+    predicted = training_flops_per_token(counts_model, (n, k)) / training_flops_per_token(counts_parent, (0, 1))
+    head = 6 * parent.config.vocab_size * parent.config.hidden_size
+    predicted_head = (training_flops_per_token(counts_model, (n, k)) + head) / (training_flops_per_token(counts_parent, (0, 1)) + head)
+    measured = t_model / t_parent
+    print(f"\nstep time: parent {t_parent * 1e3:.1f} ms, retrofit at (n,k)=({n},{k}) {t_model * 1e3:.1f} ms → "
+          f"measured ratio {measured:.3f}")
+    print(f"predicted FLOP ratio: {predicted:.3f} (non-embedding), {predicted_head:.3f} (with the LM head)")
+    print(f"cost over FLOPs: {measured / predicted:.3f} (non-embedding), {measured / predicted_head:.3f} (with head)  "
+          "— ≤ 1.1 means no overhead beyond FLOPs")
+
+    # 2. memory at k = 4
+    print("\nactivation memory at k=4:")
+    for n_free in (0, 8, 28):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        saved = saved_bytes(model, ids, (n_free, 4), autocast)
+        peak = f", CUDA peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else ""
+        print(f"  n={n_free:>2}: saved for backward {saved / 2**20:8.1f} MiB{peak}")
+
+    # 3. throughput at the sampled depth (GPU)
+    if args.throughput_steps:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        generator = torch.Generator().manual_seed(0)
+        depths = [sample_depth(32, 8, generator) for _ in range(args.throughput_steps + 2)]
+        step_seconds(model, ids, depths[0], autocast, 1)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, flops = time.perf_counter(), 0.0
+        for depth in depths[2:]:
+            with autocast:
+                loss = model(input_ids=ids, labels=ids, num_steps=depth).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            flops += tokens * training_flops_per_token(counts_model, depth)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = peak_flops(device)
+        mfu = f", MFU {flops / seconds / peak:.1%}" if peak else ""
+        print(f"\nthroughput at mean recurrence 32: {tokens * args.throughput_steps / seconds:,.0f} tokens/s{mfu}")
+
+
+if __name__ == "__main__":
+    main()
