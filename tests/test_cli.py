@@ -105,3 +105,34 @@ def test_console_script_reports_an_unreachable_hub_id_without_a_traceback(tmp_pa
     )
     assert result.returncode == 2
     assert "Cannot load 'someone/not-a-local-model'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+
+
+def test_data_prepare_and_train_from_the_command_line(workspace, tmp_path, capsys):
+    from conftest import write_documents
+
+    write_documents(tmp_path / "docs.jsonl", 60)
+    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "docs.jsonl", "--seq-len", "16"]
+    code, text = run(capsys, *args, "--out", tmp_path / "data")
+    assert code == 0 and "training rows" in text
+    code, text = run(capsys, *args, "--out", tmp_path / "data")
+    assert code == 0 and "nothing to do" in text
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"out: {tmp_path / 'run'}\nmodel: {{path: {workspace / 'parent'}, shape: [2, 2, 2]}}\n"
+        f"data: {{phases: [{{sources: [{tmp_path / 'data'}]}}]}}\n"
+        "depth: {mean_recurrence: 2, backprop_depth: 1}\nbatch: {micro: 2, global: 4}\nsteps: 3\nlog: {progress: false}\n"
+    )
+    code, text = run(capsys, "train", config, "optimizer.name=adamw")
+    assert code == 0 and "Trained 3 steps" in text and (tmp_path / "run" / "final" / "config.json").is_file()
+
+
+def test_data_and_train_errors_exit_2_and_write_nothing(workspace, tmp_path, capsys):
+    code, text = run(capsys, "data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "nope.jsonl", "--out", tmp_path / "d")
+    assert code == 2 and "is not a file, a folder" in text and not (tmp_path / "d").exists()
+    assert list(tmp_path.iterdir()) == []  # not even a staging folder
+    code, text = run(capsys, "train", tmp_path / "missing.yaml")
+    assert code == 2 and "Config file not found" in text
+    (tmp_path / "c.yaml").write_text("out: x\nsteps: 3\nbatchh: {micro: 1}\n")
+    code, text = run(capsys, "train", tmp_path / "c.yaml")
+    assert code == 2 and "did you mean 'batch'" in text

@@ -286,3 +286,24 @@ def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace):
 
     a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "fsdp"))
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, workspace, monkeypatch):
+    import recurfit.train.checkpoint as checkpoint
+
+    trainer = Trainer(load_config(None, ["steps=4"], base=tiny_config(workspace, tmp_path / "run")))
+    for _ in range(2):
+        trainer.train_step()
+    trainer.checkpoint()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trainer.train_step()
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(RecurfitError, match="No space left on device.*--resume"):
+        trainer.checkpoint()
+    root = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step-000002"]  # no half-written step-000003
+    resumed = Trainer(load_config(None, ["steps=4"], base=tiny_config(workspace, tmp_path / "run")), resume=True)
+    assert resumed.counters.step == 2 and resumed.stream.position == 16

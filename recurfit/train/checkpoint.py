@@ -53,13 +53,19 @@ def gather_state(model, optimizers) -> tuple[dict, list[dict]]:
 def write_checkpoint(root: Path, step: int, model_state: dict, optimizer_states: list[dict], schedulers, trainer: dict, keep: int) -> Path:
     """Write a checkpoint atomically (rank 0 only) and drop all but the newest `keep`."""
     target = root / f"step-{step:06d}"
-    with staged_directory(target, replace=True) as staging:
-        save_file(_unshared(model_state), staging / "model.safetensors")
-        torch.save(
-            {"optimizers": optimizer_states, "schedulers": [s.state_dict() for s in schedulers]},
-            staging / "optimizer.pt",
-        )
-        (staging / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
+    try:
+        with staged_directory(target, replace=True) as staging:
+            save_file(_unshared(model_state), staging / "model.safetensors")
+            torch.save(
+                {"optimizers": optimizer_states, "schedulers": [s.state_dict() for s in schedulers]},
+                staging / "optimizer.pt",
+            )
+            (staging / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
+    except OSError as problem:  # out of disk, permissions: the staging folder is gone, older checkpoints intact
+        raise RecurfitError(
+            f"Cannot write the checkpoint {target} ({problem.strerror or problem}); free space or set out= "
+            "elsewhere, then --resume from the last complete checkpoint."
+        ) from None
     for old in checkpoint_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for leftover in root.glob(".step-*.partial-*"):  # staging folders of a run that was killed mid-write
