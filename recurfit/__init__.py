@@ -6,6 +6,7 @@ transformers Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)` loads 
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .cache import RecurrentCache
 from .accounting import count_parameters, effective_parameters, inference_flops_per_token, training_flops
 from .config import RecurrentConfig
 from .modeling import RecurrentForCausalLM, RecurrentModel
@@ -19,6 +20,7 @@ AutoModelForCausalLM.register(RecurrentConfig, RecurrentForCausalLM, exist_ok=Tr
 __version__ = "0.1.0"
 __all__ = [
     "LayerSelection",
+    "RecurrentCache",
     "RecurrentConfig",
     "RecurrentForCausalLM",
     "RecurrentModel",

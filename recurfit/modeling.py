@@ -21,6 +21,7 @@ from transformers import initialization as init
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .cache import RecurrentCache
 from .config import RecurrentConfig
 from .families import FAMILIES, attention_types
 from .sampling import parse_num_steps, sample_depth
@@ -143,7 +144,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
         return hidden
 
-    def attention_inputs(self, embedded, attention_mask, position_ids) -> dict[str, dict]:
+    def attention_inputs(self, embedded, attention_mask, position_ids, cache=None) -> dict[str, dict]:
         """Mask and rotary embeddings for each attention kind present, computed once per forward."""
         text = self.config.text_config
         shared_rope = None if self.rope_per_layer_type else self.rotary_emb(embedded, position_ids)
@@ -153,7 +154,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
                     config=text,
                     inputs_embeds=embedded,
                     attention_mask=attention_mask,
-                    past_key_values=None,
+                    past_key_values=cache,
                     position_ids=position_ids,
                 ),
                 "position_embeddings": shared_rope or self.rotary_emb(embedded, position_ids, kind),
@@ -170,16 +171,24 @@ class RecurrentModel(RecurrentPreTrainedModel):
         num_steps=None,
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        past_key_values: RecurrentCache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, tuple[int, int], tuple[torch.Tensor, ...] | None]:
-        """Returns the final hidden states (after the norm), the `(n, k)` run, and the per-step states."""
+        """Returns the final hidden states (after the norm), the `(n, k)` run, and the per-step states.
+
+        With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         n, k = self.resolve_num_steps(num_steps)
         embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cache = past_key_values
         if position_ids is None:
-            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device)
-        inputs = self.attention_inputs(embedded, attention_mask, position_ids)
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device, past)
+        inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache)
+        if cache is not None:
+            cache.begin_forward()
+            kwargs["past_key_values"] = cache
         layer_kwargs = dict(inputs=inputs, position_ids=position_ids, **kwargs)
 
         P, R, _ = self.config.shape
@@ -187,10 +196,14 @@ class RecurrentModel(RecurrentPreTrainedModel):
         state = self.initial_state(e) if initial_state is None else initial_state
         states = []
         for step in range(n + k):
+            if cache is not None:
+                cache.step = step + 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
                 state = self._run(self.core, P, self.adapter(state, e), **layer_kwargs)
             if output_hidden_states:
                 states.append(state)
+        if cache is not None:
+            cache.end_core(n + k)
         hidden = self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
         return hidden, (n, k), tuple(states) if output_hidden_states else None
 
@@ -203,10 +216,12 @@ class RecurrentModel(RecurrentPreTrainedModel):
         return 0, self.config.mean_recurrence
 
 
-def positions_from_mask(attention_mask: torch.Tensor | None, length: int, device) -> torch.LongTensor:
-    """Position ids that start at 0 on each row's first real token, so left padding does not shift RoPE."""
+def positions_from_mask(attention_mask: torch.Tensor | None, length: int, device, past: int = 0) -> torch.LongTensor:
+    """Position ids that start at 0 on each row's first real token, so left padding does not shift RoPE.
+
+    `attention_mask` covers the `past` cached tokens and the `length` new ones; the new ones' ids come back."""
     if attention_mask is None or attention_mask.dim() != 2:
-        return torch.arange(length, device=device).unsqueeze(0)
+        return torch.arange(past, past + length, device=device).unsqueeze(0)
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
 
 
@@ -218,10 +233,6 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         self.model = RecurrentModel(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
-        if self.generation_config is not None:
-            # The step-aware KV cache is not implemented yet: generate re-runs the whole prefix each token.
-            self.generation_config.use_cache = False
-
     @classmethod
     def from_state_dict(cls, config: RecurrentConfig, state: dict[str, torch.Tensor]) -> "RecurrentForCausalLM":
         """Build the model around `state`'s tensors (adopted, not copied; no random init first)."""
@@ -234,6 +245,11 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         if config.tie_word_embeddings:
             model.tie_weights()
         return model
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # A DynamicCache has one slot per layer index; forward makes a RecurrentCache when use_cache is set.
+        return False
 
     def get_output_embeddings(self):
         return self.lm_head
@@ -265,10 +281,12 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         labels (`torch.LongTensor`, *optional*):
             Next-token targets, shifted inside (HF convention); positions where `attention_mask` is 0 are ignored.
         """
-        if past_key_values is not None or use_cache:
-            raise NotImplementedError(
-                "recurfit models do not have a KV cache yet; call generate(..., use_cache=False) "
-                "or forward without past_key_values."
+        if past_key_values is None and use_cache and not self.training:
+            past_key_values = RecurrentCache(self.config)
+        if past_key_values is not None and not isinstance(past_key_values, RecurrentCache):
+            raise TypeError(
+                f"recurfit models need a RecurrentCache (one slot per core layer per step), got "
+                f"{type(past_key_values).__name__}; pass recurfit.RecurrentCache(model.config) or use_cache=True."
             )
         output_hidden_states = output_hidden_states or self.config.output_hidden_states
         hidden, steps, states = self.model(
@@ -279,6 +297,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             num_steps=num_steps,
             initial_state=initial_state,
             output_hidden_states=output_hidden_states,
+            past_key_values=past_key_values,
             **kwargs,
         )
         # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention).
@@ -289,4 +308,6 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             if attention_mask is not None and attention_mask.shape == labels.shape:
                 labels = labels.masked_fill(attention_mask == 0, -100)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return RecurrentCausalLMOutput(loss=loss, logits=logits, hidden_states=states, num_steps=steps)
+        return RecurrentCausalLMOutput(
+            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=states, num_steps=steps
+        )

@@ -1,0 +1,112 @@
+"""A KV cache that knows which recurrence it is in (DESIGN.md §2).
+
+The attention modules call `cache.update(k, v, layer_idx)`. Prelude and coda layers have one slot each,
+as in any decoder. Core layers run once per step, so `RecurrentCache` maps `(layer_idx, step)` to a slot.
+The model sets `cache.step` before each core step.
+
+Policies:
+- `"all"`: one slot per core layer per step. A token at step s attends to the earlier tokens' step-s keys:
+  exactly what a forward over the whole sequence computes, so cached and uncached generation agree.
+- `"latest"`: one slot per core layer, whatever r. A new token's core steps overwrite each other, and
+  earlier tokens are seen at their last computed step. Memory is that of a (P + R + C)-layer model, and
+  the result is an approximation (its cost is measured in docs/generation.md).
+
+The latest-step rule: when a token did not run step s (r changed between calls, or the token exited
+early), later tokens that attend at step s read that token's latest computed step. Slots for steps that
+did not exist yet start as copies of the deepest existing step. Slots for steps this forward skipped
+receive the new tokens' keys from their last computed step. So all slots always cover every token.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import RecurrentConfig
+from .families import attention_types
+
+POLICIES = ("all", "latest")
+
+
+class RecurrentCache(Cache):
+    def __init__(self, config: RecurrentConfig, policy: str = "all"):
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}.")
+        self.policy = policy
+        self.prelude, self.core, self.coda = config.shape
+        text = config.text_config
+        self.kinds = attention_types(text)
+        self.sliding_window = getattr(text, "sliding_window", None)
+        super().__init__(layers=[self._new_layer(i) for i in range(len(self.kinds))])
+        self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
+        self.slots: dict[tuple[int, int], int] = {}  # (core layer index, step >= 2) -> index in self.layers
+        self.steps_stored = 1  # steps each core layer has a slot for
+        self._before: dict[int, DynamicLayer] = {}  # slot -> its state before this forward
+        self._written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> keys/values added this forward
+
+    def _new_layer(self, layer_idx: int) -> DynamicLayer:
+        if self.kinds[layer_idx] == "sliding_attention" and self.sliding_window:
+            return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+        return DynamicLayer()
+
+    def _is_core(self, layer_idx: int) -> bool:
+        return self.prelude <= layer_idx < self.prelude + self.core
+
+    # ------------------------------------------------------------ slots
+
+    def slot(self, layer_idx: int, step: int) -> int:
+        """The index in `self.layers` that (layer, step) reads and writes, created on first use."""
+        if not self._is_core(layer_idx) or step <= 1 or self.policy == "latest":
+            return layer_idx
+        key = (layer_idx, step)
+        if key not in self.slots:
+            # A new depth: earlier tokens never ran it, so it starts as their deepest step (latest-step rule).
+            deepest = self.slot(layer_idx, self.steps_stored)
+            self.layers.append(copy.copy(self._before.get(deepest, self.layers[deepest])))
+            self.slots[key] = len(self.layers) - 1
+        return self.slots[key]
+
+    def begin_forward(self) -> None:
+        """Called by the model before each forward: remember every slot's state before new tokens arrive."""
+        self._before = {index: copy.copy(layer) for index, layer in enumerate(self.layers)}
+        self._written = {}
+        self.step = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        index = self.slot(layer_idx, self.step)
+        if self.policy == "latest" and self._is_core(layer_idx) and self.step > 1:
+            # Step s replaces the new tokens' step s-1 entries: restart from the slot before this forward.
+            self.layers[index] = copy.copy(self._before[index])
+        self._written[index] = (key_states, value_states)
+        return self.layers[index].update(key_states, value_states, *args, **kwargs)
+
+    def end_core(self, steps_run: int) -> None:
+        """After the core loop: give slots of steps that were not run the new tokens' latest step."""
+        self.step = 0
+        if self.policy == "latest":
+            return
+        for layer_idx in range(self.prelude, self.prelude + self.core):
+            latest = self._written[self.slot(layer_idx, steps_run)]
+            for step in range(steps_run + 1, self.steps_stored + 1):
+                self.layers[self.slot(layer_idx, step)].update(*latest)
+        self.steps_stored = max(self.steps_stored, steps_run)
+
+    def step_slots(self, layer_idx: int) -> list[int]:
+        """The slots of a core layer, step 1 first."""
+        return [self.slot(layer_idx, step) for step in range(1, self.steps_stored + 1)]
+
+    # ------------------------------------------------------------ reporting
+
+    def memory_bytes(self) -> int:
+        """Bytes held by cached keys and values over all slots."""
+        return sum(
+            tensor.numel() * tensor.element_size()
+            for layer in self.layers
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if isinstance(tensor, torch.Tensor)
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if self.layers else 0
