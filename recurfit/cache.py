@@ -20,6 +20,7 @@ receive the new tokens' keys from their last computed step. So all slots always 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -45,6 +46,8 @@ class RecurrentCache(Cache):
         self.steps_stored = 1  # steps each core layer has a slot for
         self._before: dict[int, DynamicLayer] = {}  # slot -> its state before this forward
         self._written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> keys/values added this forward
+        self._latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # core layer -> new tokens' latest keys
+        self.exited: torch.Tensor | None = None  # rows whose new token stopped recurring (adaptive depth)
 
     def _new_layer(self, layer_idx: int) -> DynamicLayer:
         if self.kinds[layer_idx] == "sliding_attention" and self.sliding_window:
@@ -71,20 +74,30 @@ class RecurrentCache(Cache):
     def begin_forward(self) -> None:
         """Called by the model before each forward: remember every slot's state before new tokens arrive."""
         self._before = {index: copy.copy(layer) for index, layer in enumerate(self.layers)}
-        self._written = {}
+        self._written, self._latest = {}, {}
+        self.exited = None
         self.step = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         index = self.slot(layer_idx, self.step)
-        if self.policy == "latest" and self._is_core(layer_idx) and self.step > 1:
-            # Step s replaces the new tokens' step s-1 entries: restart from the slot before this forward.
-            self.layers[index] = copy.copy(self._before[index])
+        if self._is_core(layer_idx) and self.step > 1:
+            if self.exited is not None:
+                # Rows that stopped recurring keep their latest computed step here too (the latest-step rule).
+                previous_keys, previous_values = self._latest[layer_idx]
+                gone = self.exited.view(-1, 1, 1, 1)
+                key_states = torch.where(gone, previous_keys, key_states)
+                value_states = torch.where(gone, previous_values, value_states)
+            if self.policy == "latest":
+                # Step s replaces the new tokens' step s-1 entries: restart from the slot before this forward.
+                self.layers[index] = copy.copy(self._before[index])
+        if self._is_core(layer_idx):
+            self._latest[layer_idx] = (key_states, value_states)
         self._written[index] = (key_states, value_states)
         return self.layers[index].update(key_states, value_states, *args, **kwargs)
 
     def end_core(self, steps_run: int) -> None:
         """After the core loop: give slots of steps that were not run the new tokens' latest step."""
-        self.step = 0
+        self.step, self.exited = 0, None
         if self.policy == "latest":
             return
         for layer_idx in range(self.prelude, self.prelude + self.core):
@@ -92,6 +105,17 @@ class RecurrentCache(Cache):
             for step in range(steps_run + 1, self.steps_stored + 1):
                 self.layers[self.slot(layer_idx, step)].update(*latest)
         self.steps_stored = max(self.steps_stored, steps_run)
+
+    @contextmanager
+    def probe(self):
+        """Run the coda for a look at intermediate logits (adaptive exit) without keeping what it caches."""
+        coda = range(self.prelude + self.core, len(self.kinds))
+        saved = {index: copy.copy(self.layers[index]) for index in coda}
+        try:
+            yield
+        finally:
+            for index, layer in saved.items():
+                self.layers[index] = layer
 
     def step_slots(self, layer_idx: int) -> list[int]:
         """The slots of a core layer, step 1 first."""

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache import RecurrentCache
 from .config import RecurrentConfig
+from .exit import ExitRule
 from .families import FAMILIES, attention_types
 from .sampling import parse_num_steps, sample_depth
 
@@ -37,6 +38,7 @@ class RecurrentCausalLMOutput(CausalLMOutputWithPast):
     """
 
     num_steps: tuple[int, int] | None = None
+    steps_per_token: torch.LongTensor | None = None  # per row: steps its last position ran (adaptive depth)
 
 
 class LinearAdapter(nn.Linear):
@@ -172,9 +174,12 @@ class RecurrentModel(RecurrentPreTrainedModel):
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         past_key_values: RecurrentCache | None = None,
+        exit_rule: ExitRule | None = None,
+        readout=None,
         **kwargs,
-    ) -> tuple[torch.Tensor, tuple[int, int], tuple[torch.Tensor, ...] | None]:
-        """Returns the final hidden states (after the norm), the `(n, k)` run, and the per-step states.
+    ) -> tuple[torch.Tensor, tuple[int, int], tuple[torch.Tensor, ...] | None, torch.LongTensor]:
+        """Returns the final hidden states (after the norm), the `(n, k)` run, the per-step states, and the steps
+        each row's last position ran (fewer than n + k where `exit_rule` stopped it early).
 
         With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -195,17 +200,37 @@ class RecurrentModel(RecurrentPreTrainedModel):
         e = self._run(self.prelude, 0, embedded, **layer_kwargs)
         state = self.initial_state(e) if initial_state is None else initial_state
         states = []
+        adaptive = exit_rule is not None and cache is not None and embedded.shape[1] == 1
+        done = torch.zeros(embedded.shape[0], dtype=torch.bool, device=embedded.device)
+        steps_per_row = torch.full_like(done, n + k, dtype=torch.long)
         for step in range(n + k):
             if cache is not None:
                 cache.step = step + 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
-                state = self._run(self.core, P, self.adapter(state, e), **layer_kwargs)
+                new_state = self._run(self.core, P, self.adapter(state, e), **layer_kwargs)
+            if adaptive:
+                # Rows that already stopped keep their state; the rest may stop now.
+                new_state = torch.where(done.view(-1, 1, 1), state, new_state)
+                probe = lambda s: readout(self._coda_probe(s, cache, layer_kwargs))  # noqa: E731
+                newly = exit_rule.converged(step + 1, state, new_state, probe) & ~done
+                steps_per_row[newly] = step + 1
+                done = done | newly
+                cache.exited = done
+            state = new_state
             if output_hidden_states:
                 states.append(state)
+            if adaptive and done.all():
+                break
         if cache is not None:
-            cache.end_core(n + k)
+            cache.end_core(step + 1)
         hidden = self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
-        return hidden, (n, k), tuple(states) if output_hidden_states else None
+        return hidden, (n, k), tuple(states) if output_hidden_states else None, steps_per_row
+
+    def _coda_probe(self, state, cache, layer_kwargs):
+        """The final hidden states if the recurrence stopped at `state` (nothing kept in the cache)."""
+        P, R, _ = self.config.shape
+        with cache.probe():
+            return self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
 
     def resolve_num_steps(self, num_steps) -> tuple[int, int]:
         """`num_steps` as `(n, k)`. Unset: a sampled depth in training, `config.mean_recurrence` otherwise."""
@@ -230,6 +255,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: RecurrentConfig):
         super().__init__(config)
+        self._depth_log: list[torch.Tensor] | None = None  # filled while generate runs
         self.model = RecurrentModel(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
@@ -270,6 +296,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        exit_criterion: str | None = None,
+        exit_threshold: float | None = None,
+        min_steps: int = 2,
         **kwargs,
     ) -> RecurrentCausalLMOutput:
         r"""
@@ -280,6 +309,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             s_0; drawn from TruncNormal(0, config.state_init_std²) when unset.
         labels (`torch.LongTensor`, *optional*):
             Next-token targets, shifted inside (HF convention); positions where `attention_mask` is 0 are ignored.
+        exit_criterion (`str`, *optional*):
+            Adaptive depth when decoding with a cache: "kl", "state" or "argmax" (see `recurfit.exit`); each row
+            stops recurring once the criterion falls below `exit_threshold` (not before `min_steps`), at most r.
         """
         if past_key_values is None and use_cache and not self.training:
             past_key_values = RecurrentCache(self.config)
@@ -289,7 +321,10 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
                 f"{type(past_key_values).__name__}; pass recurfit.RecurrentCache(model.config) or use_cache=True."
             )
         output_hidden_states = output_hidden_states or self.config.output_hidden_states
-        hidden, steps, states = self.model(
+        exit_rule = None
+        if exit_criterion is not None:
+            exit_rule = ExitRule(exit_criterion, min_steps=min_steps, **({} if exit_threshold is None else {"threshold": exit_threshold}))
+        hidden, steps, states, steps_per_row = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -298,8 +333,12 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             initial_state=initial_state,
             output_hidden_states=output_hidden_states,
             past_key_values=past_key_values,
+            exit_rule=exit_rule,
+            readout=self.lm_head,
             **kwargs,
         )
+        if self._depth_log is not None:
+            self._depth_log.append(steps_per_row)
         # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention).
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
@@ -309,5 +348,18 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
                 labels = labels.masked_fill(attention_mask == 0, -100)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return RecurrentCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=states, num_steps=steps
+            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=states, num_steps=steps,
+            steps_per_token=steps_per_row,
         )
+
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, plus `steps_per_token` (batch × new tokens: the recurrences that produced
+        each token) on the output when `return_dict_in_generate=True`."""
+        self._depth_log = []
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            log, self._depth_log = self._depth_log, None
+        if not isinstance(output, torch.Tensor) and log:
+            output["steps_per_token"] = torch.stack(log, dim=1)
+        return output

@@ -9,6 +9,8 @@ Works on a parent on the meta device too (plan shapes and FLOPs from a config al
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -180,8 +182,7 @@ def retrofit(
     config._attn_implementation = parent.config._attn_implementation
     model = RecurrentForCausalLM.from_state_dict(config, _transfer_weights(parent, selection, config, adapter_init))
     if parent.generation_config is not None:
-        model.generation_config = parent.generation_config
-        model.generation_config.use_cache = False
+        model.generation_config = copy.deepcopy(parent.generation_config)  # the parent's own stays untouched
     return model.train(parent.training)
 
 

@@ -112,3 +112,65 @@ def test_a_foreign_cache_is_refused():
     model = model_with_state("llama")
     with pytest.raises(TypeError, match="RecurrentCache"):
         model(prompts()[0], past_key_values=DynamicCache())
+
+
+# ---------------------------------------------------------------- adaptive depth
+
+
+def generate_adaptive(model, ids, mask, **kwargs):
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0,
+        return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("criterion", ["kl", "state", "argmax"])
+def test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero(criterion):
+    model = model_with_state("llama")
+    ids, mask = prompts()
+    fixed = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0)
+    never = generate_adaptive(model, ids, mask, exit_criterion=criterion, exit_threshold=0.0) if criterion != "argmax" else (
+        generate_adaptive(model, ids, mask, exit_criterion=criterion, min_steps=13)
+    )
+    assert torch.equal(never.sequences, fixed) and torch.all(never.steps_per_token == 12)
+    some = generate_adaptive(model, ids, mask, exit_criterion=criterion, exit_threshold=10.0, min_steps=3)
+    assert some.steps_per_token.shape == (2, 6)
+    assert torch.all(some.steps_per_token[:, 0] == 12)  # the prompt runs all its steps
+    assert torch.all(some.steps_per_token[:, 1:] >= 3) and torch.all(some.steps_per_token <= 12)
+
+
+def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
+    """Stopping every row at step m must equal decoding with num_steps=m on the same cache."""
+    model = model_with_state("mistral")
+    ids, mask = prompts()
+    adaptive = generate_adaptive(model, ids, mask, exit_criterion="state", exit_threshold=1e9, min_steps=4)
+    assert torch.all(adaptive.steps_per_token[:, 1:] == 4)
+    cache = RecurrentCache(model.config)
+    tokens, current_mask = ids, mask
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, num_steps=12, past_key_values=cache).logits
+        for _ in range(6):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, token], 1)
+            current_mask = torch.cat([current_mask, torch.ones_like(token)], 1)
+            logits = model(token, attention_mask=current_mask, num_steps=4, past_key_values=cache).logits
+    assert torch.equal(adaptive.sequences, tokens)
+
+
+def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
+    model = model_with_state("qwen3")
+    ids, mask = prompts()
+    kwargs = dict(exit_criterion="kl", exit_threshold=1e-3, min_steps=2)
+    batched = generate_adaptive(model, ids, mask, **kwargs)
+    assert len(set(batched.steps_per_token[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
+    for row in range(2):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = generate_adaptive(model, alone, torch.ones_like(alone), **kwargs)
+        assert torch.equal(batched.sequences[row, -6:], single.sequences[0, -6:])
+        assert torch.equal(batched.steps_per_token[row], single.steps_per_token[0])
+
+
+def test_bad_exit_criterion_is_a_clear_error():
+    model = model_with_state("llama")
+    with pytest.raises(ValueError, match=r"exit_criterion must be one of \('kl', 'state', 'argmax'\)"):
+        model(prompts()[0], exit_criterion="entropy")
