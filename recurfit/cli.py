@@ -184,6 +184,73 @@ def cmd_train(args) -> None:
         )
 
 
+def _generation_model(args):
+    """The model to talk to: a folder or Hub id, or by default the embedded SmolLM2 retrofitted on the fly."""
+    import torch
+
+    from .loading import load_model, load_tokenizer
+    from .surgery import retrofit
+
+    model = load_model(args.model, dtype=torch.float32)
+    if args.model is None:
+        model = retrofit(model, DEFAULT_SHAPE).eval()
+        console.print(
+            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained: expect rough "
+            "text. Pass a trained model folder (e.g. runs/NAME/final).[/]"
+        )
+    return model, load_tokenizer(args.model)
+
+
+def _settings(args):
+    from .generate import GenerationSettings
+
+    return GenerationSettings(
+        steps=args.steps, exit=args.exit, min_steps=args.min_steps, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache,
+    )  # fmt: skip
+
+
+def _report(generation) -> None:
+    rate = generation.tokens / generation.seconds if generation.seconds else 0.0
+    depth = ""
+    if generation.steps_per_token:
+        steps = generation.steps_per_token
+        depth = f", recurrences per token: mean {sum(steps) / len(steps):.1f} (min {min(steps)}, max {max(steps)})"
+    console.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
+
+
+def cmd_generate(args) -> None:
+    from .generate import generate_text, prompt_ids
+
+    model, tokenizer = _generation_model(args)
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    generation = generate_text(model, tokenizer, ids, _settings(args), stream=args.stream)
+    if not args.stream:
+        console.print(generation.text, highlight=False, markup=False)
+    _report(generation)
+
+
+def cmd_chat(args) -> None:
+    from .generate import generate_text, prompt_ids
+
+    model, tokenizer = _generation_model(args)
+    settings = _settings(args)
+    messages: list[dict] = []
+    console.print("[dim]Chat: an empty line or Ctrl-D ends it.[/]")
+    while True:
+        try:
+            line = console.input("[bold]you>[/] ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        console.print("[bold]model>[/] ", end="")
+        generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+        messages.append({"role": "assistant", "content": generation.text})
+        _report(generation)
+
+
 # ---------------------------------------------------------------- shared output
 
 
@@ -326,6 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key.sub=value settings that override the config, e.g. steps=200")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the config's out")
     p.set_defaults(run=cmd_train)
+
+    for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
+        p = commands.add_parser(name, help=help_text)
+        p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+            p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+        p.add_argument("--steps", type=int, help="recurrences per token (default: the model's mean recurrence)")
+        p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --steps)")
+        p.add_argument("--min-steps", type=int, default=2, help="no adaptive exit before this many steps")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
+        p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("demo", help="the main job on the embedded SmolLM2-135M")
     p.add_argument("--shape", type=shape_arg, default=DEFAULT_SHAPE)

@@ -136,3 +136,14 @@ def test_data_and_train_errors_exit_2_and_write_nothing(workspace, tmp_path, cap
     (tmp_path / "c.yaml").write_text("out: x\nsteps: 3\nbatchh: {micro: 1}\n")
     code, text = run(capsys, "train", tmp_path / "c.yaml")
     assert code == 2 and "did you mean 'batch'" in text
+
+
+def test_generate_streams_and_reports_depth(workspace, tmp_path, capsys):
+    code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
+    assert code == 0
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "3", "--max-new-tokens", "5", "--stream")
+    assert code == 0 and "5 tokens in" in text and "mean 3.0 (min 3, max 3)" in text
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "6", "--exit", "state:1e9", "--max-new-tokens", "4")
+    assert code == 0 and "(min 2, max 6)" in text  # the prompt runs 6 steps, each new token exits at min-steps 2
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "x", "--exit", "entropy:1")
+    assert code == 2 and "--exit takes CRITERION" in text
