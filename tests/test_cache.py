@@ -174,3 +174,15 @@ def test_bad_exit_criterion_is_a_clear_error():
     model = model_with_state("llama")
     with pytest.raises(ValueError, match=r"exit_criterion must be one of \('kl', 'state', 'argmax'\)"):
         model(prompts()[0], exit_criterion="entropy")
+
+
+def test_latest_policy_is_an_approximation_once_the_state_matters():
+    model = model_with_state("llama")
+    ids, mask = prompts()
+    logits = {}
+    for policy in ("all", "latest"):
+        cache = RecurrentCache(model.config, policy=policy)
+        with torch.no_grad():
+            model(ids[:, :8], attention_mask=mask[:, :8], num_steps=4, past_key_values=cache)
+            logits[policy] = model(ids[:, 8:9], attention_mask=mask[:, :9], num_steps=4, past_key_values=cache).logits
+    assert (logits["all"] - logits["latest"]).abs().max() > 1e-2  # earlier tokens seen at step 4, not step s
