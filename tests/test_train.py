@@ -237,21 +237,28 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path, workspace):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
+def one_and_two_processes(tmp_path, config: dict, two_processes: dict) -> tuple[Path, Path]:
+    """Train `config` in 1 process and, concurrently, under torchrun with 2 (plus `two_processes` settings)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({**config, "out": str(one)}))
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump({**config, **two_processes, "out": str(two)}))
+    single = run_cli("train", str(tmp_path / "one.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    double = subprocess.run(
+        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "two.yaml")], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert single.wait() == 0, single.stderr.read().decode()[-2000:]
+    return one, two
+
+
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, workspace):
     # AdamW: Muon orthogonalises in bf16, which amplifies the all-reduce's float rounding (measured: 6e-5
     # relative after 5 steps), so it would test bf16 rounding rather than the engine.
     optimizer = {"name": "adamw", "lr": 0.003, "warmup": 2}
     base = tiny_config(workspace, tmp_path / "x", steps=6, checkpoint={"every": 0, "keep": 1}, optimizer=optimizer)
-    for name in ("one", "two"):
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**base, "out": str(tmp_path / name)}))
-    one = run_cli("train", str(tmp_path / "one.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = subprocess.run(
-        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "two.yaml")], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert one.wait() == 0, one.stderr.read().decode()[-2000:]
+    one_and_two_processes(tmp_path, base, {})
     expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert list(got) == list(range(1, 7))
     for step in expected:
@@ -267,24 +274,15 @@ def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace):
     Orthogonalising each shard separately changes the update at O(1); the gathered update differs from the
     single-process one only by bf16 Newton-Schulz rounding of the reduced gradients (first step exact)."""
     base = tiny_config(workspace, tmp_path / "x", steps=6, checkpoint={"every": 3, "keep": 1})
-    (tmp_path / "one.yaml").write_text(yaml.safe_dump({**base, "out": str(tmp_path / "one")}))
-    (tmp_path / "fsdp.yaml").write_text(yaml.safe_dump({**base, "out": str(tmp_path / "fsdp"), "distributed": "fsdp"}))
-    one = run_cli("train", str(tmp_path / "one.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    fsdp = subprocess.run(
-        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "fsdp.yaml")], cwd=REPO, env=env, capture_output=True, text=True
-    )
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert one.wait() == 0, one.stderr.read().decode()[-2000:]
-    expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    one_and_two_processes(tmp_path, base, {"distributed": "fsdp"})
+    expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert got[1] == expected[1] and list(got) == list(range(1, 7))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=2e-4)
     # The sharded run's checkpoints hold whole tensors: they load in one process.
     from safetensors.torch import load_file
 
-    a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "fsdp"))
+    a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two"))
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
 
 

@@ -27,6 +27,7 @@ from rich.progress import TextColumn
 from ..accounting import count_parameters, training_flops, training_flops_per_token
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
+from ..files import staged_directory
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
 from .checkpoint import checkpoint_folders, gather_state, load_checkpoint, write_checkpoint
@@ -259,8 +260,6 @@ class Trainer:
         model_state, _ = gather_state(self.model, [])
         final = self.out / "final"
         if self.processes.is_main:
-            from ..files import staged_directory
-
             with staged_directory(final, replace=True) as staging:
                 self.model.save_pretrained(staging, state_dict=model_state)
                 tokenizer = optional_tokenizer(self.config.model.path)
