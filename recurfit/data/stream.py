@@ -90,10 +90,6 @@ class RowStream:
         rows = np.stack([self.stores[source][row] for source, row in mine]).astype(np.int64)
         return torch.from_numpy(rows)
 
-    @property
-    def current_phase(self) -> int:
-        return self.phase
-
     # ------------------------------------------------------------ resume
 
     def state_dict(self) -> dict:

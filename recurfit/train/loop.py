@@ -200,7 +200,7 @@ class Trainer:
             "kind": "train", "step": counters.step, "loss": loss, "lr": lrs[-1],
             "n": num_steps[0], "k": num_steps[1], "mean_recurrence": mean, "backprop_depth": depth,
             "tokens": counters.tokens, "flops": counters.flops, "flops_paper": counters.flops_paper,
-            "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.current_phase,
+            "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.phase,
             "skipped": counters.skipped, "seconds": seconds,
         }  # fmt: skip
         if len(self.optimizers) > 1:
