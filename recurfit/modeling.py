@@ -12,6 +12,7 @@ attention masks and rotary embeddings are computed once per forward and shared b
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -182,21 +183,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
         each row's last position ran (fewer than n + k where `exit_rule` stopped it early).
 
         With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         n, k = self.resolve_num_steps(num_steps)
-        embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cache = past_key_values
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device, past)
-        inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache)
-        if cache is not None:
-            cache.begin_forward()
-            kwargs["past_key_values"] = cache
-        layer_kwargs = dict(inputs=inputs, position_ids=position_ids, **kwargs)
-
-        P, R, _ = self.config.shape
+        embedded, layer_kwargs = self._prepare(input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs)
         e = self._run(self.prelude, 0, embedded, **layer_kwargs)
         state = self.initial_state(e) if initial_state is None else initial_state
         states = []
@@ -207,7 +196,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             if cache is not None:
                 cache.step = step + 1
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
-                new_state = self._run(self.core, P, self.adapter(state, e), **layer_kwargs)
+                new_state = self._core_step(state, e, layer_kwargs)
             if adaptive:
                 # Rows that already stopped keep their state; the rest may stop now.
                 new_state = torch.where(done.view(-1, 1, 1), state, new_state)
@@ -223,14 +212,59 @@ class RecurrentModel(RecurrentPreTrainedModel):
                 break
         if cache is not None:
             cache.end_core(step + 1)
-        hidden = self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
+        hidden = self._coda(state, layer_kwargs)
         return hidden, (n, k), tuple(states) if output_hidden_states else None, steps_per_row
+
+    @torch.no_grad()
+    def readouts(
+        self,
+        input_ids: torch.LongTensor,
+        steps: Sequence[int],
+        attention_mask: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """`(r, final hidden states after r recurrences)` for each r in `steps`, in increasing order.
+
+        One pass through the recurrence up to the largest r, reading the coda out on the way: the prelude runs
+        once and the core max(steps) times, instead of once per r and sum(steps) times; every readout starts
+        from the same s_0 (drawn with `generator` unless given). Each r's hidden states equal
+        `forward(num_steps=r, initial_state=s_0)`'s."""
+        embedded, layer_kwargs = self._prepare(input_ids, None, attention_mask, None, None, {})
+        e = self._run(self.prelude, 0, embedded, **layer_kwargs)
+        state = self.initial_state(e, generator) if initial_state is None else initial_state
+        wanted = set(steps)
+        for step in range(1, max(wanted) + 1):
+            state = self._core_step(state, e, layer_kwargs)
+            if step in wanted:
+                yield step, self._coda(state, layer_kwargs)
+
+    def _prepare(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs) -> tuple[torch.Tensor, dict]:
+        """The embedded tokens, and what every layer receives: masks, rotary embeddings, positions, the cache."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device, past)
+        inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache)
+        if cache is not None:
+            cache.begin_forward()
+            kwargs = dict(kwargs, past_key_values=cache)
+        return embedded, dict(inputs=inputs, position_ids=position_ids, **kwargs)
+
+    def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """s_i = core(adapter(s_{i-1}, e))."""
+        return self._run(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
+
+    def _coda(self, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        P, R, _ = self.config.shape
+        return self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
 
     def _coda_probe(self, state, cache, layer_kwargs):
         """The final hidden states if the recurrence stopped at `state` (nothing kept in the cache)."""
-        P, R, _ = self.config.shape
         with cache.probe():
-            return self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
+            return self._coda(state, layer_kwargs)
 
     def resolve_num_steps(self, num_steps) -> tuple[int, int]:
         """`num_steps` as `(n, k)`. Unset: a sampled depth in training, `config.mean_recurrence` otherwise."""

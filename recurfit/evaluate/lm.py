@@ -1,0 +1,58 @@
+"""The lm-eval model type `recurfit`: lm-eval's own HFLM, with the test recurrence as an argument.
+
+    lm_eval --model recurfit --model_args pretrained=MODEL,num_steps=8 --tasks arc_easy
+
+Everything HFLM does (batching, right-padded log-likelihoods, left-padded generation, stop sequences, chat
+templates) is lm-eval's; this class only passes `num_steps` (and, on request, a zero initial state) to every
+forward and to `generate`. A fixed-depth model (the parent) works too: it is evaluated without `num_steps`.
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+
+from ..modeling import RecurrentForCausalLM
+
+STATE_INITS = ("random", "zeros")
+
+
+@register_model("recurfit")
+class RecurfitLM(HFLM):
+    def __init__(self, pretrained, num_steps: int | None = None, state_init: str = "random", **kwargs):
+        """`num_steps`: test recurrence (default: the model's `mean_recurrence`). `state_init`: "random" draws
+        s_0 as in training; "zeros" makes every request independent of what it is batched with (it sets the model's
+        `state_init_std` to 0)."""
+        if state_init not in STATE_INITS:
+            raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
+        kwargs.setdefault("backend", "causal")
+        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.num_steps = None if num_steps is None else int(num_steps)
+        self.state_init = state_init
+        if state_init == "zeros" and self.recurrent:
+            self.model.config.state_init_std = 0.0  # s_0 = 0 in every forward, generate's included
+
+    @property
+    def recurrent(self) -> bool:
+        return isinstance(self.model, RecurrentForCausalLM)
+
+    def _depth_kwargs(self) -> dict:
+        return {"num_steps": self.num_steps or self.model.config.mean_recurrence} if self.recurrent else {}
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        with torch.no_grad(), self._autocast():
+            return self.model(inps, **self._depth_kwargs()).logits
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._depth_kwargs())
+
+    def _autocast(self):
+        return torch.autocast(
+            device_type=self.device.type, dtype=self.mixed_precision_dtype, enabled=self.mixed_precision_dtype is not None
+        )
+
+    def get_model_info(self) -> dict:
+        return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init}

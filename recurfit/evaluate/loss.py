@@ -1,0 +1,145 @@
+"""Validation loss and perplexity as a function of test-time recurrence (`recurfit eval loss`).
+
+A recurrent model is read out at every requested r during one pass through the recurrence
+(`RecurrentModel.readouts`): the prelude runs once and the core max(r) times, all readouts from the same s_0.
+A fixed-depth model (the parent) is evaluated once. Data is either a prepared token store (its `val` split,
+rows of seq_len + 1) or any document source `data prepare` accepts, tokenised here into right-padded windows;
+padding is masked out of both attention and loss, so a batch gives the per-row results of its rows alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..data.sources import iter_documents
+from ..data.store import META, TokenStore
+from ..errors import RecurfitError
+from ..modeling import RecurrentForCausalLM
+from ..progress import progress_bar
+from .results import Row, Sweep
+
+
+@dataclass
+class Examples:
+    """Token sequences to score, each at most `seq_len + 1` long (inputs are all but the last token)."""
+
+    sequences: list[list[int]]
+    description: str
+
+    @property
+    def tokens(self) -> int:
+        """Predicted tokens: every token of a sequence but its first."""
+        return sum(len(s) - 1 for s in self.sequences)
+
+
+def load_examples(source: str, tokenizer=None, seq_len: int = 256, limit: int | None = None, seed: int = 1) -> Examples:
+    """A token store's `val` rows, or documents from `source` cut into windows of `seq_len + 1` tokens."""
+    if (Path(source) / META).is_file():
+        store = TokenStore(source, "val")
+        rows = store[: limit or len(store)]
+        return Examples([row.tolist() for row in rows], f"{source} (val split, {store.seq_len + 1}-token rows)")
+    if tokenizer is None:
+        raise RecurfitError(f"{source} is text, not a token store: a tokenizer is needed (the model folder's).")
+    sequences = list(islice(_windows(iter_documents(source, seed=seed), tokenizer, seq_len), limit))
+    if not sequences:
+        raise RecurfitError(f"{source} has no document with at least two tokens to score.")
+    return Examples(sequences, f"{source} (documents in windows of ≤ {seq_len + 1} tokens)")
+
+
+def _windows(documents: Iterator[str], tokenizer, seq_len: int) -> Iterator[list[int]]:
+    for text in documents:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        # Consecutive windows share one token, so every token after the document's first is predicted once.
+        for start in range(0, max(len(ids) - 1, 0), seq_len):
+            yield ids[start : start + seq_len + 1]
+
+
+def batches(examples: Examples, batch_size: int) -> Iterator[tuple[torch.LongTensor, torch.LongTensor]]:
+    """`(input_ids, attention_mask)`, right-padded with zeros."""
+    for start in range(0, len(examples.sequences), batch_size):
+        chunk = examples.sequences[start : start + batch_size]
+        width = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, sequence in enumerate(chunk):
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+        yield ids, mask
+
+
+def summed_nll(logits: torch.Tensor, ids: torch.LongTensor, mask: torch.LongTensor) -> torch.Tensor:
+    """Per row: the summed negative log-likelihood of each real token given those before it."""
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none")
+    return nll.sum(dim=1)
+
+
+@torch.no_grad()
+def sweep_nll(model, ids, mask, steps: Sequence[int] | None, generator: torch.Generator | None = None) -> dict:
+    """`{r: per-row summed NLL}` for a recurrent model (one pass to max(steps)); `{None: …}` for a fixed one."""
+    if not isinstance(model, RecurrentForCausalLM):
+        return {None: summed_nll(model(input_ids=ids, attention_mask=mask).logits, ids, mask)}
+    return {
+        r: summed_nll(model.lm_head(hidden), ids, mask)
+        for r, hidden in model.model.readouts(ids, steps, attention_mask=mask, generator=generator)
+    }
+
+
+def evaluate_loss(
+    model, examples: Examples, steps: Sequence[int], batch_size: int = 8, seed: int = 0, show_progress: bool = True
+) -> dict:
+    """`{r or None: {"loss", "perplexity"}}`: mean NLL per predicted token and its exponential."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)  # s_0: the same on every run
+    totals: dict = {}
+    label = f"loss at r={','.join(map(str, steps))}" if isinstance(model, RecurrentForCausalLM) else "loss"
+    with progress_bar(disable=not show_progress) as progress:
+        task = progress.add_task(label, total=len(examples.sequences))
+        for ids, mask in batches(examples, batch_size):
+            for r, nll in sweep_nll(model, ids.to(device), mask.to(device), steps, generator).items():
+                totals[r] = totals.get(r, 0.0) + nll.sum().item()
+            progress.advance(task, len(ids))
+    return {r: {"loss": total / examples.tokens, "perplexity": math.exp(total / examples.tokens)} for r, total in totals.items()}
+
+
+def loss_sweep(
+    model,
+    examples: Examples,
+    steps: Sequence[int],
+    model_name: str,
+    parent=None,
+    parent_name: str | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    show_progress: bool = True,
+) -> Sweep:
+    """The loss table: the model at each r (once if it is not recurrent), the parent alongside."""
+    for lm, name in ((model, model_name), (parent, parent_name)):
+        if lm is not None:
+            _check_vocabulary(lm, examples, name)
+    measured = evaluate_loss(model, examples, steps, batch_size, seed, show_progress)
+    rows = [Row.measured(model, r, metrics) for r, metrics in sorted(measured.items(), key=lambda item: item[0] or 0)]
+    parent_row = None
+    if parent is not None:
+        (metrics,) = evaluate_loss(parent, examples, steps, batch_size, seed, show_progress).values()
+        parent_row = Row.measured(parent, None, metrics, label=f"parent ({parent_name})")
+    details = {"data": examples.description, "sequences": len(examples.sequences), "tokens": examples.tokens, "seed": seed}
+    return Sweep("loss", model_name, ["loss", "perplexity"], rows, parent_row, None, details)
+
+
+def _check_vocabulary(model, examples: Examples, name: str) -> None:
+    largest = max(max(s) for s in examples.sequences)
+    if largest >= model.config.vocab_size:
+        raise RecurfitError(
+            f"The data holds token id {largest} but {name} has a vocabulary of {model.config.vocab_size}: it was "
+            "tokenised for another model. Prepare it with this model's tokenizer (`recurfit data prepare --tokenizer`)."
+        )
