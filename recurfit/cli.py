@@ -540,7 +540,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
+        args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:])  # lm-eval parses its own options
+    else:
+        args = parser.parse_args(argv)
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
 

@@ -103,3 +103,12 @@ def workspace(tmp_path_factory):
         write_documents(root / f"{name}.jsonl", 300, seed, words)
         prepare(tokenizer, [str(root / f"{name}.jsonl")], 32, root / name, show_progress=False, val_fraction=0.05)
     return root
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """`recurfit ARGV…` in this process: its exit status and everything it printed, on one line."""
+    from recurfit.cli import main
+
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, " ".join((out.out + out.err).split())  # undo rich's line wrapping

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import run_cli as run
 from conftest import tiny_parent, token_batch
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -19,12 +20,6 @@ def parent_dir(tmp_path):
     folder = tmp_path / "parent"
     tiny_parent("llama", num_layers=6).save_pretrained(folder)
     return folder
-
-
-def run(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return code, " ".join((out.out + out.err).split())  # undo rich's line wrapping
 
 
 def test_retrofit_writes_a_loadable_model_equal_to_the_python_api(parent_dir, tmp_path, capsys):

@@ -84,14 +84,12 @@ def summed_nll(logits: torch.Tensor, ids: torch.LongTensor, mask: torch.LongTens
 
 
 @torch.no_grad()
-def sweep_nll(model, ids, mask, steps: Sequence[int] | None, generator: torch.Generator | None = None) -> dict:
+def sweep_nll(model, ids, mask, steps: Sequence[int] | None, generator=None, initial_state=None) -> dict:
     """`{r: per-row summed NLL}` for a recurrent model (one pass to max(steps)); `{None: …}` for a fixed one."""
     if not isinstance(model, RecurrentForCausalLM):
         return {None: summed_nll(model(input_ids=ids, attention_mask=mask).logits, ids, mask)}
-    return {
-        r: summed_nll(model.lm_head(hidden), ids, mask)
-        for r, hidden in model.model.readouts(ids, steps, attention_mask=mask, generator=generator)
-    }
+    readouts = model.model.readouts(ids, steps, attention_mask=mask, initial_state=initial_state, generator=generator)
+    return {r: summed_nll(model.lm_head(hidden), ids, mask) for r, hidden in readouts}
 
 
 def evaluate_loss(

@@ -67,6 +67,8 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
             if recurrent:
                 axis.plot([row.steps for row in recurrent], [row.metrics[metric] for row in recurrent], marker="o",
                           label=sweep.model)  # fmt: skip
+            else:  # a fixed-depth model: one value whatever r
+                axis.axhline(sweep.rows[0].metrics[metric], label=sweep.model)
             for row, style, color in ((sweep.parent, "--", "black"), (sweep.chance, ":", "grey")):
                 if row is not None and metric in row.metrics:
                     axis.axhline(row.metrics[metric], linestyle=style, color=color, label=row.label)

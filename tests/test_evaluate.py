@@ -1,0 +1,299 @@
+"""Evaluation across test recurrence: the single-pass sweep, padding, the lm-eval model, offline tasks, CLI."""
+
+import json
+
+import pytest
+import torch
+from conftest import char_tokenizer, run_cli, tiny_parent, token_batch
+from lm_eval.api.instance import Instance
+
+import recurfit
+from recurfit.evaluate.loss import Examples, _windows, batches, evaluate_loss, summed_nll, sweep_nll
+from recurfit.evaluate.results import Sweep
+from recurfit.evaluate.suite import offline_tasks, resolve_tasks, task_manager
+from recurfit.evaluate.tasks.offline import last_boxed, math_results, minerva_answer
+from recurfit.errors import RecurfitError
+
+
+def recurrent(family="llama", **kwargs):
+    """A retrofit whose depth matters: a random adapter, so every r gives different logits."""
+    parent = tiny_parent(family)
+    return recurfit.retrofit(parent, (2, 2, 2), adapter_init="random", **kwargs).eval()
+
+
+def ragged(lengths=(12, 7, 3, 10), seed=3) -> Examples:
+    generator = torch.Generator().manual_seed(seed)
+    return Examples([torch.randint(1, 97, (n,), generator=generator).tolist() for n in lengths], "random ids")
+
+
+# ---------------------------------------------------------------- loss sweep
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo3", "gemma"])
+def test_one_pass_readouts_equal_separate_forwards_from_the_same_state(family):
+    model = recurrent(family)
+    ids = token_batch(2, 12)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0  # right padding on one row
+    s0 = torch.randn(2, 12, model.config.hidden_size) * 0.1
+    readouts = dict(model.model.readouts(ids, [1, 3, 4], attention_mask=mask, initial_state=s0))
+    assert list(readouts) == [1, 3, 4]
+    for r, hidden in readouts.items():
+        separate = model.model(ids, attention_mask=mask, num_steps=r, initial_state=s0)[0]
+        torch.testing.assert_close(hidden, separate, rtol=0, atol=1e-5)
+    assert (readouts[1] - readouts[4]).abs().max() > 1e-3  # depth changes the answer, so the check has teeth
+
+
+def test_loss_equals_the_models_own_loss_at_each_r():
+    model = recurrent(state_init_std=0.0)
+    ids = token_batch(3, 10)
+    mask = torch.ones_like(ids)
+    nll = sweep_nll(model, ids, mask, [1, 3])
+    for r in (1, 3):
+        expected = model(ids, labels=ids, num_steps=r).loss * ids.shape[0] * (ids.shape[1] - 1)
+        torch.testing.assert_close(nll[r].sum(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("parent", [False, True])
+def test_padded_batches_give_each_sequence_its_loss_alone(parent):
+    model = tiny_parent("qwen3") if parent else recurrent("qwen3", state_init_std=0.0)
+    examples = ragged()
+    steps = [1, 2, 4]
+    batched = evaluate_loss(model, examples, steps, batch_size=4, show_progress=False)
+    alone = evaluate_loss(model, examples, steps, batch_size=1, show_progress=False)
+    assert list(batched) == ([None] if parent else steps)
+    for r in batched:
+        assert batched[r]["loss"] == pytest.approx(alone[r]["loss"], abs=1e-5)
+    # Padding is neither attended to nor scored: the same ids padded with other tokens change nothing.
+    ids, mask = next(batches(examples, 4))
+    noisy = torch.where(mask.bool(), ids, torch.randint_like(ids, 1, 97))
+    torch.testing.assert_close(sweep_nll(model, ids, mask, steps)[steps[0] if not parent else None],
+                               sweep_nll(model, noisy, mask, steps)[steps[0] if not parent else None])
+
+
+def test_windows_predict_every_token_after_the_first_exactly_once():
+    tokenizer = char_tokenizer()
+    texts = ["the cat sat on the mat. " * 5, "a dog."]
+    windows = list(_windows(iter(texts), tokenizer, seq_len=16))
+    assert all(2 <= len(w) <= 17 for w in windows)
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts]  # + EOS
+    assert sum(len(w) - 1 for w in windows) == sum(n - 1 for n in lengths)
+
+
+def test_summed_nll_ignores_masked_targets():
+    logits = torch.randn(1, 4, 10)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    full = summed_nll(logits, ids, torch.ones_like(ids))
+    cut = summed_nll(logits, ids, torch.tensor([[1, 1, 0, 0]]))
+    expected = torch.nn.functional.cross_entropy(logits[0, :1], ids[0, 1:2], reduction="sum")
+    torch.testing.assert_close(cut[0], expected)
+    assert full[0] > cut[0]
+
+
+# ---------------------------------------------------------------- lm-eval model
+
+
+@pytest.fixture(scope="module")
+def lm_pair():
+    from recurfit.evaluate.lm import RecurfitLM
+
+    model = recurrent(state_init_std=0.0)
+    tokenizer = char_tokenizer()
+
+    def make(batch_size, **kwargs):
+        return RecurfitLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, num_steps=3, **kwargs)
+
+    return make
+
+
+def _requests(kind, arguments):
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
+
+
+def test_lm_eval_loglikelihoods_batched_equal_unbatched_and_depend_on_r(lm_pair):
+    pairs = [("the cat sat", " on the mat"), ("a", " dog ran far and then"), ("big red tree", "."), ("x", " y")]
+    batched = lm_pair(4).loglikelihood(_requests("loglikelihood", pairs))
+    alone = lm_pair(1).loglikelihood(_requests("loglikelihood", pairs))
+    for (a, greedy_a), (b, greedy_b) in zip(batched, alone):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+    shallow = lm_pair(4)
+    shallow.num_steps = 1
+    assert any(abs(a[0] - b[0]) > 1e-3 for a, b in zip(shallow.loglikelihood(_requests("loglikelihood", pairs)), batched))
+
+
+def test_lm_eval_generation_batched_equals_unbatched(lm_pair):
+    prompts = [("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+               ("a big red tree and then", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+               ("x", {"until": ["."], "max_gen_toks": 6, "do_sample": False})]  # fmt: skip
+    batched = lm_pair(3).generate_until(_requests("generate_until", prompts))
+    alone = lm_pair(1).generate_until(_requests("generate_until", prompts))
+    assert batched == alone and all(isinstance(text, str) for text in batched)
+
+
+def test_lm_eval_runs_a_fixed_depth_parent_without_num_steps():
+    from recurfit.evaluate.lm import RecurfitLM
+
+    lm = RecurfitLM(pretrained=tiny_parent("llama"), tokenizer=char_tokenizer(), batch_size=2, num_steps=4)
+    assert not lm.recurrent
+    (logprob, _), = lm.loglikelihood(_requests("loglikelihood", [("the cat", " sat")]))
+    assert logprob < 0
+
+
+# ---------------------------------------------------------------- offline tasks and scoring
+
+
+def test_offline_task_names_resolve_and_unknown_ones_fail_with_a_suggestion():
+    manager = task_manager("offline")
+    assert {"arc_challenge", "gsm8k_cot", "minerva_math", "mmlu"} <= set(offline_tasks())
+    assert resolve_tasks(["arc_challenge", "gsm8k_cot"], "offline", manager) == ["arc_challenge_offline", "gsm8k_cot_offline"]
+    assert len(resolve_tasks(["paper"], "offline", manager)) == 9
+    with pytest.raises(RecurfitError, match="did you mean 'arc_challenge'"):
+        resolve_tasks(["arc_challenge", "arc_chalenge"], "offline", manager)
+
+
+def test_every_offline_task_loads_its_bundled_data_and_builds_prompts():
+    from lm_eval.tasks import get_task_dict
+
+    manager = task_manager("offline")
+    tasks = get_task_dict([name + "_offline" for name in offline_tasks()], manager)
+    sizes = {name: len(task.eval_docs) for name, task in tasks.items()}
+    assert sizes["gsm8k_cot_offline"] == 1319 and sizes["minerva_math_offline"] == 5000
+    assert sizes["minerva_math500_offline"] == 500 and sizes["mmlu_offline"] == 14042
+    gsm8k = tasks["gsm8k_cot_offline"]
+    prompt = gsm8k.fewshot_context(gsm8k.eval_docs[0], num_fewshot=1)
+    assert prompt.startswith("Question: There are 15 trees") and prompt.count("Let's think step by step.") == 2
+    assert prompt.endswith("Answer: Let's think step by step.")
+    math500 = tasks["minerva_math500_offline"]
+    assert all(doc["answer"] and "\\le(" not in doc["answer"] for doc in math500.eval_docs)  # gold from \boxed{}
+
+
+class Oracle:
+    """Answers each generation request with a fixed function of its prompt (to test a task's scoring)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+
+def _score(task_name, completion_for):
+    """Run one offline generation task over 5 documents with completions from `completion_for(doc)`."""
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+
+    class Scripted(LM):
+        def __init__(self, docs):
+            super().__init__()
+            self.docs = docs
+
+        def generate_until(self, requests):
+            return [completion_for(request.doc) for request in requests]
+
+        def loglikelihood(self, requests):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    output = simple_evaluate(model=Scripted(None), tasks=[task_name], task_manager=task_manager("offline"), limit=5,
+                             bootstrap_iters=0, log_samples=False)  # fmt: skip
+    return output["results"][task_name]
+
+
+def test_gsm8k_scoring_reads_the_last_number_of_a_chain_of_thought():
+    right = _score("gsm8k_cot_offline", lambda doc: f"She has 3 apples. So 3 + 4 = 7.\nThe answer is {doc['short_answer']}.")
+    wrong = _score("gsm8k_cot_offline", lambda doc: f"The answer is {int(doc['short_answer'].replace(',', '')) + 1}.")
+    assert right["exact_match,flexible-extract"] == 1.0 and right["exact_match,strict-match"] == 1.0
+    assert wrong["exact_match,flexible-extract"] == 0.0
+
+
+def test_math_scoring_uses_minerva_answers_and_math_verify():
+    right = _score("minerva_math_offline", lambda doc: f"Work.\nFinal Answer: The final answer is ${doc['answer']}$. I hope it is correct.")
+    boxed = _score("minerva_math_offline", lambda doc: f"So it is $\\boxed{{{doc['answer']}}}$.")
+    wrong = _score("minerva_math_offline", lambda doc: "Final Answer: The final answer is $-12345$. I hope it is correct.")
+    assert right["math_verify,none"] == 1.0 and boxed["math_verify,none"] == 1.0 and wrong["math_verify,none"] == 0.0
+
+
+def test_answer_extraction_helpers():
+    assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
+    assert last_boxed("no box") is None
+    assert minerva_answer("Final Answer: The final answer is $[2,5)$. I hope it is correct.") == "$[2,5)$"
+    assert math_results({"answer": "\\frac{1}{2}"}, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {"math_verify": 1}
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny parent and its retrofit saved with a tokenizer, as `eval` finds them on disk."""
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = char_tokenizer()
+    parent = tiny_parent("llama")
+    for name, model in (("parent", parent), ("model", recurfit.retrofit(parent, (2, 2, 2), adapter_init="random"))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, workspace, tmp_path, capsys):
+    out = tmp_path / "loss"
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--steps", "1,2,4",
+                         "--baseline", saved / "parent", "--out", out)  # fmt: skip
+    assert code == 0, text
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "recurrence.png", "flops.png"}
+    sweep = Sweep.load(out / "results.json")
+    assert [row.steps for row in sweep.rows] == [1, 2, 4] and sweep.parent is not None
+    assert sweep.details["tokens"] == sweep.details["sequences"] * 32
+    table = (out / "table.md").read_text()
+    assert "| r=4 |" in table and "| parent (parent) |" in table
+    before = (out / "results.json").read_text()
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--out", out)
+    assert code == 2 and "--force" in text and (out / "results.json").read_text() == before
+
+
+def test_eval_loss_of_a_fixed_depth_model_is_one_row_and_bad_data_is_an_error(saved, workspace, tmp_path, capsys):
+    code, _ = run_cli(capsys, "eval", "loss", saved / "parent", "--data", workspace / "math", "--out", tmp_path / "p")
+    assert code == 0
+    sweep = Sweep.load(tmp_path / "p" / "results.json")
+    assert len(sweep.rows) == 1 and sweep.rows[0].steps is None
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", tmp_path / "nothing.jsonl", "--out", tmp_path / "x")
+    assert code == 2 and "nothing.jsonl" in text and not (tmp_path / "x").exists()
+
+
+def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path, capsys):
+    out = tmp_path / "tasks"
+    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--steps", "1,2",
+                         "--limit", "2", "--max-new-tokens", "4", "--baseline", saved / "parent", "--out", out)  # fmt: skip
+    assert code == 0, text
+    sweep = Sweep.load(out / "results.json")
+    assert sweep.metrics == ["arc_challenge (acc_norm)", "gsm8k_cot (exact_match)"]
+    assert [row.label for row in sweep.rows] == ["r=1", "r=2"]
+    assert sweep.chance.metrics["arc_challenge (acc_norm)"] == pytest.approx(0.25)
+    assert set(json.loads((out / "lm_eval.json").read_text())) == {"r=1", "r=2", "parent"}
+    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "gsm8k", "--out", tmp_path / "bad")
+    assert code == 2 and "did you mean 'gsm8k_cot'" in text and not (tmp_path / "bad").exists()
+
+
+def test_plot_overlays_results_and_training_runs(saved, workspace, tmp_path, capsys):
+    run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--steps", "1,2", "--out", tmp_path / "a")
+    run_cli(capsys, "eval", "loss", saved / "parent", "--data", workspace / "prose", "--out", tmp_path / "b")
+    log = tmp_path / "run" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9}, {"kind": "train", "step": 2, "loss": 4.0, "flops": 2e9},
+        {"kind": "eval", "step": 2, "prose/loss@1": 4.5, "prose/loss@4": 4.2},
+    ]))  # fmt: skip
+    code, text = run_cli(capsys, "plot", tmp_path / "a", tmp_path / "b" / "results.json", tmp_path / "run", "--out", tmp_path / "figs")
+    assert code == 0, text
+    assert {p.name for p in (tmp_path / "figs").iterdir()} == {"loss_recurrence.png", "loss_flops.png", "training.png"}
+    code, text = run_cli(capsys, "plot", tmp_path, "--out", tmp_path / "figs2")
+    assert code == 2 and "neither a training run" in text
+
+
+def test_lm_eval_command_line_runs_the_registered_model(saved, tmp_path, capsys):
+    out = tmp_path / "lm"
+    code, text = run_cli(capsys, "lm-eval", "--model", "recurfit", "--model_args",
+                         f"pretrained={saved / 'model'},num_steps=2", "--tasks", "arc_easy_offline",
+                         "--limit", "2", "--output_path", out)  # fmt: skip
+    assert code == 0, text
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert "arc_easy_offline" in results["results"] and results["config"]["model"] == "recurfit"
