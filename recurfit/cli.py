@@ -265,7 +265,8 @@ def _eval_models(args):
 
 
 def _model_name(path: str | None) -> str:
-    return Path(path).name if path else f"embedded SmolLM2-135M {DEFAULT_SHAPE}"
+    """How tables and legends name a model: the path as typed (runs/NAME/final says more than `final`)."""
+    return str(path).rstrip("/") if path else f"embedded SmolLM2-135M {DEFAULT_SHAPE}"
 
 
 def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> None:

@@ -209,12 +209,14 @@ def test_math_scoring_uses_minerva_answers_and_math_verify():
     right = _score("minerva_math_offline", lambda doc: f"Work.\nFinal Answer: The final answer is ${doc['answer']}$. I hope it is correct.")
     boxed = _score("minerva_math_offline", lambda doc: f"So it is $\\boxed{{{doc['answer']}}}$.")
     wrong = _score("minerva_math_offline", lambda doc: "Final Answer: The final answer is $-12345$. I hope it is correct.")
-    assert right["math_verify,none"] == 1.0 and boxed["math_verify,none"] == 1.0 and wrong["math_verify,none"] == 0.0
+    unstated = _score("minerva_math_offline", lambda doc: f"We get {doc['answer']} and then more words.")
+    assert right["math_verify,none"] == 1.0 and boxed["math_verify,none"] == 1.0
+    assert wrong["math_verify,none"] == 0.0 and unstated["math_verify,none"] == 0.0  # no stated answer, no credit
 
 
 def test_answer_extraction_helpers():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
-    assert last_boxed("no box") is None
+    assert last_boxed("no box") is None and minerva_answer("x = 3") is None
     assert minerva_answer("Final Answer: The final answer is $[2,5)$. I hope it is correct.") == "$[2,5)$"
     assert math_results({"answer": "\\frac{1}{2}"}, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {"math_verify": 1}
 
@@ -244,7 +246,7 @@ def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, 
     assert [row.steps for row in sweep.rows] == [1, 2, 4] and sweep.parent is not None
     assert sweep.details["tokens"] == sweep.details["sequences"] * 32
     table = (out / "table.md").read_text()
-    assert "| r=4 |" in table and "| parent (parent) |" in table
+    assert "| r=4 |" in table and f"| parent ({saved / 'parent'}) |" in table
     before = (out / "results.json").read_text()
     code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--out", out)
     assert code == 2 and "--force" in text and (out / "results.json").read_text() == before

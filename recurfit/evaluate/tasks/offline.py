@@ -96,13 +96,12 @@ def last_boxed(text: str) -> str | None:
 MINERVA_ANSWER = re.compile(r"Final Answer: The final answer is (.*?)\. I hope it is correct", re.DOTALL)
 
 
-def minerva_answer(completion: str) -> str:
+def minerva_answer(completion: str) -> str | None:
     """The answer under Minerva's convention ("Final Answer: The final answer is X. I hope it is correct."),
-    else the last `\\boxed{}`, else the whole completion (math-verify then looks for an expression in it)."""
+    else the last `\\boxed{}`; None when the completion states no answer. (Parsing the whole completion, as
+    lm-eval's `math_verify` metric does, credits a small model for any stray number equal to the answer.)"""
     match = MINERVA_ANSWER.search(completion)
-    if match:
-        return match.group(1).strip()
-    return last_boxed(completion) or completion
+    return match.group(1).strip() if match else last_boxed(completion)
 
 
 def _as_latex(answer: str) -> str:
@@ -113,5 +112,8 @@ def math_results(doc: dict, results: list[str]) -> dict[str, int]:
     """1 when the completion's answer equals the reference under math-verify (symbolic equivalence)."""
     from math_verify import parse, verify
 
-    gold, predicted = parse(_as_latex(doc["answer"])), parse(_as_latex(minerva_answer(results[0])))
+    answer = minerva_answer(results[0])
+    if answer is None:
+        return {"math_verify": 0}
+    gold, predicted = parse(_as_latex(doc["answer"])), parse(_as_latex(answer))
     return {"math_verify": int(bool(gold) and bool(predicted) and verify(gold, predicted))}
