@@ -53,6 +53,12 @@ def _log_axis(axis, base: int) -> None:
     axis.xaxis.set_minor_formatter(NullFormatter())
 
 
+def _score_axis(axis, metric: str) -> None:
+    """Scores (accuracies) start at 0, so that an all-zero task reads as zero and not as a flat mystery."""
+    if metric not in ("loss", "perplexity"):
+        axis.set_ylim(bottom=0, top=max(0.05, axis.get_ylim()[1]))
+
+
 def _metric_label(metric: str) -> str:
     return {"loss": "validation loss (nats/token)", "perplexity": "perplexity"}.get(metric, metric)
 
@@ -73,6 +79,7 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
                 if row is not None and metric in row.metrics:
                     axis.axhline(row.metrics[metric], linestyle=style, color=color, label=row.label)
         _log_axis(axis, base=2)
+        _score_axis(axis, metric)
         axis.set_xlabel("test recurrence r (core iterations)")
         axis.set_ylabel(_metric_label(metric))
         axis.grid(alpha=0.3)
@@ -97,6 +104,7 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
                 axis.plot([sweep.parent.flops_per_token / 1e9], [sweep.parent.metrics[metric]], marker="*",
                           markersize=12, linestyle="none", label=sweep.parent.label)  # fmt: skip
         _log_axis(axis, base=10)
+        _score_axis(axis, metric)
         axis.set_xlabel("inference GFLOPs per token (2 × eff. params)")
         axis.set_ylabel(_metric_label(metric))
         axis.grid(alpha=0.3)
