@@ -305,3 +305,17 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, work
     assert [p.name for p in root.iterdir()] == ["step-000002"]  # no half-written step-000003
     resumed = Trainer(load_config(None, ["steps=4"], base=tiny_config(workspace, tmp_path / "run")), resume=True)
     assert resumed.counters.step == 2 and resumed.stream.position == 16
+
+
+def test_explicit_layer_choices_build_that_retrofit_and_clash_with_shape(workspace):
+    from recurfit.train.config import DepthConfig, ModelConfig
+    from recurfit.train.model import build_model
+
+    layers = {"prelude": [0], "core": [3, 4], "coda": [5]}
+    model = build_model(ModelConfig(path=str(workspace / "parent"), **layers), DepthConfig(mean_recurrence=4), seed=0)
+    assert model.config.source_layers == layers and model.config.shape == (1, 2, 1)
+    base = {"out": "runs/x", "data": {"phases": [{"sources": [str(workspace / "prose")]}]}}
+    with pytest.raises(RecurfitError, match="not both"):
+        load_config(None, ["model.shape=[1,2,1]", "model.core=[3,4]", "model.prelude=[0]", "model.coda=[5]"], base=base)
+    with pytest.raises(RecurfitError, match="go together"):
+        load_config(None, ["model.core=[3,4]"], base=base)

@@ -29,6 +29,10 @@ from ..errors import RecurfitError
 class ModelConfig:
     path: Optional[str] = None  # folder or Hub id; None: the embedded SmolLM2-135M
     shape: Optional[list[int]] = None  # [P, R, C]: retrofit `path` with the paper's layer rule
+    # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
+    prelude: Optional[list[int]] = None
+    core: Optional[list[int]] = None
+    coda: Optional[list[int]] = None
     init: Literal["pretrained", "random"] = "pretrained"  # random: the scaled (Takase) init of the same shape
     adapter: Literal["linear", "add"] = "linear"
     state_init_std: Optional[float] = None  # None: keep the model's (DESIGN.md §1)
@@ -135,6 +139,12 @@ class TrainConfig:
             problems.append(f"model.shape must be [P, R, C] with R >= 1, got {self.model.shape}")
         if self.depth.mean_recurrence < 1 or self.depth.backprop_depth < 1:
             problems.append("depth.mean_recurrence and depth.backprop_depth must be >= 1")
+        explicit = [self.model.prelude, self.model.core, self.model.coda]
+        if any(part is not None for part in explicit):
+            if self.model.shape is not None:
+                problems.append("give model.shape or model.prelude/core/coda, not both")
+            elif self.model.core is None or None in explicit[::2]:
+                problems.append("model.prelude, model.core and model.coda go together (an empty list is allowed)")
         if not self.data.phases:
             problems.append("data.phases needs at least one phase with sources")
         for number, phase in enumerate(self.data.phases, 1):

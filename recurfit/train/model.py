@@ -17,11 +17,12 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     """fp32 master weights on the CPU; the trainer moves them. Recurrent unless `path` is a plain parent with
     no `shape` (the non-recurrent baseline, continued-trained in the same engine)."""
     model = load_model(config.path, dtype=torch.float32)
-    if config.shape is not None:
+    layers = {"prelude": config.prelude, "core": config.core, "coda": config.coda} if config.core is not None else {}
+    if config.shape is not None or layers:
         if isinstance(model, RecurrentForCausalLM):
             raise RecurfitError("model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape.")
         model = retrofit(
-            model, tuple(config.shape), adapter=config.adapter,
+            model, tuple(config.shape) if config.shape else None, **layers, adapter=config.adapter,
             mean_recurrence=depth.mean_recurrence, mean_backprop_depth=depth.backprop_depth,
         )  # fmt: skip
     if isinstance(model, RecurrentForCausalLM):
