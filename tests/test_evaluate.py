@@ -167,23 +167,12 @@ def test_every_offline_task_loads_its_bundled_data_and_builds_prompts():
     assert all(doc["answer"] and "\\le(" not in doc["answer"] for doc in math500.eval_docs)  # gold from \boxed{}
 
 
-class Oracle:
-    """Answers each generation request with a fixed function of its prompt (to test a task's scoring)."""
-
-    def __init__(self, answer):
-        self.answer = answer
-
-
 def _score(task_name, completion_for):
     """Run one offline generation task over 5 documents with completions from `completion_for(doc)`."""
     from lm_eval import simple_evaluate
     from lm_eval.api.model import LM
 
     class Scripted(LM):
-        def __init__(self, docs):
-            super().__init__()
-            self.docs = docs
-
         def generate_until(self, requests):
             return [completion_for(request.doc) for request in requests]
 
@@ -193,7 +182,7 @@ def _score(task_name, completion_for):
         def loglikelihood_rolling(self, requests):
             raise NotImplementedError
 
-    output = simple_evaluate(model=Scripted(None), tasks=[task_name], task_manager=task_manager("offline"), limit=5,
+    output = simple_evaluate(model=Scripted(), tasks=[task_name], task_manager=task_manager("offline"), limit=5,
                              bootstrap_iters=0, log_samples=False)  # fmt: skip
     return output["results"][task_name]
 
