@@ -131,25 +131,15 @@ def cmd_import_raven(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    """For now: retrofit the embedded model, show its parts, its parity and greedy text at several depths."""
-    import torch
+    """The main job: retrofit, heal, train, evaluate against the parent trained on the same tokens; a report."""
+    from .demo import DemoSettings, run_demo
 
-    from .loading import load_model, load_tokenizer
-    from .surgery import retrofit
-
-    console.rule("[bold]recurfit demo[/] — retrofit SmolLM2-135M-Instruct")
-    parent = load_model(None, dtype=torch.float32)
-    tokenizer = load_tokenizer(None)
-    model = retrofit(parent, args.shape)
-    console.print(
-        f"Shape {args.shape}: the paper's rule keeps the first {args.shape[0]} layers as prelude, the last "
-        f"{args.shape[2]} as coda, the {args.shape[1]} before them as the recurrent core, and drops the rest."
-    )
-    _print_model(model, [1, 4, 32])
-    _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
-    _print_generations(parent, model, tokenizer, args.steps, args.max_new_tokens)
-    if args.out:
-        _save(model, tokenizer, args.out, args.force)
+    settings = DemoSettings(
+        out=Path(args.out), model=args.model, shape=args.shape, steps=args.steps, heal_steps=max(args.steps // 4, 1),
+        mean_recurrence=args.mean_recurrence, math_problems=args.math_problems, gsm8k=args.gsm8k,
+        max_new_tokens=args.max_new_tokens, force=args.force,
+    )  # fmt: skip
+    run_demo(settings, console)
 
 
 def cmd_data_prepare(args) -> None:
@@ -377,34 +367,6 @@ def _print_parity(parent, model, batch) -> None:
     )
 
 
-def _print_generations(parent, model, tokenizer, steps, max_new_tokens) -> None:
-    import torch
-
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-
-    def greedy(lm, **kwargs) -> str:
-        with torch.no_grad():
-            out = lm.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
-        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-
-    console.print(f"Greedy answers to {messages[0]['content']!r}:")
-    console.print(f"[bold]parent, all {parent.config.num_hidden_layers} layers[/] {greedy(parent)!r}")
-    texts = {r: greedy(model, num_steps=r) for r in steps}
-    for r, text in texts.items():
-        console.print(f"[bold]retrofit, r={r:>2}[/] {text!r}")
-    if len(set(texts.values())) == 1:
-        console.print(
-            "[dim]Identical at every r, as expected before training: the identity adapter [0 | I] passes the "
-            "prelude output through and ignores the state, so extra recurrences repeat the same computation. "
-            "Dropping layers costs quality until the model is healed by training, which also teaches the core "
-            "to use the state.[/]"
-        )
-    else:
-        console.print("[dim]The depth changes the text: the adapter reads the recurrent state.[/]")
-
-
 def _save(model, tokenizer, out, force) -> None:
     from .files import staged_directory
 
@@ -530,11 +492,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model recurfit …")
     p.set_defaults(run=cmd_lm_eval)
 
-    p = commands.add_parser("demo", help="the main job on the embedded SmolLM2-135M")
-    p.add_argument("--shape", type=shape_arg, default=DEFAULT_SHAPE)
-    p.add_argument("--steps", type=positive_ints, default=[1, 4, 16], help="depths for the sample generation")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--out", help="also save the retrofitted model here")
+    p = commands.add_parser("demo", help="the main job: retrofit, heal, train, evaluate; writes OUT/report.md")
+    p.add_argument("--model", help=model_help)
+    p.add_argument("--shape", type=shape_arg, default=(6, 12, 6), help="P,R,C by the paper's rule (default 6,12,6)")
+    p.add_argument("--steps", type=int, default=48, help="optimizer steps of 4 × 256 tokens (a quarter healing)")
+    p.add_argument("--mean-recurrence", type=int, default=4, help="train recurrence the curriculum ramps to")
+    p.add_argument("--math-problems", type=int, default=4000, help="fresh math problems to generate for training")
+    p.add_argument("--gsm8k", type=int, default=16, help="GSM8K test problems to score (the first N)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default="runs/demo", help="run folder (replaced only with --force)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(run=cmd_demo)
     return parser
