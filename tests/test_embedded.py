@@ -49,7 +49,10 @@ def test_keeping_all_30_layers_is_the_parent(smollm2):
     assert (got - expected)[valid].abs().max().item() <= 1e-4
 
 
-def test_demo_runs_end_to_end(capsys):
-    assert main(["demo", "--steps", "1,3", "--max-new-tokens", "4"]) == 0
+def test_demo_shape_keeps_parity_and_the_retrofit_command_reports_it(tmp_path, capsys):
+    from recurfit.demo import DemoSettings
+
+    shape = DemoSettings().shape
+    assert main(["retrofit", "--shape", ",".join(map(str, shape)), "--out", str(tmp_path / "r")]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "✓ equal" in text and "Identical at every r" in text
+    assert "✓ equal" in text
