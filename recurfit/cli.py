@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("demo", help="the main job: retrofit, heal, train, evaluate; writes OUT/report.md")
     p.add_argument("--model", help=model_help)
     p.add_argument("--shape", type=shape_arg, default=(6, 12, 6), help="P,R,C by the paper's rule (default 6,12,6)")
-    p.add_argument("--steps", type=int, default=48, help="optimizer steps of 4 × 256 tokens (a quarter healing)")
+    p.add_argument("--steps", type=int, default=32, help="optimizer steps of 4 × 256 tokens (a quarter healing)")
     p.add_argument("--mean-recurrence", type=int, default=4, help="train recurrence the curriculum ramps to")
     p.add_argument("--math-problems", type=int, default=4000, help="fresh math problems to generate for training")
     p.add_argument("--gsm8k", type=int, default=16, help="GSM8K test problems to score (the first N)")

@@ -44,8 +44,8 @@ class DemoSettings:
     # (6,12,6) keeps 24 of SmolLM2's 30 layers: dropping 14 for (4,8,4) starts near loss 8.4 on prose, (6,12,6)
     # near 6.0, and keeping all 30 ((8,14,8)) makes every recurrence as costly as the parent.
     shape: tuple[int, int, int] = (6, 12, 6)
-    steps: int = 48
-    heal_steps: int = 12  # of `steps`, on prose only
+    steps: int = 32
+    heal_steps: int = 8  # of `steps`, on prose only
     batch: int = 4  # sequences per optimizer step (2 per forward)
     seq_len: int = 256
     mean_recurrence: int = 4
