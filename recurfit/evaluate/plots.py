@@ -46,19 +46,6 @@ def _save(figure, path: Path) -> Path:
     return path
 
 
-def _log_axis(axis, base: int) -> None:
-    """A log x axis labelled with plain numbers (1, 2, 4, … rather than 2⁰, 2¹, …)."""
-    axis.set_xscale("log", base=base)
-    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    axis.xaxis.set_minor_formatter(NullFormatter())
-
-
-def _score_axis(axis, metric: str) -> None:
-    """Scores (accuracies) start at 0, so that an all-zero task reads as zero and not as a flat mystery."""
-    if metric not in ("loss", "perplexity"):
-        axis.set_ylim(bottom=0, top=max(0.05, axis.get_ylim()[1]))
-
-
 def _metric_label(metric: str) -> str:
     return {"loss": "validation loss (nats/token)", "perplexity": "perplexity"}.get(metric, metric)
 
@@ -78,12 +65,7 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
             for row, style, color in ((sweep.parent, "--", "black"), (sweep.chance, ":", "grey")):
                 if row is not None and metric in row.metrics:
                     axis.axhline(row.metrics[metric], linestyle=style, color=color, label=row.label)
-        _log_axis(axis, base=2)
-        _score_axis(axis, metric)
-        axis.set_xlabel("test recurrence r (core iterations)")
-        axis.set_ylabel(_metric_label(metric))
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        _finish_metric_axis(axis, metric, "test recurrence r (core iterations)", log_base=2)
     return _save(figure, path)
 
 
@@ -103,13 +85,21 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
             if sweep.parent is not None and metric in sweep.parent.metrics:
                 axis.plot([sweep.parent.flops_per_token / 1e9], [sweep.parent.metrics[metric]], marker="*",
                           markersize=12, linestyle="none", label=sweep.parent.label)  # fmt: skip
-        _log_axis(axis, base=10)
-        _score_axis(axis, metric)
-        axis.set_xlabel("inference GFLOPs per token (2 × eff. params)")
-        axis.set_ylabel(_metric_label(metric))
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        _finish_metric_axis(axis, metric, "inference GFLOPs per token (2 × eff. params)", log_base=10)
     return _save(figure, path)
+
+
+def _finish_metric_axis(axis, metric: str, xlabel: str, log_base: int) -> None:
+    """A log x axis with plain tick labels; scores (accuracies) start at 0; labels, grid, legend."""
+    axis.set_xscale("log", base=log_base)
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 2, 4 rather than 2⁰, 2¹
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    if metric not in ("loss", "perplexity"):  # so that an all-zero task reads as zero, not as a flat mystery
+        axis.set_ylim(bottom=0, top=max(0.05, axis.get_ylim()[1]))
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(_metric_label(metric))
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
 
 
 def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
