@@ -9,7 +9,7 @@ from lm_eval.api.instance import Instance
 
 import recurfit
 from recurfit.evaluate.loss import Examples, _windows, batches, evaluate_loss, summed_nll, sweep_nll
-from recurfit.evaluate.results import Sweep
+from recurfit.evaluate.results import Row, Sweep
 from recurfit.evaluate.suite import offline_tasks, resolve_tasks, task_manager
 from recurfit.evaluate.tasks.offline import last_boxed, math_results, minerva_answer
 from recurfit.errors import RecurfitError
@@ -278,6 +278,29 @@ def test_plot_overlays_results_and_training_runs(saved, workspace, tmp_path, cap
     assert {p.name for p in (tmp_path / "figs").iterdir()} == {"loss_recurrence.png", "loss_flops.png", "training.png"}
     code, text = run_cli(capsys, "plot", tmp_path, "--out", tmp_path / "figs2")
     assert code == 2 and "neither a training run" in text
+
+
+def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_path, monkeypatch):
+    from recurfit.evaluate import plots
+
+    parent = Row("parent (p)", {"loss": 3.0}, flops_per_token=10**8)
+    sweeps = [Sweep("loss", name, ["loss"], [Row("r=1", {"loss": loss}, 1, 1, 10**8)], parent) for name, loss in
+              [("a", 4.0), ("b", 5.0)]]  # fmt: skip
+    log = tmp_path / "run" / "log.jsonl"
+    log.parent.mkdir()
+    log.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9},
+        {"kind": "eval", "step": 1, "prose/loss@1": 4.5, "prose/loss@4": 4.2, "math/loss@1": 3.5, "math/loss@4": 3.2},
+    ]))  # fmt: skip
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure) or path)
+    plots.plot_recurrence(sweeps, tmp_path / "r.png")
+    plots.plot_training([log.parent], tmp_path / "t.png")
+    recurrence, training = figures
+    assert [line.get_label() for line in recurrence.axes[0].get_lines()] == ["a", "b", "parent (p)"]
+    panels = [axis for axis in training.axes if axis.get_visible()]
+    assert [axis.get_title() for axis in panels[2:]] == [f"validation: {s} (fainter: smaller r)" for s in ("prose", "math")]
+    assert [line.get_label() for line in panels[3].get_lines()] == ["run r=1", "run r=4"]
 
 
 def test_lm_eval_command_line_runs_the_registered_model(saved, tmp_path, capsys):

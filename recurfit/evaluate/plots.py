@@ -2,7 +2,7 @@
 
     KIND_recurrence.png  each metric against test recurrence; the parent and random chance as horizontal lines
     KIND_flops.png       each metric against inference FLOPs per token (effective depth); the parent as a point
-    training.png         training loss against steps and against training FLOPs; validation loss per r if logged
+    training.png         training loss against steps and FLOPs; validation loss per r and store, if logged
 
 (KIND is `loss` or `tasks`; `recurfit eval` writes the first two for its own results as recurrence.png and
 flops.png.)
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from itertools import cycle
 from pathlib import Path
 
 import matplotlib
@@ -62,9 +63,9 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
                           label=sweep.model)  # fmt: skip
             else:  # a fixed-depth model: one value whatever r
                 axis.axhline(sweep.rows[0].metrics[metric], label=sweep.model)
-            for row, style, color in ((sweep.parent, "--", "black"), (sweep.chance, ":", "grey")):
-                if row is not None and metric in row.metrics:
-                    axis.axhline(row.metrics[metric], linestyle=style, color=color, label=row.label)
+        for row, style in _references(sweeps, metric):
+            axis.axhline(row.metrics[metric], linestyle=style, color="black" if style == "--" else "grey",
+                         label=row.label)  # fmt: skip
         _finish_metric_axis(axis, metric, "test recurrence r (core iterations)", log_base=2)
     return _save(figure, path)
 
@@ -82,9 +83,9 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
                 if row.steps is not None:
                     axis.annotate(f"r={row.steps}", (row.flops_per_token / 1e9, row.metrics[metric]), fontsize=7,
                                   textcoords="offset points", xytext=(3, 3))  # fmt: skip
-            if sweep.parent is not None and metric in sweep.parent.metrics:
-                axis.plot([sweep.parent.flops_per_token / 1e9], [sweep.parent.metrics[metric]], marker="*",
-                          markersize=12, linestyle="none", label=sweep.parent.label)  # fmt: skip
+        for row, _ in _references(sweeps, metric, chance=False):
+            axis.plot([row.flops_per_token / 1e9], [row.metrics[metric]], marker="*", markersize=12,
+                      linestyle="none", label=row.label)  # fmt: skip
         _finish_metric_axis(axis, metric, "inference GFLOPs per token (2 × eff. params)", log_base=10)
     return _save(figure, path)
 
@@ -102,6 +103,17 @@ def _finish_metric_axis(axis, metric: str, xlabel: str, log_base: int) -> None:
     axis.legend(fontsize=8)
 
 
+def _references(sweeps: Sequence[Sweep], metric: str, chance: bool = True):
+    """The parent (line style "--") and chance (":") rows that have `metric`, each distinct one once: sweeps
+    compared against the same parent share one line."""
+    seen = set()
+    for sweep in sweeps:
+        for row, style in ((sweep.parent, "--"), (sweep.chance if chance else None, ":")):
+            if row is not None and metric in row.metrics and (row.label, row.metrics[metric]) not in seen:
+                seen.add((row.label, row.metrics[metric]))
+                yield row, style
+
+
 def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
     """The metrics to draw: every one that some sweep has, perplexity left out (it repeats the loss)."""
     seen: list[str] = []
@@ -111,42 +123,53 @@ def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
 
 
 def plot_training(runs: Sequence[Path], path: Path) -> Path:
-    """Training loss against optimizer steps and against training FLOPs; validation loss per r if logged."""
+    """Training loss against optimizer steps and against training FLOPs; validation loss per r if logged, one
+    panel per validation store."""
     logs = {Path(run).name: read_log(run) for run in runs}
-    has_eval = any(record.get("kind") == "eval" for records in logs.values() for record in records)
-    figure, axes = _grid(3 if has_eval else 2, "Training")
-    for name, records in logs.items():
+    validation = {name: _validation_series(records) for name, records in logs.items()}
+    stores = list(dict.fromkeys(store for series in validation.values() for store in series))
+    figure, axes = _grid(2 + len(stores), "Training")
+    for color, (name, records) in zip(cycle(f"C{i}" for i in range(10)), logs.items()):
         train = [record for record in records if record.get("kind") == "train"]
-        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label=name)
-        axes[1].plot([r["flops"] for r in train], [r["loss"] for r in train], label=name)
-        if has_eval:
-            _plot_validation(axes[2], name, records)
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=name)
+        axes[1].plot([r["flops"] for r in train], [r["loss"] for r in train], color=color, label=name)
+        for axis, store in zip(axes[2:], stores):
+            _plot_validation(axis, name, color, validation[name].get(store, {}))
     axes[0].set_xlabel("optimizer step")
     axes[1].set_xlabel("training FLOPs (from the depths drawn)")
     axes[1].set_xscale("log")
     for axis in axes[:2]:
         axis.set_ylabel("training loss (nats/token)")
-    if has_eval:
-        axes[2].set_xlabel("optimizer step")
-        axes[2].set_ylabel("validation loss (nats/token)")
+    for axis, store in zip(axes[2:], stores):
+        axis.set_title(f"validation: {store} (fainter: smaller r)", fontsize=10)
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel("validation loss (nats/token)")
     for axis in axes:
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=7)
     return _save(figure, path)
 
 
-def _plot_validation(axis, run: str, records: list[dict]) -> None:
-    series: dict[str, list[tuple[int, float]]] = {}
+def _validation_series(records: list[dict]) -> dict[str, dict[int | None, list[tuple[int, float]]]]:
+    """store -> test recurrence (None for a fixed-depth model) -> [(step, loss)] from a run's eval records."""
+    series: dict = {}
     for record in records:
         if record.get("kind") != "eval":
             continue
         for key, value in record.items():
             match = EVAL_KEY.match(key)
             if match:
-                label = match["data"] + (f" r={match['r']}" if match["r"] else "")
-                series.setdefault(label, []).append((record["step"], value))
-    for label, points in series.items():
-        axis.plot(*zip(*points), marker=".", label=f"{run}: {label}")
+                r = int(match["r"]) if match["r"] else None
+                series.setdefault(match["data"], {}).setdefault(r, []).append((record["step"], value))
+    return series
+
+
+def _plot_validation(axis, run: str, color: str, by_r: dict[int | None, list[tuple[int, float]]]) -> None:
+    """One line per test recurrence in the run's colour, fading towards r = 1."""
+    for rank, (r, points) in enumerate(sorted(by_r.items(), key=lambda item: item[0] or 0)):
+        alpha = 0.3 + 0.7 * (rank + 1) / len(by_r)
+        axis.plot(*zip(*points), marker=".", color=color, alpha=alpha,
+                  label=run + ("" if r is None else f" r={r}"))  # fmt: skip
 
 
 def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
