@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The mini-reproduction (docs/mini-reproduction.md): three arms of recipes/mini/smollm2-242.yaml on CPU, a loss
-# sweep over test recurrence for each, and one set of overlaid figures. About 45 minutes on 2 cores.
+# sweep over test recurrence for each, and one set of overlaid figures. 55 minutes on 2 cores.
 #
 #   ./scripts/mini-reproduction.sh [OUT]       # default OUT: runs/mini; finished stages are skipped on re-run
 set -euo pipefail
@@ -31,20 +31,36 @@ done
 import sys
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from recurfit.evaluate.results import Sweep
 from recurfit.train.metrics import read_log
 
 out = Path(sys.argv[1])
 steps = [1, 2, 4, 8, 32]
-print("| arm | train PFLOPs | " + " | ".join(f"math r={r}" for r in steps) + " | prose r=4 |")
-print("|---|---|" + "---|" * (len(steps) + 1))
+
+
+def state_gain(model: Path) -> float:
+    """Spectral norm of the adapter's state half: how strongly each core pass can depend on the last one."""
+    with safe_open(model / "model.safetensors", "pt") as weights:
+        adapter = weights.get_tensor("model.adapter.weight").float()
+    return torch.linalg.matrix_norm(adapter[:, : adapter.shape[0]], 2).item()
+
+
+def losses(arm: str, store: str) -> tuple[dict[int, float], float]:
+    """Validation loss at each test recurrence, and the parent's."""
+    sweep = Sweep.load(out / "eval" / f"{arm}-{store}" / "results.json")
+    return {row.steps: row.metrics["loss"] for row in sweep.rows}, sweep.parent.metrics["loss"]
+
+
+print("| arm | training TFLOPs | " + " | ".join(f"math r={r}" for r in steps) + " | prose r=4 | ‖A_s‖₂ |")
+print("|---|---|" + "---|" * (len(steps) + 2))
 for arm in ["pretrained", "random", "1-sqrt"]:
     flops = [record for record in read_log(out / arm) if record["kind"] == "train"][-1]["flops"]
-    math, prose = (Sweep.load(out / "eval" / f"{arm}-{store}" / "results.json") for store in ("math", "prose"))
-    loss = {store: {row.steps: row.metrics["loss"] for row in sweep.rows} for store, sweep in
-            [("math", math), ("prose", prose)]}
-    print(f"| {arm} | {flops / 1e15:.2f} | " + " | ".join(f"{loss['math'][r]:.3f}" for r in steps)
-          + f" | {loss['prose'][4]:.3f} |")
-print(f"| parent (untrained, 30 layers) | | " + " | ".join(f"{math.parent.metrics['loss']:.3f}" for r in steps)
-      + f" | {prose.parent.metrics['loss']:.3f} |")
+    (math, parent_math), (prose, parent_prose) = losses(arm, "math"), losses(arm, "prose")
+    print(f"| {arm} | {flops / 1e12:.1f} | " + " | ".join(f"{math[r]:.3f}" for r in steps)
+          + f" | {prose[4]:.3f} | {state_gain(out / arm / 'final'):.3f} |")
+print("| parent (untrained, 30 layers) | | " + " | ".join(f"{parent_math:.3f}" for _ in steps)
+      + f" | {parent_prose:.3f} | |")
 SUMMARY
