@@ -2,6 +2,8 @@
 
 Re-running the same job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
 an existing store is refused unless `force`. The store appears atomically: a crash leaves nothing behind.
+A row filter (`filters.py`) is checked against every source before anything is written, and what it dropped
+and kept is recorded in the store's `meta.json` under `filter`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 from ..errors import RecurfitError
 from ..files import staged_directory
 from ..progress import progress_bar
-from .sources import fingerprint, iter_documents
+from .filters import FilterStats
+from .sources import check_filter, fingerprint, iter_documents
 from .store import FORMAT_VERSION, META, SPLITS, read_meta
 
 BATCH_DOCUMENTS = 512
@@ -42,11 +45,13 @@ def prepare(
     seed: int = 0,
     force: bool = False,
     show_progress: bool = True,
+    row_filter=None,
 ) -> PrepareResult:
     """Tokenise `sources` (see `sources.py`) and pack them into rows of `seq_len + 1` tokens in `out`.
 
     A document goes to the validation split when a hash of its text falls in `val_fraction`: the split does
-    not depend on document order, and the same document always lands in the same split."""
+    not depend on document order, and the same document always lands in the same split. `row_filter` (see
+    `filters.make_filter`) drops and rewrites rows of every source before tokenising."""
     if seq_len < 1:
         raise RecurfitError(f"--seq-len must be at least 1, got {seq_len}.")
     if not 0 <= val_fraction < 1:
@@ -63,11 +68,16 @@ def prepare(
         "val_fraction": val_fraction,
         "seed": seed,
     }
+    if row_filter is not None:  # only then, so that unfiltered stores keep their fingerprints
+        job["filter"] = row_filter.settings()
     digest = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
     if (out / META).is_file():
         existing = read_meta(out)
         if existing.get("fingerprint") == digest and not force:
             return PrepareResult(out, existing, skipped=True)
+    stats = {source: FilterStats() for source in sources} if row_filter is not None else {}
+    for source in stats:
+        check_filter(source, text_field, row_filter)
 
     vocab_size = len(tokenizer)
     dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
@@ -76,7 +86,7 @@ def prepare(
         documents = 0
         with progress_bar(disable=not show_progress) as bar:
             task = bar.add_task("tokenising", total=None)
-            for batch in _batches(_all_documents(sources, text_field, seed), BATCH_DOCUMENTS):
+            for batch in _batches(_all_documents(sources, text_field, seed, row_filter, stats), BATCH_DOCUMENTS):
                 ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
                 for text, tokens in zip(batch, ids):
                     packers[_split_of(text, val_fraction)].add(tokens + [tokenizer.eos_token_id])
@@ -84,8 +94,10 @@ def prepare(
                 bar.update(task, advance=len(batch), description=f"tokenising ({packers['train'].tokens:,} tokens)")
         rows = {split: packer.close() for split, packer in packers.items()}
         if rows["train"] == 0:
+            kept = sum(one.kept for one in stats.values())
+            why = f" after the {row_filter.name} filter kept {kept:,} rows" if row_filter is not None else ""
             raise RecurfitError(
-                f"The sources hold fewer than seq_len + 1 = {seq_len + 1} tokens of training text; "
+                f"The sources hold fewer than seq_len + 1 = {seq_len + 1} tokens of training text{why}; "
                 "add data or lower --seq-len."
             )
         meta = {
@@ -103,6 +115,8 @@ def prepare(
             "val_fraction": val_fraction,
             "seed": seed,
         }
+        if row_filter is not None:
+            meta["filter"] = _filter_report(row_filter, stats)
         (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
     return PrepareResult(out, meta, skipped=False)
 
@@ -112,9 +126,20 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def _all_documents(sources: Sequence[str], text_field: str | None, seed: int) -> Iterator[str]:
+def _all_documents(
+    sources: Sequence[str], text_field: str | None, seed: int, row_filter=None, stats: dict | None = None
+) -> Iterator[str]:
     for source in sources:
-        yield from iter_documents(source, text_field, seed)
+        yield from iter_documents(source, text_field, seed, row_filter, (stats or {}).get(source))
+
+
+def _filter_report(row_filter, stats: dict[str, FilterStats]) -> dict:
+    """The filter's settings, its counts over all sources, and the counts of each source."""
+    total = FilterStats()
+    for one in stats.values():
+        total.add(one)
+    # The top-level generator_field is the one asked for (None: detected); each source's is the one it used.
+    return {**total.as_dict(), **row_filter.settings(), "sources": {src: one.as_dict() for src, one in stats.items()}}
 
 
 def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:

@@ -9,6 +9,9 @@ A source is a string:
 
 Every source yields plain-text documents. Each source also has a `fingerprint` so that `data prepare` can
 tell a re-run of the same job (nothing to do) from a different job writing to the same folder.
+
+Record sources (JSON lines, parquet, Hub datasets) can pass through a row filter (`filters.py`), which reads
+other fields of each row; `check_filter` refuses a source without those fields before anything is written.
 """
 
 from __future__ import annotations
@@ -21,21 +24,67 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import RecurfitError
+from .filters import MISSING, FilterStats, lookup
 
 TEXT_FIELDS = ("text", "content", "document")
 LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".txt")
 EMBEDDED_MATH_DEFAULT = 20_000
 
 
-def iter_documents(source: str, text_field: str | None = None, seed: int = 0) -> Iterator[str]:
-    """The documents of `source` as strings (see the module docstring for the forms a source takes)."""
+def iter_documents(
+    source: str, text_field: str | None = None, seed: int = 0, row_filter=None, stats: FilterStats | None = None
+) -> Iterator[str]:
+    """The documents of `source` as strings (see the module docstring for the forms a source takes).
+
+    With `row_filter` (a `filters.NemotronSFTFilter`), each row's text is what the filter makes of it, rows it
+    drops are skipped, and what it did is counted in `stats`."""
+    if row_filter is not None:
+        _refuse_plain(source, row_filter)
+        stats = stats if stats is not None else FilterStats()
     if source.startswith("embedded:"):
         yield from _embedded(source.removeprefix("embedded:"), seed)
     elif source.startswith("hf:"):
-        yield from _hub(source.removeprefix("hf:"), text_field)
+        yield from _hub(source.removeprefix("hf:"), text_field, row_filter, stats)
     else:
         for path in local_files(source):
-            yield from _local(path, text_field)
+            yield from _local(path, text_field, row_filter, stats)
+
+
+def check_filter(source: str, text_field: str | None, row_filter) -> None:
+    """Raise the RecurfitError that filtering `source` would, without reading more than its first rows:
+    a plain-text or embedded source, or a file or dataset without the text field or the filter's fields."""
+    _refuse_plain(source, row_filter)
+    if source.startswith("hf:"):
+        record = next(iter(_hub_dataset(source.removeprefix("hf:"))), None)
+        if record is not None:
+            _text_field(record.keys(), text_field, source)
+            _record_generator_field(record, row_filter, source)
+        return
+    for path in local_files(source):
+        if path.name.endswith(".parquet"):
+            _parquet_columns(path, text_field, row_filter)
+        else:
+            for where, record in _json_records(path):
+                _text_field(record.keys(), text_field, where)
+                _record_generator_field(record, row_filter, where)
+                break
+
+
+def _refuse_plain(source: str, row_filter) -> None:
+    kind = None
+    if source.startswith("embedded:"):
+        kind = "an embedded source"
+    elif not source.startswith("hf:") and any(path.name.endswith(".txt") for path in local_files(source)):
+        kind = "plain text (.txt)"
+    if kind:
+        raise RecurfitError(
+            f"--filter {row_filter.name} reads the generating model of each row, but {source!r} is {kind}, "
+            f"whose documents have no fields. Prepare it without --filter {row_filter.name}, into a store of its own."
+        )
+
+
+def _record_generator_field(record, row_filter, where) -> str:
+    return row_filter.resolve(lambda name: lookup(record, name) is not MISSING, record.keys(), where)
 
 
 def local_files(source: str) -> list[Path]:
@@ -68,7 +117,7 @@ def fingerprint(source: str, text_field: str | None = None) -> str:
 # ---------------------------------------------------------------- local files
 
 
-def _local(path: Path, text_field: str | None) -> Iterator[str]:
+def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterStats | None = None) -> Iterator[str]:
     name = path.name
     if name.endswith(".txt"):
         # Plain text: paragraphs separated by blank lines are documents.
@@ -78,24 +127,93 @@ def _local(path: Path, text_field: str | None) -> Iterator[str]:
     elif name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        field = _text_field(table.column_names, text_field, path)
-        yield from (text for text in table.column(field).to_pylist() if text)
-    else:
-        opener = gzip.open if name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
+        field, generator, columns = _parquet_columns(path, text_field, row_filter)
+        if stats is not None:
+            stats.generator_field = stats.generator_field or generator
+        for batch in pq.ParquetFile(path).iter_batches(columns=columns):
+            for record in batch.to_pylist():
+                text = record[field]
+                if not text:
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as problem:
-                    raise RecurfitError(f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines.")
-                if not isinstance(record, dict):
-                    raise RecurfitError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}.")
-                text = record.get(_text_field(record.keys(), text_field, f"{path}:{number}"))
-                if text:
-                    yield str(text)
+                if row_filter is None:
+                    yield text
+                    continue
+                value = lookup(record, generator)
+                if value is MISSING:  # a JSON-string column whose object lacks the key
+                    row_filter.resolve(lambda _: False, list(record), path)
+                text = row_filter.apply(str(text), value, stats)
+                if text is not None:
+                    yield text
+    else:
+        for where, record in _json_records(path):
+            text = record.get(_text_field(record.keys(), text_field, where))
+            if not text:
+                continue
+            if row_filter is None:
+                yield str(text)
+                continue
+            # Every row is checked: JSON lines need not share their fields.
+            generator = _record_generator_field(record, row_filter, where)
+            if stats is not None:
+                stats.generator_field = stats.generator_field or generator
+            text = row_filter.apply(str(text), lookup(record, generator), stats)
+            if text is not None:
+                yield text
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as problem:
+                raise RecurfitError(f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines.")
+            if not isinstance(record, dict):
+                raise RecurfitError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}.")
+            yield f"{path}:{number}", record
+
+
+def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[str, str | None, list[str]]:
+    """The text column, the filter's generator field (None without a filter) and the top-level columns to read.
+
+    Fields are found in the schema: `a.b` is a column named so, or field `b` of a struct column `a`, or key `b`
+    of the JSON objects in a string column `a` (checked on the first row)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    schema = file.schema_arrow
+    field = _text_field(schema.names, text_field, path)
+    if row_filter is None:
+        return field, None, [field]
+
+    def has(name: str) -> bool:
+        if name in schema.names:
+            return True
+        head, _, rest = name.partition(".")
+        if not rest or head not in schema.names:
+            return False
+        kind = schema.field(head).type
+        for part in rest.split("."):
+            if pa.types.is_struct(kind):
+                index = kind.get_field_index(part)
+                if index < 0:
+                    return False
+                kind = kind.field(index).type
+            elif pa.types.is_string(kind) or pa.types.is_large_string(kind):  # JSON text: look at a row
+                first = next(file.iter_batches(batch_size=1, columns=[head]), None)
+                rows = first.to_pylist() if first is not None else []
+                return not rows or lookup(rows[0], name) is not MISSING
+            else:
+                return False
+        return True
+
+    generator = row_filter.resolve(has, schema.names, path)
+    top = generator if generator in schema.names else generator.partition(".")[0]
+    return field, generator, list(dict.fromkeys([field, top]))
 
 
 def _text_field(columns, wanted: str | None, where) -> str:
@@ -113,23 +231,36 @@ def _text_field(columns, wanted: str | None, where) -> str:
 # ---------------------------------------------------------------- Hub datasets
 
 
-def _hub(spec: str, text_field: str | None) -> Iterator[str]:
+def _hub_dataset(spec: str):
     import datasets
 
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
     try:
-        dataset = datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
+        return datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as problem:  # datasets raises many types for "unreachable" and "no such dataset"
         raise RecurfitError(
             f"Cannot load the dataset {name!r} ({type(problem).__name__}: {str(problem).splitlines()[0]}). "
             "Offline, use local files or the embedded sources (embedded:prose, embedded:math)."
         ) from None
-    field = None
-    for record in dataset:
+
+
+def _hub(spec: str, text_field: str | None, row_filter=None, stats: FilterStats | None = None) -> Iterator[str]:
+    field = generator = None
+    for record in _hub_dataset(spec):
         field = field or _text_field(record.keys(), text_field, f"hf:{spec}")
-        if record[field]:
-            yield record[field]
+        text = record[field]
+        if not text:
+            continue
+        if row_filter is None:
+            yield text
+            continue
+        generator = _record_generator_field(record, row_filter, f"hf:{spec}")
+        if stats is not None:
+            stats.generator_field = stats.generator_field or generator
+        text = row_filter.apply(str(text), lookup(record, generator), stats)
+        if text is not None:
+            yield text
 
 
 # ---------------------------------------------------------------- embedded sources
