@@ -20,6 +20,9 @@ class RecurrentConfig(PreTrainedConfig):
     them. `source_layers` ({"prelude": [...], "core": [...], "coda": [...]}) and `parent_name_or_path` record
     where each part came from.
 
+    `embedding_scale` multiplies the token embeddings (Huginn's `emb_scale`, used by the paper's random-init
+    baseline); None keeps the family's convention.
+
     Recurrence: `s_0 ~ TruncNormal(0, state_init_std², ±3σ)` (zeros when 0), `s_i = core(adapter([s_{i-1}; e]))`.
     `mean_recurrence` is the default test-time r and the training sampler's mean; `mean_backprop_depth` is
     the number of final steps that receive gradient in training.
@@ -39,6 +42,7 @@ class RecurrentConfig(PreTrainedConfig):
     state_init_std: float = DEFAULT_STATE_INIT_STD
     mean_recurrence: int = 32
     mean_backprop_depth: int = 8
+    embedding_scale: float | None = None  # token embeddings × this; None: the family's own (Gemma: sqrt(h))
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -64,6 +68,8 @@ class RecurrentConfig(PreTrainedConfig):
             )
         if self.adapter not in ADAPTERS:
             raise ValueError(f"adapter must be one of {ADAPTERS}, got {self.adapter!r}.")
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            raise ValueError(f"embedding_scale must be > 0 (or None for the family's own), got {self.embedding_scale}.")
         if not self.state_init_std >= 0:
             raise ValueError(f"state_init_std must be >= 0 (0 means a zero initial state), got {self.state_init_std}.")
         if self.mean_recurrence < 1 or self.mean_backprop_depth < 1:

@@ -3,7 +3,9 @@
 Every matrix and the embeddings are drawn from a truncated normal (±3σ) with σ = sqrt(2 / (5h)) ("small
 init"); the projections that write into the residual stream (attention output, MLP down) are further
 divided by sqrt(2 · L_eff), with L_eff the effective depth prelude + r̄·core + coda, so the residual stream
-does not grow with depth. Norm weights are 1, biases 0, and a linear adapter is a random matrix too.
+does not grow with depth. Huginn's init gives the linear half of the gated MLP (`up`, the second half of its
+fused `fc`) that smaller σ too. Norm weights are 1, biases 0, and a linear adapter is a random matrix too.
+Huginn also multiplies token embeddings by `emb_scale` in the forward: that is `model.embedding_scale`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from torch import nn
 
 from .modeling import RecurrentForCausalLM
 
-RESIDUAL_WRITERS = ("o_proj", "down_proj")
+# Drawn with the depth-scaled σ: the residual writers, and the GLU's linear half as Huginn's `init_glu` does.
+DEPTH_SCALED = ("o_proj", "down_proj", "up_proj")
 
 
 def effective_depth(model: nn.Module) -> int:
@@ -34,7 +37,7 @@ def scaled_init_(model: nn.Module, generator: torch.Generator | None = None) -> 
     for name, parameter in model.named_parameters():
         leaf = name.rsplit(".", 2)[-2] if name.count(".") else name
         if parameter.ndim >= 2:
-            scale = residual_std if leaf in RESIDUAL_WRITERS else std
+            scale = residual_std if leaf in DEPTH_SCALED else std
             values = torch.empty(parameter.shape, dtype=torch.float32)
             nn.init.trunc_normal_(values, std=scale, a=-3 * scale, b=3 * scale, generator=generator)
             parameter.copy_(values)

@@ -105,7 +105,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         text = config.text_config
         family = FAMILIES[text.model_type]
         self._no_split_modules = [family.decoder_layer.__name__]
-        self.embed_scale = text.hidden_size**0.5 if family.scale_embeddings else None
+        self.family_embed_scale = text.hidden_size**0.5 if family.scale_embeddings else None
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size, getattr(text, "pad_token_id", None))
         # Each layer gets its position in execution order as `layer_idx`, so its config fields
         # (text_config.layer_types[i]) and KV-cache slot are its own.
@@ -126,6 +126,12 @@ class RecurrentModel(RecurrentPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
+
+    @property
+    def embed_scale(self) -> float | None:
+        """The factor on token embeddings: the config's `embedding_scale`, else the family's own (or none)."""
+        scale = self.config.embedding_scale
+        return scale if scale is not None else self.family_embed_scale
 
     def embed(self, input_ids: torch.LongTensor) -> torch.Tensor:
         embedded = self.embed_tokens(input_ids)

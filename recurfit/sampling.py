@@ -52,31 +52,39 @@ CURRICULA = ("constant", "linear", "1-sqrt")
 
 @dataclass(frozen=True)
 class Curriculum:
-    """A depth that ramps from 1 to `target` over the first `ramp_steps` optimizer steps, then stays there.
+    """A depth that ramps from `start` to `target` over the first `ramp_steps` optimizer steps, then stays there.
 
-        linear:  d(t) = ceil(D · t/W)
-        1-sqrt:  d(t) = ceil(D · (1 - sqrt(1 - t/W)))    (climbs slowly at first: cheaper early steps)
+        linear:  d(t) = ceil(s + (D - s) · p)                p = (t + lead) / W
+        1-sqrt:  d(t) = ceil(s + (D - s) · (1 - sqrt(1 - p)))   (climbs slowly at first: cheaper early steps)
 
-    a staircase of integers, never below 1 (DESIGN.md §1). `constant` is D from the start.
+    a staircase of integers, never below 1. `constant` is D from the start. With the defaults (s = 0,
+    lead = 0) this is the paper's mean-recurrence curriculum, ceil(D · t/W). The paper authors' backprop-depth
+    curriculum is `start=1, lead=1`: their scheduler starts at 1/k̄ of k̄ and is stepped once before training.
     """
 
     target: int
     kind: str = "constant"
     ramp_steps: int = 0
+    start: int = 0
+    lead: int = 0
 
     def __post_init__(self):
         if self.kind not in CURRICULA:
             raise ValueError(f"curriculum must be one of {CURRICULA}, got {self.kind!r}.")
-        if self.target < 1 or self.ramp_steps < 0:
-            raise ValueError(f"curriculum needs target >= 1 and ramp_steps >= 0, got {self.target}, {self.ramp_steps}.")
+        if self.target < 1 or self.ramp_steps < 0 or not 0 <= self.start <= self.target:
+            raise ValueError(
+                f"curriculum needs target >= 1, ramp_steps >= 0 and 0 <= start <= target, got "
+                f"{self.target}, {self.ramp_steps}, {self.start}."
+            )
 
     def at(self, step: int) -> int:
-        if self.kind == "constant" or step >= self.ramp_steps:
+        progress = step + self.lead
+        if self.kind == "constant" or progress >= self.ramp_steps:
             return self.target
-        fraction = step / self.ramp_steps
+        fraction = progress / self.ramp_steps
         if self.kind == "1-sqrt":
             fraction = 1 - math.sqrt(1 - fraction)
-        return max(1, math.ceil(self.target * fraction))
+        return max(1, math.ceil(self.start + (self.target - self.start) * fraction))
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,13 @@ class LayerSelection:
     def from_scores(cls, shape: Sequence[int], scores: Sequence[float]):
         """Keep the P+R+C layers with the highest scores, in parent order, and split them into P, R, C."""
         P, R, C = _check_shape(shape, len(scores))
-        kept = sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[: P + R + C])
+        kept = highest_scoring(scores, P + R + C)
         return cls(tuple(kept[:P]), tuple(kept[P : P + R]), tuple(kept[P + R :]))
+
+
+def highest_scoring(scores: Sequence[float], count: int) -> list[int]:
+    """Indices of the `count` highest scores, in ascending (parent) order."""
+    return sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:count])
 
 
 def _check_shape(shape: Sequence[int], num_layers: int) -> tuple[int, int, int]:
@@ -229,6 +234,37 @@ def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str) -> t
     else:
         nn.init.normal_(adapter.weight, std=getattr(config.text_config, "initializer_range", 0.02))
     return adapter.weight.detach()
+
+
+def prune_layers(parent: PreTrainedModel, keep: int, calibration) -> PreTrainedModel:
+    """The parent with only its `keep` layers of highest Block Influence (ShortGPT), in place: a smaller
+    non-recurrent model, the baseline the paper compares its layer choice against. Returns `parent`."""
+    num_layers = parent.config.num_hidden_layers
+    if not 1 <= keep <= num_layers:
+        raise ValueError(f"Cannot keep {keep} layers of a {num_layers}-layer parent: choose 1..{num_layers}.")
+    kept = highest_scoring(block_influence(parent, calibration), keep)
+    tied = parent.config.tie_word_embeddings
+    parent.config = config_for_layers(parent.config, kept)
+    parent.config.tie_word_embeddings = tied
+    parent.model.config = parent.config
+    parent.model.layers = nn.ModuleList(parent.model.layers[i] for i in kept)
+    for index, layer in enumerate(parent.model.layers):
+        # A layer's KV-cache slot is its `layer_idx`: renumber the kept layers 0..keep-1.
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = index
+    return parent
+
+
+def untie_embeddings(model: PreTrainedModel) -> PreTrainedModel:
+    """Give a model whose head shares the embedding matrix its own copy of it (in place; no-op when untied).
+    Outputs are unchanged; training then updates the two separately, as the paper's Llama-3.2-1B baseline."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    if head.weight is embeddings.weight:
+        head.weight = nn.Parameter(embeddings.weight.detach().clone())
+    return model
 
 
 @contextmanager

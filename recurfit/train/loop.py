@@ -58,10 +58,15 @@ class TrainResult:
 
 
 def depth_schedule(config: TrainConfig) -> DepthSchedule:
+    """The curricula as the paper authors' scripts computed them: ramps of ceil(fraction · steps) steps; the
+    mean recurrence climbs from 0 (at least 1), the backprop depth from 1, one step ahead."""
     depth, steps = config.depth, config.steps
     return DepthSchedule(
-        Curriculum(depth.mean_recurrence, depth.curriculum, round(depth.curriculum_fraction * steps)),
-        Curriculum(depth.backprop_depth, depth.backprop_curriculum, round(depth.backprop_curriculum_fraction * steps)),
+        Curriculum(depth.mean_recurrence, depth.curriculum, math.ceil(depth.curriculum_fraction * steps)),
+        Curriculum(
+            depth.backprop_depth, depth.backprop_curriculum, math.ceil(depth.backprop_curriculum_fraction * steps),
+            start=1, lead=1,
+        ),  # fmt: skip
         seed=config.seed,
     )
 
@@ -262,7 +267,7 @@ class Trainer:
         if self.processes.is_main:
             with staged_directory(final, replace=True) as staging:
                 self.model.save_pretrained(staging, state_dict=model_state)
-                tokenizer = optional_tokenizer(self.config.model.path)
+                tokenizer = optional_tokenizer(self.config.model.source)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(staging)
         self.processes.barrier()

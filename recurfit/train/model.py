@@ -1,28 +1,39 @@
-"""The model a training config describes: a saved model, a parent retrofitted on the fly, or a random init."""
+"""The model a training config describes: a saved model, a parent retrofitted or pruned on the fly, a random
+init of a shape, or the final model of an earlier run (a chained phase)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..data import TokenStore
 from ..errors import RecurfitError
 from ..init import scaled_init_
 from ..loading import load_model, load_tokenizer
 from ..modeling import RecurrentForCausalLM
-from ..surgery import retrofit
+from ..surgery import prune_layers, retrofit, untie_embeddings
 from .config import DepthConfig, ModelConfig
 
 
 def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module:
     """fp32 master weights on the CPU; the trainer moves them. Recurrent unless `path` is a plain parent with
     no `shape` (the non-recurrent baseline, continued-trained in the same engine)."""
-    model = load_model(config.path, dtype=torch.float32)
+    check_sources(config)
+    model = load_model(config.source, dtype=torch.float32)
+    calibration = calibration_rows(config) if config.select == "shortgpt" else None
+    if config.prune_to is not None:
+        if isinstance(model, RecurrentForCausalLM):
+            raise RecurfitError("model.prune_to prunes a parent model, but model.path is recurrent; drop model.prune_to.")
+        model = _surgery(prune_layers, model, config.prune_to, calibration)
     layers = {"prelude": config.prelude, "core": config.core, "coda": config.coda} if config.core is not None else {}
     if config.shape is not None or layers:
         if isinstance(model, RecurrentForCausalLM):
             raise RecurfitError("model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape.")
-        model = retrofit(
-            model, tuple(config.shape) if config.shape else None, **layers, adapter=config.adapter,
+        model = _surgery(
+            retrofit, model, tuple(config.shape) if config.shape else None, **layers, select=config.select,
+            calibration=calibration, adapter=config.adapter,
             mean_recurrence=depth.mean_recurrence, mean_backprop_depth=depth.backprop_depth,
         )  # fmt: skip
     if isinstance(model, RecurrentForCausalLM):
@@ -30,11 +41,44 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
         model.config.mean_backprop_depth = depth.backprop_depth
         if config.state_init_std is not None:
             model.config.state_init_std = config.state_init_std
+        if config.embedding_scale is not None:
+            model.config.embedding_scale = config.embedding_scale
+    elif config.embedding_scale is not None:
+        raise RecurfitError("model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline.")
+    if config.untie_embeddings:
+        untie_embeddings(model)
     if config.init == "random":
         scaled_init_(model, torch.Generator().manual_seed(seed))
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+def check_sources(config: ModelConfig) -> None:
+    """Fail before any compute when a chained run or a calibration store is not there."""
+    if config.init_from is not None and not (Path(config.source) / "config.json").is_file():
+        raise RecurfitError(
+            f"model.init_from: {config.init_from} holds no finished run ({config.source} is missing); "
+            "train that run first, or point model.init_from at a run folder that has a `final` model."
+        )
+    if config.calibration is not None and not Path(config.calibration).is_dir():
+        raise RecurfitError(f"model.calibration: no token store at {config.calibration}; prepare it with `recurfit data prepare`.")
+
+
+def calibration_rows(config: ModelConfig) -> torch.Tensor:
+    """The first `calibration_rows` validation rows of the calibration store, as token ids."""
+    store = TokenStore(config.calibration, "val")
+    rows = store[: config.calibration_rows]
+    if len(rows) == 0:
+        raise RecurfitError(f"model.calibration: {config.calibration} has no validation rows for ShortGPT to score layers on.")
+    return torch.from_numpy(rows.astype("int64"))
+
+
+def _surgery(operation, *args, **kwargs):
+    try:
+        return operation(*args, **kwargs)
+    except ValueError as problem:  # surgery's messages name the problem; say where it came from
+        raise RecurfitError(f"model: {problem}") from None
 
 
 def is_recurrent(model: nn.Module) -> bool:
