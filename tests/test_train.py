@@ -18,7 +18,7 @@ from conftest import tiny_parent
 from recurfit.errors import RecurfitError
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.metrics import read_log
-from recurfit.train.optim import AdamWStar, split_parameters, warmup_stable_decay
+from recurfit.train.optim import AdamWStar, split_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,12 +79,6 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path, workspace):
     assert config.optimizer.lr == 1e-3 and config.batch.global_ == 16 and config.depth.fixed is True
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))
     assert load_config(tmp_path / "c.yaml").to_dict()["batch"] == {"micro": 2, "global": 8}
-
-
-def test_warmup_stable_decay():
-    lrs = [warmup_stable_decay(step, 10, warmup=2, decay=0.3, min_ratio=0.1) for step in range(10)]
-    assert lrs[:2] == [0.5, 1.0] and lrs[2:7] == [1.0] * 5
-    assert lrs[7:] == pytest.approx([0.7, 0.4, 0.1])
 
 
 # ---------------------------------------------------------------- optimisers
@@ -201,9 +195,9 @@ def test_mismatched_vocabulary_and_existing_runs_are_refused(tmp_path, workspace
         Trainer(load_config(None, [], base=config))
     with pytest.raises(RecurfitError, match="no checkpoint to resume from"):
         Trainer(load_config(None, [], base=tiny_config(workspace, tmp_path / "run")), resume=True)
-    train(load_config(None, ["steps=2"], base=tiny_config(workspace, tmp_path / "done")))
+    train(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
     with pytest.raises(RecurfitError, match="already holds a run; pass --resume"):
-        Trainer(load_config(None, ["steps=2"], base=tiny_config(workspace, tmp_path / "done")))
+        Trainer(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
 
 
 # ---------------------------------------------------------------- resume and processes
@@ -267,12 +261,15 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, workspace)
     assert all(eval_two[key] == pytest.approx(value, rel=1e-5) for key, value in eval_one.items() if key != "kind")
 
 
-def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace):
-    """FSDP2 shards every matrix over 2 gloo processes; Muon must still orthogonalise whole matrices.
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "muon_fused"])
+def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace, fused):
+    """FSDP2 shards every matrix over 2 gloo processes; Muon must still orthogonalise whole matrices
+    (with `muon_fused`, whole [q; k; v] and [gate; up] concatenations).
 
     Orthogonalising each shard separately changes the update at O(1); the gathered update differs from the
     single-process one only by bf16 Newton-Schulz rounding of the reduced gradients (first step exact)."""
     base = tiny_config(workspace, tmp_path / "x", steps=6, checkpoint={"every": 3, "keep": 1})
+    base["optimizer"]["muon_fused"] = fused
     one_and_two_processes(tmp_path, base, {"distributed": "fsdp"})
     expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert got[1] == expected[1] and list(got) == list(range(1, 7))

@@ -1,21 +1,36 @@
-"""Optimisers and the learning-rate schedule (paper appendix "Hyperparameters").
+"""Optimisers and the learning-rate schedule, as the paper's authors ran them (appendix "Hyperparameters").
 
-- `muon`: `torch.optim.Muon` for the 2-D hidden matrices (attention, MLP, adapter), AdamW for embeddings,
-  the head, norms and biases. Paper: Muon lr 1e-3, AdamW lr 5e-5, weight decay 1e-4.
+- `muon`: Muon (`torch.optim.Muon`, Keller Jordan's update) for the 2-D hidden matrices (attention, MLP,
+  adapter), AdamW for embeddings, the head, norms and biases: the authors' `MuonWithAuxAdam` setup. Paper:
+  Muon lr 1e-3, AdamW lr 5e-5, weight decay 1e-4 on both; the auxiliary Adam's ε is Keller's 1e-10.
+  `optimizer.muon_fused` orthogonalises each attention's q,k,v and each MLP's gate,up as one matrix, as
+  Muon saw them in the authors' checkpoints (fused `Wqkv` and `fc` weights).
 - `adamw`: `torch.optim.AdamW` for everything.
-- `adamw*`: the variant of Geiping et al. the paper compares against (`AdamWStar` below).
-- Warmup-stable-decay schedule: linear warmup, constant, linear decay over the last fraction of steps.
+- `adamw*`: the AdamW variant of Geiping et al. the paper compares against (`AdamWStar` below).
+- Schedule: transformers' warmup-stable-decay (`get_wsd_schedule`): linear warmup from `min_lr_ratio`,
+  constant, then a cosine (or linear, 1-sqrt) decay to `min_lr_ratio` over the last `decay` steps.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+from transformers.optimization import get_wsd_schedule
 
 from .config import OptimizerConfig
+
+# The auxiliary Adam's ε in Keller Jordan's MuonWithAuxAdam, which the authors' Muon runs used.
+MUON_AUX_ADAM_EPS = 1e-10
+# torch.optim.AdamW's default, and the authors' `optim_config` ε for their AdamW runs.
+ADAMW_EPS = 1e-8
+
+# Projections that the authors' checkpoints stored as one matrix, rows stacked in this order:
+# attention `Wqkv` = [q; k; v] and MLP `fc` = [gate; up].
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -30,78 +45,154 @@ def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     return matrices, others
 
 
+def fused_matrices(model: nn.Module, matrices: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Each attention's [q, k, v] and each MLP's [gate, up] weights, where all of them are in `matrices`."""
+    members = {id(p) for p in matrices}
+    units = []
+    for module in model.modules():
+        for names in FUSED_PROJECTIONS:
+            layers = [getattr(module, name, None) for name in names]
+            if not all(isinstance(layer, nn.Linear) for layer in layers):
+                continue
+            weights = [layer.weight for layer in layers]
+            if all(id(w) in members for w in weights) and len({w.shape[1] for w in weights}) == 1:
+                units.append(weights)
+    return units
+
+
+def adam_eps(config: OptimizerConfig) -> float:
+    if config.eps is not None:
+        return config.eps
+    return MUON_AUX_ADAM_EPS if config.name == "muon" else ADAMW_EPS
+
+
 def build_optimizers(model: nn.Module, config: OptimizerConfig) -> list[torch.optim.Optimizer]:
     betas = tuple(config.betas)
+    adamw = dict(lr=config.lr, betas=betas, eps=adam_eps(config), weight_decay=config.weight_decay)
     if config.name == "adamw":
-        return [torch.optim.AdamW(model.parameters(), lr=config.lr, betas=betas, weight_decay=config.weight_decay)]
+        return [torch.optim.AdamW(model.parameters(), **adamw)]
     if config.name == "adamw*":
         return [AdamWStar(model.parameters(), lr=config.lr, betas=betas, weight_decay=config.weight_decay)]
     matrices, others = split_parameters(model)
     muon = GatheringMuon(
-        matrices, lr=config.muon_lr, weight_decay=config.weight_decay, momentum=config.muon_momentum
-    )
-    adamw = torch.optim.AdamW(others, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
-    return [muon, adamw]
-
-
-def warmup_stable_decay(step: int, total: int, warmup: float, decay: float, min_ratio: float = 0.0) -> float:
-    """LR multiplier at `step` (0-based). `warmup`/`decay` are fractions of `total`, or step counts if >= 1."""
-    warmup_steps = warmup if warmup >= 1 else round(warmup * total)
-    decay_steps = decay if decay >= 1 else round(decay * total)
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_start = total - decay_steps
-    if step >= decay_start and decay_steps > 0:
-        progress = (step - decay_start + 1) / decay_steps
-        return 1.0 - (1.0 - min_ratio) * min(progress, 1.0)
-    return 1.0
+        matrices, lr=config.muon_lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        fused=fused_matrices(model, matrices) if config.muon_fused else (),
+    )  # fmt: skip
+    return [muon, torch.optim.AdamW(others, **adamw)]
 
 
 def build_schedulers(optimizers, config: OptimizerConfig, total_steps: int) -> list[LambdaLR]:
-    def multiplier(step: int) -> float:
-        return warmup_stable_decay(step, total_steps, config.warmup, config.decay, config.min_lr_ratio)
+    """transformers' warmup-stable-decay schedule, one per optimizer (each scales its own base LR).
 
-    return [LambdaLR(optimizer, multiplier) for optimizer in optimizers]
+    The multiplier at 0-based step s, with W warmup and D decay steps out of T, and m = min_lr_ratio:
+    m + (1 - m)·s/W while s < W; 1 until T - D; then m + (1 - m)·f(p), p = (s - (T - D))/D, with
+    f = (1 + cos πp)/2, 1 - p or 1 - √p. So the first step runs at m·lr (when W > 0), and the last decay
+    step just above m·lr. D = 0 keeps the LR constant after warmup.
+    """
+    warmup, decay = config.schedule_steps(total_steps)
+    return [
+        get_wsd_schedule(
+            optimizer, num_warmup_steps=warmup, num_decay_steps=decay, num_training_steps=total_steps,
+            warmup_type="linear", decay_type=config.decay_shape, min_lr_ratio=config.min_lr_ratio,
+        )  # fmt: skip
+        for optimizer in optimizers
+    ]
 
 
 class GatheringMuon(torch.optim.Muon):
-    """`torch.optim.Muon` that is also correct on FSDP2-sharded matrices.
+    """`torch.optim.Muon`, optionally orthogonalising groups of matrices as one, and correct on FSDP2 shards.
+
+    `fused`: lists of parameters (each a list of matrices with the same number of columns, e.g. an
+    attention's q, k, v weights) that are updated as their row-wise concatenation: momentum (elementwise,
+    so each parameter keeps its own buffer), Newton-Schulz on the concatenated matrix, Muon's
+    √max(1, rows/cols) LR scale of the concatenated shape, weight decay; then the result is split back.
+    This equals `torch.optim.Muon` stepping one parameter that is the concatenation.
 
     Newton-Schulz orthogonalises a whole matrix; on a shard it would orthogonalise the wrong thing. For a
     DTensor parameter, each rank gathers the full gradient, updates a full copy of the matrix with Muon's own
-    step function (the momentum buffer is kept whole), and keeps its shard of the result. Plain tensors go
-    through the parent class unchanged.
+    step function (the momentum buffer is kept whole), and keeps its shard of the result. Without fused
+    groups, plain tensors go through the parent class unchanged.
     """
+
+    def __init__(self, params, *, fused=(), **kwargs):
+        super().__init__(params, **kwargs)
+        group_of = {id(p): index for index, group in enumerate(self.param_groups) for p in group["params"]}
+        self.fused: list[list[torch.Tensor]] = []
+        self._unit_of: dict[int, int] = {}
+        for unit in fused:
+            unit = list(unit)
+            if len(unit) < 2:
+                continue
+            if any(id(p) not in group_of for p in unit):
+                raise ValueError("GatheringMuon: a fused group holds a parameter this optimizer does not update.")
+            if len({group_of[id(p)] for p in unit}) != 1 or len({p.shape[1] for p in unit}) != 1:
+                raise ValueError("GatheringMuon: a fused group needs one param group and equal column counts.")
+            if any(id(p) in self._unit_of for p in unit):
+                raise ValueError("GatheringMuon: a parameter is in two fused groups.")
+            for p in unit:
+                self._unit_of[id(p)] = len(self.fused)
+            self.fused.append(unit)
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
+        if not self.fused and not any(_is_dtensor(p) for group in self.param_groups for p in group["params"]):
             return super().step(closure)
-        from torch.distributed.tensor import distribute_tensor
-        from torch.optim._muon import _single_tensor_muon
-
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
-            for parameter in group["params"]:
-                if parameter.grad is None:
-                    continue
-                full = parameter.full_tensor() if _is_dtensor(parameter) else parameter.detach()
-                grad = parameter.grad.full_tensor() if _is_dtensor(parameter.grad) else parameter.grad
-                state = self.state[parameter]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                _single_tensor_muon(
-                    [full], [grad], [state["momentum_buffer"]],
-                    lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-                    nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"], eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-                    has_complex=False,
-                )  # fmt: skip
-                if _is_dtensor(parameter):
-                    # Every rank computed the same full matrix: take the local shard, no communication.
-                    shard = distribute_tensor(full, parameter.device_mesh, parameter.placements, src_data_rank=None)
-                    parameter.to_local().copy_(shard.to_local())
+            for unit in self._units(group):
+                unit = [p for p in unit if p.grad is not None]
+                if unit:
+                    self._update(group, unit)
         return loss
+
+    def _units(self, group):
+        """The group's parameters in order, each fused group once, at its first member."""
+        done = set()
+        for p in group["params"]:
+            index = self._unit_of.get(id(p))
+            if index is None:
+                yield [p]
+            elif index not in done:
+                done.add(index)
+                yield self.fused[index]
+
+    def _update(self, group, unit: list[torch.Tensor]) -> None:
+        fulls = [p.full_tensor() if _is_dtensor(p) else p.detach() for p in unit]
+        grads = [p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad for p in unit]
+        buffers = []
+        for p, grad in zip(unit, grads):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+        if len(unit) == 1:
+            _muon_update(group, fulls, grads, buffers)
+        else:
+            matrix, buffer = torch.cat(fulls), torch.cat(buffers)
+            _muon_update(group, [matrix], [torch.cat(grads)], [buffer])
+            rows = [full.shape[0] for full in fulls]
+            for full, part in zip(fulls + buffers, matrix.split(rows) + buffer.split(rows)):
+                full.copy_(part)
+        for p, full in zip(unit, fulls):
+            if _is_dtensor(p):
+                from torch.distributed.tensor import distribute_tensor
+
+                # Every rank computed the same full matrix: take the local shard, no communication.
+                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+
+
+def _muon_update(group: dict, params, grads, buffers) -> None:
+    """torch's own Muon step on plain tensors, with the group's settings (in-place on all three lists)."""
+    from torch.optim._muon import _single_tensor_muon
+
+    # The keyword set differs between torch releases (e.g. `use_addmm`): pass those the group holds.
+    accepted = inspect.signature(_single_tensor_muon).parameters.values()
+    settings = {a.name: group[a.name] for a in accepted if a.kind is a.KEYWORD_ONLY and a.name in group}
+    _single_tensor_muon(params, grads, buffers, **settings, has_complex=False)
 
 
 def _is_dtensor(tensor) -> bool:
@@ -109,23 +200,37 @@ def _is_dtensor(tensor) -> bool:
 
 
 class AdamWStar(torch.optim.Optimizer):
-    """AdamW* as the paper describes Geiping et al.'s optimiser:
+    """AdamW*: the AdamW variant of Geiping et al. (2025) that the paper compares against, as the authors ran
+    it (their `ELLISAdam` with running_init, atan_adam, update_clipping and decouple_wd on).
 
-    - no ε: the update is `atan2(m̂, √v̂)` (Everett et al. 2024), bounded and scale-invariant;
-    - update clipping (Wortsman et al. 2023): a tensor's step is divided by max(1, RMS(g²/v̂));
-    - decoupled weight decay scaled by the schedule, not by the LR: `p ← p·(1 - λ·lr_t/lr_max)`,
-      so λ keeps its meaning whatever the LR (the "fully decoupled" form).
+    Per tensor, at step t (from 1), gradient g, learning rate lr_t, β1, β2, weight decay λ, ε = 1e-6:
+
+    - running init: on the first step the moments start at m = g, v = g² (not at zero);
+    - every step: m ← lerp(m, g, 1 - β1), v ← β2·v + (1 - β2)·g², then v ← max(v, ε²) (in place);
+    - update clipping (Wortsman et al. 2023): step = lr_t / max(1, √mean(g²/v)) / (1 - β1^t);
+    - decoupled decay, scaled by the schedule and not by the LR: p ← p·(1 - λ·lr_t/lr_0), where lr_0 is
+      the group's `initial_lr` (the peak LR the schedule scales);
+    - no ε in the update (Everett et al. 2024): p ← p - step·atan2(m, √v / √(1 - β2^t)).
+
+    Moments are kept in float32. ε only floors v for the clipping ratio.
     """
 
-    def __init__(self, params, lr: float = 5e-5, betas=(0.9, 0.95), weight_decay: float = 1e-4):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+    def __init__(self, params, lr: float = 5e-5, betas=(0.9, 0.95), weight_decay: float = 1e-4, eps: float = 1e-6):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps))
+        for group in self.param_groups:
+            group.setdefault("initial_lr", group["lr"])
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            lr, peak = group["lr"], group.get("initial_lr", group["lr"])
+            lr = float(group["lr"])
+            initial = float(group.setdefault("initial_lr", lr))
+            shrink = 1.0 - (lr / initial if initial else 0.0) * group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -133,19 +238,18 @@ class AdamWStar(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg"] = grad.clone()
+                    state["exp_avg_sq"] = grad.square()
                 state["step"] += 1
-                t = state["step"].item()
+                t = int(state["step"].item())
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                m_hat = m / (1 - beta1**t)
-                v_hat = v / (1 - beta2**t)
-                rms = torch.sqrt(torch.mean(torch.where(v_hat > 0, grad.square() / v_hat, torch.zeros_like(v_hat))))
-                clipped_lr = lr / max(1.0, rms.item())
-                p.mul_(1 - group["weight_decay"] * lr / peak)
-                p.add_(torch.atan2(m_hat, v_hat.sqrt()).to(p.dtype), alpha=-clipped_lr)
+                clip = grad.square().div_(v.clamp_(min=group["eps"] ** 2)).mean().sqrt().clamp(min=1.0)
+                update = torch.atan2(m, v.sqrt().div_(math.sqrt(1 - beta2**t)))
+                update.mul_(lr / (1 - beta1**t) / clip)
+                p.mul_(shrink)
+                p.sub_(update.to(p.dtype))
         return loss
 
 
