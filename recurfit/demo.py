@@ -135,7 +135,7 @@ def _train_config(settings: DemoSettings, data: dict, out: Path, shape) -> dict:
             "mean_recurrence": settings.mean_recurrence, "backprop_depth": settings.backprop_depth,
             "curriculum": "1-sqrt", "curriculum_fraction": 0.75,
         },  # fmt: skip
-        "optimizer": {"name": "muon", "warmup": 0.1, "decay": 0.2},
+        "optimizer": {"name": "muon", "warmup": 0.1, "decay": 0.2, "decay_shape": "linear", "min_lr_ratio": 0.0},
         "batch": {"micro": min(2, settings.batch), "global": settings.batch},
         "steps": settings.steps,
         "checkpoint": {"every": 0, "keep": 1},
