@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from recurfit.train import load_config
 
@@ -40,5 +41,80 @@ def test_recipe_validates_with_its_suggested_overrides(path):
 
 def test_recipes_cover_the_papers_experiments():
     names = {p.stem for p in RECIPES}
-    assert {"llama-242-init", "tinyllama-484-fineweb", "llama-layers", "tinyllama-484-two-phase",
-            "tinyllama-484-single-phase", "tinyllama-484-math", "olmo-464-math", "llama-464-math"} <= names
+    assert {
+        "llama-242-init", "llama-242-cooldown", "llama-242-schedule", "tinyllama-484-fineweb", "llama-layers",
+        "tinyllama-shortgpt", "tinyllama-787-math", "tinyllama-484-two-phase-1", "tinyllama-484-two-phase-2",
+        "tinyllama-484-single-phase", "tinyllama-484-math", "olmo-464-math", "llama-464-math",
+    } <= names  # fmt: skip
+
+
+# ---------------------------------------------------------------- docs/paper-settings.md against the recipes
+
+SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
+SECTION = re.compile(r"^#{2,3} .*?`(recipes/paper/[\w.-]+\.yaml)`|^### \*arm\* .*?overrides `([^`]+)`")
+REQUIRED = {"parent", "shape", "steps", "global batch", "optimiser", "warmup", "decay", "mean recurrence",
+            "backprop depth", "curriculum", "data", "eval tasks"}  # fmt: skip
+
+
+def settings_sections() -> list[tuple[str, list[str], list[list[str]]]]:
+    """(recipe, overrides, table rows) for each section of the settings page; an arm inherits its recipe."""
+    sections, recipe = [], None
+    for line in SETTINGS.read_text().splitlines():
+        match = SECTION.match(line)
+        if match and match.group(1):
+            recipe = match.group(1)
+            sections.append((recipe, [], []))
+        elif match:
+            sections.append((recipe, match.group(2).split(), []))
+        elif line.startswith("| ") and not line.startswith("| setting") and sections:
+            sections[-1][2].append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return sections
+
+
+def config_value(config: dict, key: str):
+    for part in key.split("."):
+        config = config[int(part)] if isinstance(config, list) else config[part]
+    return config
+
+
+def same(expected, actual) -> bool:
+    if isinstance(expected, (int, float)) and isinstance(actual, (int, float)) and not isinstance(expected, bool):
+        return abs(expected - actual) <= 1e-12 * max(1.0, abs(expected))
+    if isinstance(expected, list) and isinstance(actual, list):
+        return len(expected) == len(actual) and all(same(e, a) for e, a in zip(expected, actual))
+    return expected == actual
+
+
+def test_every_paper_recipe_has_a_settings_section_and_every_section_a_recipe():
+    documented = {recipe for recipe, _, _ in settings_sections()}
+    on_disk = {str(p.relative_to(p.parents[2])) for p in RECIPES if p.parent.name == "paper"}
+    assert documented == on_disk
+
+
+@pytest.mark.parametrize("recipe, overrides, rows", settings_sections(), ids=lambda v: str(v)[:60] if isinstance(v, str) else None)
+def test_the_settings_table_matches_the_recipe(recipe, overrides, rows):
+    root = Path(__file__).parent.parent
+    config = load_config(root / recipe, overrides).to_dict()
+    checked = 0
+    for setting, value, source, key in rows:
+        assert source, f"{recipe}: the row {setting!r} names no source"
+        if key == "—":
+            continue
+        literal = re.match(r"`([^`]+)`", value)
+        assert literal and key.startswith("`"), f"{recipe}: row {setting!r} needs a `value` and a `key`"
+        expected = yaml.safe_load(literal.group(1))
+        actual = config_value(config, key.strip("`"))
+        assert same(expected, actual), f"{recipe} {' '.join(overrides)}: {setting} is {actual!r} in the recipe, {expected!r} in the table"
+        checked += 1
+    assert checked >= 1
+
+
+def test_main_sections_cover_every_kind_of_setting():
+    for recipe, overrides, rows in settings_sections():
+        if overrides or recipe.endswith(("olmo-464-math.yaml", "llama-464-math.yaml", "cooldown.yaml", "787-math.yaml",
+                                         "two-phase-1.yaml", "two-phase-2.yaml", "llama-layers.yaml", "shortgpt.yaml")):
+            continue  # these sections list what differs from the experiment they extend
+        names = {row[0] for row in rows}
+        missing = {name for name in REQUIRED if not any(name in n for n in names)}
+        missing -= {"eval tasks"} if "schedule" in recipe or "cooldown" in recipe else set()
+        assert not missing, f"{recipe}: the settings table lacks {sorted(missing)}"
