@@ -29,7 +29,7 @@ from recurfit.loading import load_model
 from recurfit.sampling import sample_depth
 from recurfit.train.metrics import peak_flops
 
-TINYLLAMA = dict(  # TinyLlama-1.1B's public config (DESIGN.md §6); random weights, no download
+TINYLLAMA = dict(  # TinyLlama-1.1B's public config; random weights, no download
     vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
     num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )  # fmt: skip

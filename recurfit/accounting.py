@@ -1,4 +1,4 @@
-"""Parameter counts and FLOPs, in the paper's conventions (DESIGN.md §1, §6).
+"""Parameter counts and FLOPs, in the paper's conventions (its §3 and appendix parameter tables).
 
 - "embeddings" counts the input embedding and the unembedding (once if tied).
 - A recurrent model's "body" is prelude + core + coda (no adapter, no final norm, as in the paper's tables);

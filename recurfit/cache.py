@@ -1,4 +1,4 @@
-"""A KV cache that knows which recurrence it is in (DESIGN.md §2).
+"""A KV cache that knows which recurrence it is in.
 
 The attention modules call `cache.update(k, v, layer_idx)`. Prelude and coda layers have one slot each,
 as in any decoder. Core layers run once per step, so `RecurrentCache` maps `(layer_idx, step)` to a slot.

@@ -1,4 +1,4 @@
-"""Import the paper authors' released checkpoints ("huginn_raven" format, DESIGN.md §5) as recurfit models.
+"""Import the paper authors' released checkpoints ("huginn_raven" format) as recurfit models.
 
 Their retrofitted Llama and OLMo-2 models name things `transformer.wte`, `transformer.prelude.{i}`,
 `transformer.adapter`, `transformer.core_block.{i}`, `transformer.coda.{i}`, `transformer.ln_f`, `lm_head`,

@@ -33,7 +33,7 @@ def parse_num_steps(num_steps) -> tuple[int, int]:
 def sample_depth(
     mean_recurrence: float, backprop_depth: int, generator: torch.Generator | None = None, sigma: float = 0.5
 ) -> tuple[int, int]:
-    """Draw `(n, k)` from the Poisson-lognormal depth distribution of Geiping et al. (DESIGN.md §1).
+    """Draw `(n, k)` from the Poisson-lognormal depth distribution of Geiping et al. (Geiping et al.; the paper's §3).
 
     T = Poisson(LogNormal(μ, σ)) + 1 with μ = ln(r̄) - σ²/2, so E[T] = r̄ + 1 when r̄ ≥ k̄; the last
     `k = min(k̄, T)` steps get gradient, the `n = T - k` before them do not. Pass a generator seeded by

@@ -78,7 +78,7 @@ class LayerSelection:
 
     @classmethod
     def paper_rule(cls, shape: Sequence[int], num_layers: int):
-        """Prelude = first P layers, coda = last C, core = the R layers just before the coda (DESIGN.md §6)."""
+        """Prelude = first P layers, coda = last C, core = the R layers just before the coda (the paper's §3)."""
         P, R, C = _check_shape(shape, num_layers)
         return cls(tuple(range(P)), tuple(range(num_layers - C - R, num_layers - C)), tuple(range(num_layers - C, num_layers)))
 

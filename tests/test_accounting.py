@@ -9,7 +9,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
 
-# Public configs of the paper's parents (DESIGN.md §6).
+# Public configs of the paper's parents.
 PARENTS = {
     "tinyllama": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                                 num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False)),

@@ -17,7 +17,7 @@ THEIR_NORMS = {"llama": ("input_layernorm", "post_attention_layernorm"),
 
 
 def write_raven_checkpoint(model: recurfit.RecurrentForCausalLM, folder, family: str, padded_vocab: int):
-    """Write `model` the way the reference code names and fuses its tensors (DESIGN.md §5)."""
+    """Write `model` the way the reference code names and fuses its tensors."""
     sd, text = model.state_dict(), model.config.text_config
     pad = padded_vocab - text.vocab_size
     out = {

@@ -1,4 +1,4 @@
-"""The Poisson-lognormal depth sampler of DESIGN.md §1."""
+"""The Poisson-lognormal depth sampler (Geiping et al.; the paper's §3)."""
 
 import pytest
 import torch
