@@ -199,7 +199,7 @@ def test_bad_schedules_are_rejected_at_validation_naming_the_key():
     base = {"out": "runs/x", "data": {"phases": [{"sources": ["data/nowhere"]}]}, "steps": 100}
     cases = {
         "optimizer.warmup=0.3 optimizer.decay=0.8": (
-            r"optimizer.warmup \(30 steps\) \+ optimizer.decay \(80 steps\) are longer than the run"
+            r"optimizer.warmup \(0.3\) \+ optimizer.decay \(0.8\) are more than the whole run"
         ),
         "optimizer.warmup=60 optimizer.decay=41": r"optimizer.warmup \(60 steps\) \+ optimizer.decay \(41 steps\)",
         "optimizer.decay_shape=exponential": r"optimizer.decay_shape must be one of \['cosine', 'linear', '1-sqrt'\]",
@@ -212,5 +212,7 @@ def test_bad_schedules_are_rejected_at_validation_naming_the_key():
     for overrides, message in cases.items():
         with pytest.raises(RecurfitError, match=message):
             load_config(None, overrides.split(), base=base)
+    # Rounding two fractions up cannot make a very short run invalid: the decay gives way.
+    assert load_config(None, ["steps=1"], base=base).optimizer.schedule_steps(1) == (1, 0)
     config = load_config(None, ["optimizer.warmup=0.2", "optimizer.decay=0.8", "optimizer.muon_fused=true"], base=base)
     assert config.optimizer.schedule_steps(100) == (20, 80) and config.optimizer.muon_fused
