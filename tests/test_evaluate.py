@@ -10,7 +10,18 @@ from lm_eval.api.instance import Instance
 import recurfit
 from recurfit.evaluate.loss import Examples, _windows, batches, evaluate_loss, summed_nll, sweep_nll
 from recurfit.evaluate.results import Row, Sweep
-from recurfit.evaluate.suite import offline_tasks, resolve_tasks, task_manager
+from recurfit.evaluate.suite import (
+    PAPER_SUITE,
+    RunSettings,
+    _leaves,
+    chance_level,
+    offline_tasks,
+    plan_runs,
+    resolve_tasks,
+    task_columns,
+    task_label,
+    task_manager,
+)
 from recurfit.evaluate.tasks.offline import last_boxed, math_results, minerva_answer
 from recurfit.errors import RecurfitError
 
@@ -139,6 +150,26 @@ def test_lm_eval_runs_a_fixed_depth_parent_without_num_steps():
     assert logprob < 0
 
 
+def test_add_bos_token_prepends_bos_as_hflm_does_with_a_tokenizer_it_loads_by_name(saved):
+    """The authors' `add_bos_token=True`: HFLM passes it to AutoTokenizer.from_pretrained, which then prepends BOS;
+    a tokenizer given as an object HFLM would use as it is, so RecurfitLM applies the flag to a copy."""
+    from lm_eval.models.huggingface import HFLM
+
+    from recurfit.evaluate.lm import RecurfitLM
+
+    tokenizer = char_tokenizer()
+    text = "the cat sat"
+    assert tokenizer(text)["input_ids"][0] != tokenizer.bos_token_id  # this tokenizer adds no BOS by itself
+    by_name = HFLM(pretrained=str(saved / "parent"), add_bos_token=True, device="cpu", batch_size=1)
+    ours = RecurfitLM(pretrained=recurrent(), tokenizer=tokenizer, batch_size=1, add_bos_token=True)
+    expected = [tokenizer.bos_token_id, *tokenizer(text)["input_ids"]]
+    assert by_name.tok_encode(text) == ours.tok_encode(text) == expected
+    assert ours.tok_batch_encode([text])[0][0].tolist() == by_name.tok_batch_encode([text])[0][0].tolist() == expected
+    assert tokenizer(text)["input_ids"] == expected[1:]  # the caller's tokenizer is left as it was
+    plain = RecurfitLM(pretrained=recurrent(), tokenizer=tokenizer, batch_size=1)
+    assert plain.tok_encode(text) == expected[1:]
+
+
 # ---------------------------------------------------------------- offline tasks and scoring
 
 
@@ -146,68 +177,59 @@ def test_offline_task_names_resolve_and_unknown_ones_fail_with_a_suggestion():
     manager = task_manager("offline")
     assert {"arc_challenge", "gsm8k_cot", "minerva_math", "mmlu"} <= set(offline_tasks())
     assert resolve_tasks(["arc_challenge", "gsm8k_cot"], "offline", manager) == ["arc_challenge_offline", "gsm8k_cot_offline"]
+    assert resolve_tasks(["mmlu_anatomy", "minerva_math_algebra"], "offline", manager) == [
+        "mmlu_anatomy_offline", "minerva_math_algebra_offline"]  # fmt: skip
     assert len(resolve_tasks(["paper"], "offline", manager)) == 9
     with pytest.raises(RecurfitError, match="did you mean 'arc_challenge'"):
         resolve_tasks(["arc_challenge", "arc_chalenge"], "offline", manager)
 
 
-def test_every_offline_task_loads_its_bundled_data_and_builds_prompts():
-    from lm_eval.tasks import get_task_dict
+def test_hub_names_are_lm_evals_but_gsm8k_cot_is_the_authors_variant_and_runs_get_the_papers_settings():
+    manager = task_manager("hub")  # indexes task files only: nothing is downloaded
+    names = resolve_tasks(["paper"], "hub", manager)
+    assert names == [*PAPER_SUITE[:7], "gsm8k_cot_sean", "minerva_math"]
+    assert [task_label(name) for name in names] == list(PAPER_SUITE)
+    for data, tasks in (("hub", names), ("offline", resolve_tasks(["paper"], "offline", task_manager("offline")))):
+        runs = plan_runs(tasks)
+        assert runs == {RunSettings(num_fewshot=0): tasks[:7], RunSettings(num_fewshot=1, max_length=1024): tasks[7:]}
+    assert plan_runs(["lambada_openai"]) == {RunSettings(): ["lambada_openai"]}  # not the paper's: lm-eval's defaults
+    with pytest.raises(RecurfitError, match="lm_eval ls tasks"):
+        resolve_tasks(["no_such_task"], "hub", manager)
 
+
+def test_table_columns_put_the_papers_metric_first_and_keep_the_others():
+    results = {"acc,none": 0.5, "acc_stderr,none": "N/A", "acc_norm,none": 0.25, "alias": "x"}
+    assert task_columns("arc_easy_offline", results) == {"arc_easy (acc_norm)": 0.25, "arc_easy (acc)": 0.5}
+    assert list(task_columns("winogrande_offline", {"acc,none": 0.5})) == ["winogrande (acc)"]
+    gsm8k = {"exact_match,strict-match": 0.1, "exact_match,flexible-extract": 0.2}
+    assert task_columns("gsm8k_cot_sean", gsm8k) == {"gsm8k_cot (exact_match, flexible-extract)": 0.2,
+                                                     "gsm8k_cot (exact_match, strict-match)": 0.1}  # fmt: skip
+    math = {"exact_match,none": 0.1, "math_verify,none": 0.2}  # lm-eval's own minerva_math (--data hub)
+    assert list(task_columns("minerva_math", math)) == ["minerva_math (math_verify)", "minerva_math (exact_match)"]
+    with pytest.raises(RecurfitError, match="No known metric"):
+        task_columns("lambada_openai", {"perplexity,none": 3.0})
+
+
+def test_every_offline_task_loads_its_bundled_data_and_chance_follows_the_groups():
     manager = task_manager("offline")
-    tasks = get_task_dict([name + "_offline" for name in offline_tasks()], manager)
-    sizes = {name: len(task.eval_docs) for name, task in tasks.items()}
-    assert sizes["gsm8k_cot_offline"] == 1319 and sizes["minerva_math_offline"] == 5000
-    assert sizes["minerva_math500_offline"] == 500 and sizes["mmlu_offline"] == 14042
-    gsm8k = tasks["gsm8k_cot_offline"]
-    prompt = gsm8k.fewshot_context(gsm8k.eval_docs[0], num_fewshot=1)
-    assert prompt.startswith("Question: There are 15 trees") and prompt.count("Let's think step by step.") == 2
-    assert prompt.endswith("Answer: Let's think step by step.")
-    math500 = tasks["minerva_math500_offline"]
-    assert all(doc["answer"] and "\\le(" not in doc["answer"] for doc in math500.eval_docs)  # gold from \boxed{}
-
-
-def _score(task_name, completion_for):
-    """Run one offline generation task over 5 documents with completions from `completion_for(doc)`."""
-    from lm_eval import simple_evaluate
-    from lm_eval.api.model import LM
-
-    class Scripted(LM):
-        def generate_until(self, requests):
-            return [completion_for(request.doc) for request in requests]
-
-        def loglikelihood(self, requests):
-            raise NotImplementedError
-
-        def loglikelihood_rolling(self, requests):
-            raise NotImplementedError
-
-    output = simple_evaluate(model=Scripted(), tasks=[task_name], task_manager=task_manager("offline"), limit=5,
-                             bootstrap_iters=0, log_samples=False)  # fmt: skip
-    return output["results"][task_name]
-
-
-def test_gsm8k_scoring_reads_the_last_number_of_a_chain_of_thought():
-    right = _score("gsm8k_cot_offline", lambda doc: f"She has 3 apples. So 3 + 4 = 7.\nThe answer is {doc['short_answer']}.")
-    wrong = _score("gsm8k_cot_offline", lambda doc: f"The answer is {int(doc['short_answer'].replace(',', '')) + 1}.")
-    assert right["exact_match,flexible-extract"] == 1.0 and right["exact_match,strict-match"] == 1.0
-    assert wrong["exact_match,flexible-extract"] == 0.0
-
-
-def test_math_scoring_uses_minerva_answers_and_math_verify():
-    right = _score("minerva_math_offline", lambda doc: f"Work.\nFinal Answer: The final answer is ${doc['answer']}$. I hope it is correct.")
-    boxed = _score("minerva_math_offline", lambda doc: f"So it is $\\boxed{{{doc['answer']}}}$.")
-    wrong = _score("minerva_math_offline", lambda doc: "Final Answer: The final answer is $-12345$. I hope it is correct.")
-    unstated = _score("minerva_math_offline", lambda doc: f"We get {doc['answer']} and then more words.")
-    assert right["math_verify,none"] == 1.0 and boxed["math_verify,none"] == 1.0
-    assert wrong["math_verify,none"] == 0.0 and unstated["math_verify,none"] == 0.0  # no stated answer, no credit
+    names = resolve_tasks([*offline_tasks()], "offline", manager)
+    loaded = manager.load(names)
+    sizes = {name: sum(len(task.eval_docs) for task in _leaves(name, loaded)) for name in names}
+    assert sizes == {"arc_easy_offline": 2376, "arc_challenge_offline": 1172, "openbookqa_offline": 500,
+                     "hellaswag_offline": 10042, "piqa_offline": 1838, "winogrande_offline": 1267, "mmlu_offline": 14042,
+                     "gsm8k_cot_offline": 1319, "minerva_math_offline": 5000, "minerva_math500_offline": 500}  # fmt: skip
+    assert len(_leaves("mmlu_offline", loaded)) == 57 and len(_leaves("minerva_math_offline", loaded)) == 7
+    assert chance_level(_leaves("mmlu_offline", loaded), 2) == pytest.approx(0.25)
+    assert chance_level(_leaves("piqa_offline", loaded), 3) == pytest.approx(0.5)
+    assert chance_level(_leaves("minerva_math_offline", loaded), 2) == 0.0
 
 
 def test_answer_extraction_helpers():
     assert last_boxed("a \\boxed{\\frac{1}{2}} b \\boxed{x^{2}}") == "x^{2}"
     assert last_boxed("no box") is None and minerva_answer("x = 3") is None
     assert minerva_answer("Final Answer: The final answer is $[2,5)$. I hope it is correct.") == "$[2,5)$"
-    assert math_results({"answer": "\\frac{1}{2}"}, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {"math_verify": 1}
+    doc = {"solution": "So $x = \\boxed{\\frac{1}{2}}$."}
+    assert math_results(doc, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {"math_verify": 1, "stated_answer": 1}
 
 
 # ---------------------------------------------------------------- command line
@@ -256,9 +278,13 @@ def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path,
                          "--limit", "2", "--max-new-tokens", "4", "--baseline", saved / "parent", "--out", out)  # fmt: skip
     assert code == 0, text
     sweep = Sweep.load(out / "results.json")
-    assert sweep.metrics == ["arc_challenge (acc_norm)", "gsm8k_cot (exact_match)"]
+    assert sweep.metrics == ["arc_challenge (acc_norm)", "arc_challenge (acc)", "gsm8k_cot (exact_match, flexible-extract)",
+                             "gsm8k_cot (exact_match, strict-match)"]  # fmt: skip
+    assert sweep.details["headline"] == ["arc_challenge (acc_norm)", "gsm8k_cot (exact_match, flexible-extract)"]
+    assert sweep.details["model_args"] == {"add_bos_token": True}
     assert [row.label for row in sweep.rows] == ["r=1", "r=2"]
     assert sweep.chance.metrics["arc_challenge (acc_norm)"] == pytest.approx(0.25)
+    assert "Each task's first column is the metric the paper reports" in (out / "table.md").read_text()
     assert set(json.loads((out / "lm_eval.json").read_text())) == {"r=1", "r=2", "parent"}
     code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "gsm8k", "--out", tmp_path / "bad")
     assert code == 2 and "did you mean 'gsm8k_cot'" in text and not (tmp_path / "bad").exists()

@@ -5,14 +5,19 @@
 Everything HFLM does (batching, right-padded log-likelihoods, left-padded generation, stop sequences, chat
 templates) is lm-eval's; this class only passes `num_steps` (and, on request, a zero initial state) to every
 forward and to `generate`. A fixed-depth model (the parent) works too: it is evaluated without `num_steps`.
+
+`add_bos_token=True` (the paper authors' setting) means what it means to HFLM loading a tokenizer by name,
+`AutoTokenizer.from_pretrained(..., add_bos_token=True)`: every encoded prompt starts with the BOS token. HFLM
+ignores the flag for a tokenizer passed as an object, which it uses as it is; RecurfitLM applies it to a copy.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-
 
 from ..modeling import RecurrentForCausalLM
 
@@ -27,6 +32,8 @@ class RecurfitLM(HFLM):
         `state_init_std` to 0)."""
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
+        if kwargs.get("add_bos_token") is not None and not isinstance(kwargs.get("tokenizer"), (str, type(None))):
+            kwargs["tokenizer"] = with_bos(kwargs["tokenizer"], kwargs["add_bos_token"])
         kwargs.setdefault("backend", "causal")
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained=pretrained, **kwargs)
@@ -56,3 +63,16 @@ class RecurfitLM(HFLM):
 
     def get_model_info(self) -> dict:
         return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init}
+
+
+def with_bos(tokenizer, add_bos_token: bool):
+    """A copy of `tokenizer` that prepends BOS to every encoding, or never does, as
+    `AutoTokenizer.from_pretrained(name, add_bos_token=…)` would have loaded it. A tokenizer without a BOS
+    token (Qwen's) is returned as it is: there is nothing to prepend."""
+    if tokenizer.bos_token is None:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_bos_token = add_bos_token
+    if add_bos_token and tokenizer("a")["input_ids"][:1] != [tokenizer.bos_token_id]:
+        raise ValueError(f"{type(tokenizer).__name__} does not prepend its BOS token when asked (add_bos_token=True).")
+    return tokenizer

@@ -115,10 +115,12 @@ def _references(sweeps: Sequence[Sweep], metric: str, chance: bool = True):
 
 
 def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
-    """The metrics to draw: every one that some sweep has, perplexity left out (it repeats the loss)."""
+    """The metrics to draw: every one that some sweep has, perplexity left out (it repeats the loss); of a task
+    sweep, each task's headline metric only (the paper's)."""
     seen: list[str] = []
     for sweep in sweeps:
-        seen += [m for m in sweep.metrics if m not in seen and m != "perplexity"]
+        shown = sweep.details.get("headline") or sweep.metrics
+        seen += [m for m in shown if m not in seen and m != "perplexity"]
     return seen
 
 

@@ -43,7 +43,8 @@ class Row:
 
 @dataclass
 class Sweep:
-    """`rows`: the model under test at each r (one row if it is not recurrent); `metrics`: the column order."""
+    """`rows`: the model under test at each r (one row if it is not recurrent); `metrics`: the column order;
+    `details["headline"]` (task sweeps): the columns that hold the paper's metric of each task."""
 
     kind: str  # "loss" or "tasks"
     model: str
@@ -79,6 +80,9 @@ class Sweep:
                 cells = [row.label, _millions(row.effective_parameters), _giga(row.flops_per_token)]
                 cells += [_number(row.metrics.get(name)) for name in self.metrics]
                 lines.append("| " + " | ".join(cells) + " |")
+        if self.details.get("headline"):
+            headline = ", ".join(self.details["headline"])
+            lines += ["", f"Each task's first column is the metric the paper reports: {headline}."]
         return "\n".join(lines) + "\n"
 
 

