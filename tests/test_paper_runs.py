@@ -104,7 +104,8 @@ def test_the_untied_non_recurrent_baseline_trains_two_matrices(tmp_path, workspa
     parent.save_pretrained(tmp_path / "tied")
     config = small_run(workspace, tmp_path / "run")
     config["model"] = {"path": str(tmp_path / "tied"), "untie_embeddings": True}
-    model = build_model(load_config(None, [], base=config).model, load_config(None, [], base=config).depth, 0)
+    loaded = load_config(None, [], base=config)
+    model = build_model(loaded.model, loaded.depth, 0)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 

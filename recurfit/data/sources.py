@@ -152,11 +152,7 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
             if row_filter is None:
                 yield str(text)
                 continue
-            # Every row is checked: JSON lines need not share their fields.
-            generator = _record_generator_field(record, row_filter, where)
-            if stats is not None:
-                stats.generator_field = stats.generator_field or generator
-            text = row_filter.apply(str(text), lookup(record, generator), stats)
+            text = _filtered(text, record, row_filter, stats, where)
             if text is not None:
                 yield text
 
@@ -255,12 +251,18 @@ def _hub(spec: str, text_field: str | None, row_filter=None, stats: FilterStats 
         if row_filter is None:
             yield text
             continue
-        generator = _record_generator_field(record, row_filter, f"hf:{spec}")
-        if stats is not None:
-            stats.generator_field = stats.generator_field or generator
-        text = row_filter.apply(str(text), lookup(record, generator), stats)
+        text = _filtered(text, record, row_filter, stats, f"hf:{spec}")
         if text is not None:
             yield text
+
+
+def _filtered(text, record: dict, row_filter, stats: FilterStats | None, where: str) -> str | None:
+    """`text` as the row filter leaves it, or None when it drops the row. Every record is checked for the
+    generator field: JSON lines and Hub rows need not share their fields."""
+    generator = _record_generator_field(record, row_filter, where)
+    if stats is not None:
+        stats.generator_field = stats.generator_field or generator
+    return row_filter.apply(str(text), lookup(record, generator), stats)
 
 
 # ---------------------------------------------------------------- embedded sources
