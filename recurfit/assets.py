@@ -50,6 +50,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     config.name_or_path = EMBEDDED_NAME
     clean = LlamaForCausalLM(config)
     clean.load_state_dict(loaded.state_dict())
-    with staged_directory(target, replace=True) as staging:  # replaces only an incomplete earlier attempt
+    # wait: another process converting at the same moment finishes first (this one then replaces its copy)
+    with staged_directory(target, replace=True, wait=True) as staging:
         clean.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

@@ -170,9 +170,14 @@ def cmd_train(args) -> None:
     from .train import load_config, train
 
     config = load_config(args.config, args.overrides)
-    result = train(config, resume=args.resume)
+    result = train(config, resume=args.resume, force=args.force)
     counters = result.counters
-    if int(os.environ.get("RANK", "0")) == 0:
+    if result.already_finished:
+        console.print(
+            f"{result.out} is already finished ({counters.step} steps): nothing to do. To train it further, start a "
+            f"new run from it with model.init_from={result.out}."
+        )
+    elif int(os.environ.get("RANK", "0")) == 0:
         console.print(
             f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
             f"({counters.skipped} updates skipped). Log: {result.out / 'log.jsonl'}; model: {result.out / 'final'}."
@@ -453,7 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
     p.add_argument("config", help="YAML training config (see recipes/)")
     p.add_argument("overrides", nargs="*", help="key.sub=value settings that override the config, e.g. steps=200")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the config's out")
+    p.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in the config's out from its newest checkpoint (or from step 0 if it has none)",
+    )  # fmt: skip
+    p.add_argument("--force", action="store_true", help="start over: the run in out is deleted once the new one is set up")
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
@@ -531,7 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
         args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:])  # lm-eval parses its own options
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if getattr(args, "command", None) == "train":  # overrides may follow --resume or --force too
+            args.overrides += [item for item in extra if "=" in item and not item.startswith("-")]
+            extra = [item for item in extra if item not in args.overrides]
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
 

@@ -1,35 +1,83 @@
-"""Writing output folders atomically: all of it appears at once, or nothing does."""
+"""Writing output folders atomically: all of it appears at once, or nothing does.
+
+While a folder is written, its lock (`lock.owned`) is held, so a second job aimed at the same folder stops
+with the first one's PID instead of racing it, and staging folders of jobs that died are removed.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import RecurfitError
+from .lock import owned
 
 
 @contextmanager
-def staged_directory(target: Path, replace: bool = False) -> Iterator[Path]:
-    """Yield an empty sibling folder to write into; on success it is renamed to `target`.
+def staged_directory(target: Path, replace: bool = False, wait: bool = False) -> Iterator[Path]:
+    """Yield an empty sibling folder to write into; on success its files are synced to disk and it is renamed
+    to `target`.
 
-    An existing non-empty `target` is an error unless `replace`; a failure leaves `target` untouched.
-    """
+    An existing non-empty `target` is an error unless `replace`; a failure leaves `target` untouched. The
+    folder gets the permissions the umask gives (not a temporary folder's 0700). `wait`: if another process
+    is writing `target`, wait for it instead of stopping."""
     target = Path(target)
-    if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
-        raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+    with owned(target, wait=wait):
+        if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
+            raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+        staging = _new_staging_folder(target)
+        try:
+            yield staging
+            _finish_files(staging)
+            if target.exists():
+                retired = staging.with_name(staging.name.replace(".partial-", ".old-"))
+                target.rename(retired)
+                staging.rename(target)
+                shutil.rmtree(retired)
+            else:
+                staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _new_staging_folder(target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    while True:
+        staging = target.parent / f".{target.name}.partial-{secrets.token_hex(4)}"
+        try:
+            staging.mkdir(mode=0o777)  # the umask applies, as for any folder the user creates
+            return staging
+        except FileExistsError:
+            continue
+
+
+def _finish_files(folder: Path) -> None:
+    """Give every file the permissions the umask allows (some writers, safetensors among them, create files
+    0600), and flush it to disk before the rename publishes it: after a power loss, a folder that has its
+    final name holds whole files."""
+    readable = 0o666 & ~umask()
+    for path in folder.rglob("*"):
+        if path.is_file():
+            os.chmod(path, path.stat().st_mode | readable)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask can only set it)."""
     try:
-        yield staging
-        if target.exists():
-            retired = staging.with_name(staging.name.replace(".partial-", ".old-"))
-            target.rename(retired)
-            staging.rename(target)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current

@@ -30,17 +30,24 @@ class Phase:
 
 
 class RowStream:
-    def __init__(self, phases: Sequence[Phase], seed: int = 0):
+    """`vocab_size`: token ids must be below it (the model's vocabulary); a row that is not stops the run."""
+
+    def __init__(self, phases: Sequence[Phase], seed: int = 0, vocab_size: int | None = None):
         if not phases:
             raise RecurfitError("The data config needs at least one source.")
         for index, phase in enumerate(phases):
             if phase.tokens is None and index != len(phases) - 1:
-                raise RecurfitError(f"Data phase {index + 1} has no token budget; only the last phase may run open-ended.")
+                raise RecurfitError(f"data.phases[{index}] has no token budget; only the last phase may run open-ended.")
             if not phase.mixture or any(w <= 0 for w in phase.mixture.values()):
-                raise RecurfitError(f"Data phase {index + 1} needs sources with positive weights, got {dict(phase.mixture)}.")
-        self.phases, self.seed = list(phases), seed
+                raise RecurfitError(f"data.phases[{index}] needs sources with positive weights, got {dict(phase.mixture)}.")
+        self.phases, self.seed, self.vocab_size = list(phases), seed, vocab_size
         self.paths = list(dict.fromkeys(path for phase in phases for path in phase.mixture))
         self.stores = [TokenStore(path, "train") for path in self.paths]
+        for store in self.stores:
+            if len(store) == 0:
+                raise RecurfitError(
+                    f"{store.folder} has no training rows; prepare it again from more text or with a smaller --seq-len."
+                )
         lengths = {store.seq_len for store in self.stores}
         if len(lengths) != 1:
             raise RecurfitError(f"All training stores need the same seq_len; got {dict(zip(self.paths, lengths))}.")
@@ -87,8 +94,21 @@ class RowStream:
         order = [self._next() for _ in range(global_rows)]
         share = global_rows // world
         mine = order[rank * share : (rank + 1) * share]
-        rows = np.stack([self.stores[source][row] for source, row in mine]).astype(np.int64)
-        return torch.from_numpy(rows)
+        rows = np.stack([self.stores[source][row] for source, row in mine])
+        if self.vocab_size is not None and rows.max() >= self.vocab_size:  # name the first row at fault
+            index = int((rows >= self.vocab_size).any(axis=1).argmax())
+            source, row = mine[index]
+            self.check_ids(rows[index], self.stores[source].folder, f"train row {row}")
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def check_ids(self, ids: np.ndarray, folder, where: str) -> None:
+        """An id the model has no embedding for would crash the forward: say which store holds it."""
+        if self.vocab_size is not None and len(ids) and int(ids.max()) >= self.vocab_size:
+            raise RecurfitError(
+                f"{folder} ({where}) holds token id {int(ids.max())}, but the model's vocabulary has "
+                f"{self.vocab_size} ids: the store was tokenised for another model or is damaged; prepare it "
+                "again with the model's tokenizer (`recurfit data prepare --tokenizer … --force`)."
+            )
 
     # ------------------------------------------------------------ resume
 

@@ -1,21 +1,28 @@
-"""Checkpoints that are whole or absent, and resume from the latest.
+"""Checkpoints that are whole or absent, checked before use, and resume from the newest readable one.
 
     OUT/checkpoints/step-000120/
         model.safetensors   full (unsharded) weights, keyed like the model's state dict
         optimizer.pt        optimiser and LR-schedule states, keyed by parameter name (torch.load weights_only)
         trainer.json        step, data-stream position, counters, and the config the run was started with
+        sha256sums.txt      the SHA-256 of the three files above (`sha256sum -c sha256sums.txt` checks by hand)
 
 A checkpoint is written into a hidden staging folder and renamed into place, so a crash mid-write leaves only
 the staging folder (ignored and cleaned up), never a `step-*` folder that loads wrong. The last `keep` are
-kept. The state dicts go through `torch.distributed.checkpoint.state_dict`, which gathers FSDP2 shards into
-full tensors (and is a no-op for a plain or DDP model), so every checkpoint loads on any number of processes.
+kept. On resume the checksums are verified before any tensor is used: a damaged checkpoint (flipped bytes, a
+truncated file, a hand-edited one) is skipped with a message naming the file, and the run resumes from the
+newest checkpoint that reads back whole. The state dicts go through `torch.distributed.checkpoint.state_dict`,
+which gathers FSDP2 shards into full tensors (and is a no-op for a plain or DDP model), so every checkpoint
+loads on any number of processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +40,8 @@ from ..files import staged_directory
 
 STEP_FOLDER = re.compile(r"^step-(\d{6,})$")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+MODEL, OPTIMIZER, TRAINER, SUMS = "model.safetensors", "optimizer.pt", "trainer.json", "sha256sums.txt"
+TRAINER_KEYS = ("counters", "stream", "config")
 
 
 def checkpoint_folders(root: Path) -> list[Path]:
@@ -55,12 +64,13 @@ def write_checkpoint(root: Path, step: int, model_state: dict, optimizer_states:
     target = root / f"step-{step:06d}"
     try:
         with staged_directory(target, replace=True) as staging:
-            save_file(_unshared(model_state), staging / "model.safetensors")
+            save_file(_unshared(model_state), staging / MODEL)
             torch.save(
-                {"optimizers": optimizer_states, "schedulers": [s.state_dict() for s in schedulers]},
-                staging / "optimizer.pt",
+                {"optimizers": optimizer_states, "schedulers": [s.state_dict() for s in schedulers]}, staging / OPTIMIZER
             )
-            (staging / "trainer.json").write_text(json.dumps(trainer, indent=2) + "\n")
+            (staging / TRAINER).write_text(json.dumps(trainer, indent=2) + "\n")
+            sums = "".join(f"{_sha256(staging / name)}  {name}\n" for name in (MODEL, OPTIMIZER, TRAINER))
+            (staging / SUMS).write_text(sums)
     except OSError as problem:  # out of disk, permissions: the staging folder is gone, older checkpoints intact
         raise RecurfitError(
             f"Cannot write the checkpoint {target} ({problem.strerror or problem}); free space or set out= "
@@ -68,8 +78,6 @@ def write_checkpoint(root: Path, step: int, model_state: dict, optimizer_states:
         ) from None
     for old in checkpoint_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for leftover in root.glob(".step-*.partial-*"):  # staging folders of a run that was killed mid-write
-        shutil.rmtree(leftover, ignore_errors=True)
     return target
 
 
@@ -84,19 +92,103 @@ def _unshared(state: dict) -> dict:
     return result
 
 
-def load_checkpoint(folder: Path, model, optimizers, schedulers) -> dict:
-    """Restore model, optimisers and schedules in place (on every rank); return the trainer state."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- reading back
+
+
+class DamagedCheckpoint(RecurfitError):
+    """A checkpoint folder that does not read back whole."""
+
+
+@dataclass
+class Checkpoint:
+    folder: Path
+    model_state: dict
+    optimizer: dict  # {"optimizers": [...], "schedulers": [...]}
+    trainer: dict
+
+    @property
+    def step(self) -> int:
+        return self.trainer["counters"]["step"]
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """Verify the checksums, then read the three files; a DamagedCheckpoint names the file and the problem."""
+    _verify(folder)
+    where = folder / MODEL
     try:
-        model_state = load_file(folder / "model.safetensors")
-        saved = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-        trainer = json.loads((folder / "trainer.json").read_text())
-    except (OSError, ValueError, RuntimeError) as problem:
-        raise RecurfitError(f"Cannot read the checkpoint {folder} ({problem}); delete it to resume from an older one.")
+        model_state = load_file(where)
+        where = folder / OPTIMIZER
+        optimizer = torch.load(where, weights_only=True, map_location="cpu")
+        where = folder / TRAINER
+        trainer = json.loads(where.read_text())
+    except Exception as problem:  # safetensors, pickle, JSON and OS errors alike: the file does not read back
+        raise DamagedCheckpoint(f"{where} cannot be read ({type(problem).__name__}: {_first_line(problem)})") from None
+    if not (isinstance(optimizer, dict) and all(isinstance(optimizer.get(k), list) for k in ("optimizers", "schedulers"))):
+        raise DamagedCheckpoint(f"{folder / OPTIMIZER} does not hold optimizer and schedule states")
+    missing = [key for key in TRAINER_KEYS if not isinstance(trainer, dict) or not isinstance(trainer.get(key), dict)]
+    if missing:
+        raise DamagedCheckpoint(f"{folder / TRAINER} lacks {', '.join(map(repr, missing))}")
+    return Checkpoint(folder, model_state, optimizer, trainer)
+
+
+def _verify(folder: Path) -> None:
+    sums = folder / SUMS
+    if not sums.is_file():
+        raise DamagedCheckpoint(f"{sums} is missing")
+    expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text().splitlines() if line.strip())
+    for name in (MODEL, OPTIMIZER, TRAINER):
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpoint(f"{path} is missing")
+        if _sha256(path) != expected.get(name):
+            raise DamagedCheckpoint(f"{path} does not match its checksum in {SUMS} (its bytes changed on disk)")
+
+
+def _first_line(problem: Exception) -> str:
+    return (str(problem).strip().splitlines() or [""])[0][:200]
+
+
+def newest_readable(root: Path, warn: Callable[[str], None] = print) -> Checkpoint | None:
+    """The newest checkpoint under `root` that reads back whole, or None if there is none at all. A damaged
+    newer one is reported through `warn` and skipped; if every one is damaged, that is an error with the fix."""
+    folders = checkpoint_folders(root)
+    problems = []
+    for folder in reversed(folders):
+        try:
+            checkpoint = read_checkpoint(folder)
+        except DamagedCheckpoint as problem:
+            problems.append(str(problem))
+            continue
+        for problem in problems:
+            warn(f"Skipping a damaged checkpoint: {problem}. Resuming from {folder.name} instead.")
+        return checkpoint
+    if problems:
+        raise RecurfitError(
+            f"Cannot read checkpoint {problems[0]}, and no older checkpoint reads back whole; start the run "
+            "over with --force (or restore the folder from a copy)."
+        )
+    return None
+
+
+def restore(checkpoint: Checkpoint, model, optimizers, schedulers) -> dict:
+    """Load a checkpoint's states into model, optimisers and schedules in place (on every rank); return the
+    trainer state."""
+    saved = checkpoint.optimizer
     if len(saved["optimizers"]) != len(optimizers):
-        raise RecurfitError(f"{folder} was written with another optimizer; resume with the config the run started with.")
-    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+        raise RecurfitError(
+            f"{checkpoint.folder} was written with another optimizer; resume with the config the run started with."
+        )
+    set_model_state_dict(model, checkpoint.model_state, options=StateDictOptions(full_state_dict=True))
     for optimizer, state in zip(optimizers, saved["optimizers"]):
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
     for scheduler, state in zip(schedulers, saved["schedulers"]):
         scheduler.load_state_dict(state)
-    return trainer
+    return checkpoint.trainer

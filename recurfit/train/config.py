@@ -65,6 +65,11 @@ class ModelConfig:
                 problems.append("give model.shape or model.prelude/core/coda, not both")
             elif self.core is None or None in explicit[::2]:
                 problems.append("model.prelude, model.core and model.coda go together (an empty list is allowed)")
+            elif not _in_parent_order(self.prelude, self.core, self.coda):
+                problems.append(
+                    f"model.prelude {self.prelude}, core {self.core} and coda {self.coda} must run in parent order: "
+                    "every prelude layer before every core layer, every core layer before every coda layer"
+                )
         if self.init_from is not None:
             if self.path is not None:
                 problems.append("model.init_from continues a run's final model; drop model.path")
@@ -89,7 +94,14 @@ class ModelConfig:
             problems.append(f"model.embedding_scale must be > 0, got {self.embedding_scale}")
         if self.calibration_rows < 1:
             problems.append("model.calibration_rows must be >= 1")
+        if self.state_init_std is not None and not self.state_init_std >= 0:
+            problems.append(f"model.state_init_std must be >= 0 (0: a zero initial state), got {self.state_init_std}")
         return problems
+
+
+def _in_parent_order(*parts: list[int]) -> bool:
+    indices = [i for part in parts for i in part]
+    return all(a < b for a, b in zip(indices, indices[1:]))
 
 
 @dataclass
@@ -158,6 +170,13 @@ class OptimizerConfig:
             found.append(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.eps is not None and self.eps <= 0:
             found.append(f"optimizer.eps must be > 0, got {self.eps}")
+        for name in ("lr", "muon_lr"):
+            if not getattr(self, name) > 0:
+                found.append(f"optimizer.{name} must be > 0, got {getattr(self, name)}")
+        if not self.weight_decay >= 0 or not self.grad_clip >= 0:
+            found.append("optimizer.weight_decay and optimizer.grad_clip must be >= 0 (grad_clip 0: no clipping)")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas) or not 0 <= self.muon_momentum < 1:
+            found.append(f"optimizer.betas must be two values in [0, 1) and muon_momentum one, got {self.betas}")
         if not found and self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1:
             found.append(f"optimizer.warmup ({self.warmup}) + optimizer.decay ({self.decay}) are more than the whole run")
         elif not found and steps >= 1:
@@ -228,17 +247,25 @@ class TrainConfig:
             problems.append("depth.mean_recurrence and depth.backprop_depth must be >= 1")
         if not self.data.phases:
             problems.append("data.phases needs at least one phase with sources")
-        for number, phase in enumerate(self.data.phases, 1):
+        for number, phase in enumerate(self.data.phases):
             if not phase.sources:
                 problems.append(f"data.phases[{number}] has no sources")
             if any(s.weight <= 0 for s in phase.sources):
                 problems.append(f"data.phases[{number}]: source weights must be positive")
-            if phase.tokens is None and number != len(self.data.phases):
+            if phase.tokens is None and number != len(self.data.phases) - 1:
                 problems.append(f"data.phases[{number}] needs a token budget (only the last phase may omit it)")
+            if phase.tokens is not None and phase.tokens < 1:
+                problems.append(f"data.phases[{number}].tokens must be >= 1, got {phase.tokens}")
         if min(self.eval.steps, default=1) < 1:
             problems.append("eval.steps must be recurrences >= 1")
         if self.checkpoint.keep < 1:
             problems.append("checkpoint.keep must be >= 1")
+        for name, value, least in (
+            ("checkpoint.every", self.checkpoint.every, 0), ("eval.every", self.eval.every, 0),
+            ("log.every", self.log.every, 1), ("eval.rows", self.eval.rows, 1), ("max_bad_steps", self.max_bad_steps, 1),
+        ):  # fmt: skip
+            if value < least:
+                problems.append(f"{name} must be >= {least}, got {value}")
         for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
             if not 0 <= getattr(self.depth, name) <= 1:
                 problems.append(f"depth.{name} must be in [0, 1]")
@@ -277,7 +304,14 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base: dict |
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
                 raise RecurfitError(f"Override {override!r}: {part} is not a section.")
-        target[last] = yaml.safe_load(value)
+        try:
+            target[last] = yaml.safe_load(value)
+        except yaml.YAMLError as problem:
+            reason = getattr(problem, "problem", None) or "not YAML"
+            raise RecurfitError(
+                f"Override {override!r}: {value!r} is not a YAML value ({reason}); write lists as [1, 2] and quote "
+                "text that holds YAML syntax."
+            ) from None
     return _build(TrainConfig, raw, "").validate()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,14 +28,16 @@ from ..accounting import count_parameters, training_flops, training_flops_per_to
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..files import staged_directory
+from ..lock import owned
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
-from .checkpoint import checkpoint_folders, gather_state, load_checkpoint, write_checkpoint
+from .checkpoint import gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
 from .metrics import MetricsLog, peak_flops
 from .model import build_model, is_recurrent, optional_tokenizer
 from .optim import build_optimizers, build_schedulers, global_grad_norm
+from .run_folder import RunFolder, changed_settings
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainResult:
     out: Path
     counters: Counters
     losses: list[float] = field(default_factory=list)  # per step run in this process (not the resumed prefix)
+    already_finished: bool = False  # --resume of a finished run: nothing was done
 
 
 def depth_schedule(config: TrainConfig) -> DepthSchedule:
@@ -72,18 +75,34 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, resume: bool = False, processes: Processes | None = None):
+    def __init__(self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False):
         self.config, self.out = config, Path(config.out)
         self.processes = processes or Processes.from_environment()
-        self._check_out_folder(resume)
+        self.folder = RunFolder(self.out)
+        self.ownership = ExitStack()  # the folder's lock, held by the main process until the run ends
+        if self.processes.is_main:
+            self.ownership.enter_context(owned(self.out))
+        try:
+            self._set_up(resume, force)
+        except BaseException:
+            self.ownership.close()
+            raise
+
+    def _set_up(self, resume: bool, force: bool) -> None:
+        config = self.config
+        if self.processes.is_main:
+            self.folder.remove_leftovers()
+        self.folder.check_start(resume, force)
         self.model = build_model(config.model, config.depth, config.seed).to(self.processes.device)
         self.recurrent = is_recurrent(self.model)
         self.parameter_counts = count_parameters(self.model)
         self.stream = RowStream(
-            [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases], seed=config.seed
+            [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases], seed=config.seed,
+            vocab_size=self.model.config.vocab_size,
         )
-        self._check_vocabulary()
         self.validation = [TokenStore(path, "val") for path in config.data.validation]
+        self._check_vocabulary()
+        self._check_validation()
         self.schedule = depth_schedule(config)
         if config.compile:
             for layer in self._layers():
@@ -94,6 +113,9 @@ class Trainer:
         self.counters = Counters()
         if resume:
             self._resume()
+        self.resumed_at = self.counters.step
+        if force and self.processes.is_main:  # the new run is set up: only now is the old one deleted
+            self.folder.clear()
         self.log = None
         if self.processes.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -104,22 +126,29 @@ class Trainer:
 
     # ------------------------------------------------------------ set-up checks
 
-    def _check_out_folder(self, resume: bool) -> None:
-        existing = checkpoint_folders(self.out / "checkpoints")
-        if resume and not existing:
-            raise RecurfitError(f"--resume: {self.out} has no checkpoint to resume from; start without --resume.")
-        if not resume and (existing or (self.out / "log.jsonl").exists()):
-            raise RecurfitError(f"{self.out} already holds a run; pass --resume to continue it, or set out= elsewhere.")
-
     def _check_vocabulary(self) -> None:
         vocab = self.model.config.vocab_size
-        for store in self.stream.stores:
+        for store in [*self.stream.stores, *self.validation]:
             if store.vocab_size > vocab:
                 raise RecurfitError(
                     f"{store.folder} was tokenised with a {store.vocab_size}-token vocabulary "
                     f"({store.meta.get('tokenizer') or 'unknown tokenizer'}), larger than the model's {vocab}: "
                     "prepare the data with the model's own tokenizer."
                 )
+
+    def _check_validation(self) -> None:
+        """Every validation store has rows to evaluate, and the run says which stores it evaluates."""
+        for store in self.validation:
+            if len(store) == 0:
+                raise RecurfitError(
+                    f"data.validation: {store.folder} has no validation rows (it was prepared with --val-fraction "
+                    f"{store.meta.get('val_fraction', 0)}); prepare it again with a larger --val-fraction, or drop "
+                    "it from data.validation."
+                )
+            self.stream.check_ids(store[: self.config.eval.rows], store.folder, "val")
+        if self.processes.is_main:
+            used = ", ".join(f"{s.folder} ({min(len(s), self.config.eval.rows)} rows)" for s in self.validation)
+            print(f"Validation: {used}." if used else "Validation: none (data.validation is empty).")
 
     def _layers(self):
         return [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
@@ -255,10 +284,25 @@ class Trainer:
         self.processes.barrier()
 
     def _resume(self) -> None:
-        latest = checkpoint_folders(self.out / "checkpoints")[-1]
-        trainer = load_checkpoint(latest, self.model, self.optimizers, self.schedulers)
+        """Continue from the newest readable checkpoint; with none yet, start from step 0 in the same folder."""
+        checkpoint = newest_readable(self.folder.checkpoints, warn=self._say)
+        if checkpoint is None:
+            self._say(f"--resume: {self.out} holds no checkpoint yet; starting from step 0.")
+            return
+        changed = changed_settings(checkpoint.trainer["config"], self.config.to_dict())
+        if changed:
+            key = changed[0]
+            raise RecurfitError(
+                f"--resume: {key} differs from the run's ({', '.join(changed)} changed since {checkpoint.folder}); "
+                "resume with the settings the run was started with, or start a new run (--force, or another out=)."
+            )
+        trainer = restore(checkpoint, self.model, self.optimizers, self.schedulers)
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
+
+    def _say(self, message: str) -> None:
+        if self.processes.is_main:
+            print(message)
 
     def export(self) -> Path:
         """The final model as a `from_pretrained` folder (with the tokenizer when the model had one)."""
@@ -293,12 +337,19 @@ class Trainer:
                     self._write(self.validate())
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
                     self.checkpoint()
-        self._write(self.validate())
-        self.checkpoint()
+        if self.resumed_at < config.steps:  # else the last checkpoint follows the final validation already
+            self._write(self.validate())
+            self.checkpoint()
         self.export()
+        self.close()
+        return result
+
+    def close(self) -> None:
+        """Close the log and give up the run folder."""
         if self.log is not None:
             self.log.close()
-        return result
+            self.log = None
+        self.ownership.close()
 
     def _write(self, record: dict | None) -> None:
         if record is not None and self.log is not None:
@@ -309,6 +360,14 @@ def processes_mean_float(processes: Processes, value: torch.Tensor) -> float:
     return processes.mean(value.detach().float()).item()
 
 
-def train(config: TrainConfig, resume: bool = False) -> TrainResult:
-    """Run (or continue) the training `config` describes; returns the counters and this run's losses."""
-    return Trainer(config, resume=resume).run()
+def train(config: TrainConfig, resume: bool = False, force: bool = False) -> TrainResult:
+    """Run (`resume`: continue, `force`: start over) the training `config` describes; returns the counters and
+    this run's losses. See `run_folder.py` for what each does with the folder's earlier run."""
+    folder = RunFolder(Path(config.out))
+    if resume and folder.finished:  # nothing to do and nothing to change
+        return TrainResult(folder.path, Counters(step=folder.last_step() or config.steps), already_finished=True)
+    trainer = Trainer(config, resume=resume, force=force)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()

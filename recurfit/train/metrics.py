@@ -1,12 +1,14 @@
 """Where training numbers go: a JSONL log always, TensorBoard or wandb when asked (main process only).
 
 Every line of `OUT/log.jsonl` is one record: `{"kind": "train" | "eval", "step": ..., ...}`. On resume the
-records past the checkpoint's step are dropped, so the log reads as if the run had never stopped.
+records past the checkpoint's step are dropped, so the log reads as if the run had never stopped, and so is a
+last line cut short by a crash or a full disk. A record that cannot be written stops the run with a message.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -27,19 +29,28 @@ def peak_flops(device: torch.device) -> float | None:
 class MetricsLog:
     def __init__(self, out: Path, *, resume_step: int | None, tensorboard: bool = False, wandb: str | None = None, config: dict | None = None):
         self.path = out / "log.jsonl"
-        if resume_step is not None:
-            self._truncate_after(resume_step)
-        self.file = open(self.path, "a")
+        try:
+            if resume_step is not None:
+                self._truncate_after(resume_step)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as problem:
+            raise self._cannot_write(problem) from None
         self.tensorboard = self._tensorboard(out) if tensorboard else None
         self.wandb = self._wandb(wandb, out, config) if wandb else None
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        kept = [record for record in read_log(self.path) if record["step"] <= step]
         staging = self.path.with_suffix(".jsonl.partial")
-        staging.write_text("".join(line + "\n" for line in kept))
+        staging.write_text("".join(json.dumps(record) + "\n" for record in kept))
         staging.replace(self.path)
+
+    def _cannot_write(self, problem: OSError) -> RecurfitError:
+        return RecurfitError(
+            f"Cannot write {self.path} ({problem.strerror or problem}); free space, then continue with "
+            "`recurfit train CONFIG --resume` (records after the last checkpoint are dropped)."
+        )
 
     @staticmethod
     def _tensorboard(out: Path):
@@ -58,8 +69,12 @@ class MetricsLog:
         return wandb.init(project=project, dir=str(out), config=config, resume="allow")
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        line = (json.dumps(record) + "\n").encode()
+        try:  # unbuffered: a failed write leaves at most one torn line, and nothing queued to fail again later
+            while line:
+                line = line[os.write(self.fd, line) :]
+        except OSError as problem:
+            raise self._cannot_write(problem) from None
         numbers = {f"{record['kind']}/{k}": v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tensorboard is not None:
             for key, value in numbers.items():
@@ -68,7 +83,7 @@ class MetricsLog:
             self.wandb.log(numbers, step=record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
@@ -76,7 +91,24 @@ class MetricsLog:
 
 
 def read_log(path: str | Path) -> list[dict]:
-    """The records of a run's log.jsonl (a run folder or the file itself)."""
+    """The records of a run's log.jsonl (a run folder or the file itself). A last line cut short (a crash or a
+    full disk mid-write, or a run still writing it) is left out; a damaged line before it is an error."""
     path = Path(path)
     path = path / "log.jsonl" if path.is_dir() else path
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError:
+            if number == len(lines):  # no newline after it: the torn last line
+                break
+            raise RecurfitError(
+                f"{path}:{number} is not a log record; delete that line (or the run folder) and run again."
+            ) from None
+        records.append(record)
+    return records

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..data import TokenStore
 from ..errors import RecurfitError
+from ..families import family_of
 from ..init import scaled_init_
 from ..loading import load_model, load_tokenizer
 from ..modeling import RecurrentForCausalLM
@@ -43,8 +44,10 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
             model.config.state_init_std = config.state_init_std
         if config.embedding_scale is not None:
             model.config.embedding_scale = config.embedding_scale
-    elif config.embedding_scale is not None:
-        raise RecurfitError("model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline.")
+    else:
+        _surgery(family_of, model.config)  # the baseline is trained and counted by the same layout rules
+        if config.embedding_scale is not None:
+            raise RecurfitError("model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline.")
     if config.untie_embeddings:
         untie_embeddings(model)
     if config.init == "random":

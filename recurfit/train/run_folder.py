@@ -1,0 +1,102 @@
+"""The rules of a run folder (`out`): what a stop leaves in it, and what `train`, `--resume` and `--force` do.
+
+    nothing there                 train: start                 --resume: start
+    stopped before a checkpoint   train: refused (say which)   --resume: start again from step 0, same folder
+    stopped at a checkpoint       train: refused               --resume: continue from the newest readable one
+    finished (`final/` exists)    train: refused               --resume: say so and change nothing
+    any of these                  --force: start over; the old run is deleted once the new one is set up
+
+The folder is owned by one process at a time (`recurfit.lock`), so nothing here races another job.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ..errors import RecurfitError
+from .checkpoint import TRAINER, checkpoint_folders
+
+# What a run writes into `out`; --force deletes these and nothing else (out= may be a folder with other files).
+RUN_FILES = ("log.jsonl", "checkpoints", "final", "tensorboard", "wandb", "config.yaml")
+# Settings that may differ when a run is resumed: where and how it runs, not what it computes.
+RESUMABLE_CHANGES = (
+    "out", "precision", "compile", "distributed", "batch.micro", "checkpoint", "log", "eval", "data.validation",
+    "model.gradient_checkpointing", "max_bad_steps",
+)  # fmt: skip
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+
+    @property
+    def finished(self) -> bool:
+        return (self.path / "final").is_dir()
+
+    @property
+    def started(self) -> bool:
+        return self.finished or bool(checkpoint_folders(self.checkpoints)) or (self.path / "log.jsonl").exists()
+
+    def last_step(self) -> int | None:
+        """The step of the newest checkpoint, as its trainer.json says (None: no checkpoint)."""
+        folders = checkpoint_folders(self.checkpoints)
+        try:
+            return json.loads((folders[-1] / TRAINER).read_text())["counters"]["step"] if folders else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return int(folders[-1].name.removeprefix("step-"))
+
+    def check_start(self, resume: bool, force: bool) -> None:
+        """Refuse a fresh start over an earlier run (saying what it holds and the two ways on)."""
+        if resume and force:
+            raise RecurfitError("--resume continues the run in out and --force starts it over: give one of them.")
+        if resume or force or not self.started:
+            return
+        if self.finished:
+            held = "a finished run; pass --force to train it again from the start"
+        else:
+            step = self.last_step()
+            where = f"stopped at step {step}" if step is not None else "stopped before its first checkpoint"
+            held = f"a run {where}; pass --resume to continue it, or --force to start over"
+        raise RecurfitError(f"{self.path} already holds {held} (or set out= elsewhere).")
+
+    def remove_leftovers(self) -> None:
+        """Staging folders and files of a process that died (the caller owns the folder, so they are stale)."""
+        for folder in (self.path, self.checkpoints):
+            for pattern in (".*.partial-*", ".*.old-*", "*.partial"):
+                for leftover in folder.glob(pattern):
+                    if leftover.is_dir():
+                        shutil.rmtree(leftover, ignore_errors=True)
+                    else:
+                        leftover.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """--force: delete the earlier run's files."""
+        for name in RUN_FILES:
+            path = self.path / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+
+def changed_settings(started_with: dict, now: dict) -> list[str]:
+    """Keys (dotted) whose value differs from the one the run was started with, except RESUMABLE_CHANGES."""
+    before, after = _flatten(started_with), _flatten(now)
+    return [
+        key for key in after
+        if key in before and before[key] != after[key]
+        and not any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE_CHANGES)
+    ]  # fmt: skip
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
