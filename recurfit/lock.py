@@ -23,7 +23,7 @@ try:
 except ImportError:  # not POSIX: no locking
     fcntl = None
 
-_held: dict[Path, list[int]] = {}  # lock file -> [fd, depth]: a process may re-enter its own lock
+_held: dict[Path, list[int]] = {}  # lock file -> [fd, holders]: a process may re-enter its own lock
 
 
 def lock_path(target: str | Path) -> Path:
@@ -38,22 +38,21 @@ def owned(target: str | Path, wait: bool = False) -> Iterator[None]:
 
     Another process holding it is an error naming its PID, unless `wait`, which blocks until it is free."""
     path = lock_path(target)
-    if path in _held:
-        _held[path][1] += 1
-        try:
-            yield
-        finally:
-            _held[path][1] -= 1
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(path, target, wait)
-    _held[path] = [fd, 1]
+    entry = _held.get(path)
+    first = entry is None
+    if first:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entry = _held[path] = [_acquire(path, target, wait), 0]
+    entry[1] += 1
     try:
-        remove_stale_staging(Path(target))
+        if first:
+            remove_stale_staging(Path(target))
         yield
     finally:
-        del _held[path]
-        _release(path, fd)
+        entry[1] -= 1
+        if entry[1] == 0:  # the last holder in this process, whichever order the holders end in
+            _held.pop(path, None)
+            _release(path, entry[0])
 
 
 def remove_stale_staging(target: Path) -> None:

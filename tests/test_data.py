@@ -31,16 +31,16 @@ def test_rows_are_the_documents_joined_by_eos(tmp_path):
 def test_prepare_is_idempotent_and_refuses_other_jobs(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 40)
-    source = [str(tmp_path / "docs.jsonl")]
-    first = prepare(tokenizer, source, 16, tmp_path / "store", show_progress=False)
+    source, settings = [str(tmp_path / "docs.jsonl")], dict(show_progress=False, val_fraction=0.2)
+    first = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
     mtime = (tmp_path / "store" / "train.bin").stat().st_mtime_ns
-    again = prepare(tokenizer, source, 16, tmp_path / "store", show_progress=False)
+    again = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
     assert again.skipped and not first.skipped
     assert (tmp_path / "store" / "train.bin").stat().st_mtime_ns == mtime
     with pytest.raises(RecurfitError, match="already exists"):
-        prepare(tokenizer, source, 8, tmp_path / "store", show_progress=False)
+        prepare(tokenizer, source, 8, tmp_path / "store", **settings)
     assert TokenStore(tmp_path / "store").seq_len == 16  # untouched
-    assert prepare(tokenizer, source, 8, tmp_path / "store", force=True, show_progress=False).meta["seq_len"] == 8
+    assert prepare(tokenizer, source, 8, tmp_path / "store", force=True, **settings).meta["seq_len"] == 8
 
 
 def test_validation_split_follows_the_text_not_the_order(tmp_path):
@@ -61,7 +61,7 @@ def test_validation_split_follows_the_text_not_the_order(tmp_path):
 def test_damaged_store_and_bad_sources_are_clear_errors(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 20)
-    prepare(tokenizer, [str(tmp_path / "docs.jsonl")], 8, tmp_path / "store", show_progress=False)
+    prepare(tokenizer, [str(tmp_path / "docs.jsonl")], 8, tmp_path / "store", show_progress=False, val_fraction=0.3)
     with open(tmp_path / "store" / "train.bin", "ab") as file:
         file.write(b"\0\0")
     with pytest.raises(RecurfitError, match="incomplete or damaged"):

@@ -193,10 +193,8 @@ def test_mismatched_vocabulary_and_existing_runs_are_refused(tmp_path, workspace
     config = tiny_config(workspace, tmp_path / "run", model={"path": str(tmp_path / "small"), "shape": [2, 2, 2]})
     with pytest.raises(RecurfitError, match="46-token vocabulary .* larger than the model's 40"):
         Trainer(load_config(None, [], base=config))
-    with pytest.raises(RecurfitError, match="no checkpoint to resume from"):
-        Trainer(load_config(None, [], base=tiny_config(workspace, tmp_path / "run")), resume=True)
     train(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
-    with pytest.raises(RecurfitError, match="already holds a run; pass --resume"):
+    with pytest.raises(RecurfitError, match="already holds a finished run; pass --force"):
         Trainer(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ def prepare(
                     packers[_split_of(text, val_fraction)].add(tokens + [tokenizer.eos_token_id])
                 documents += len(batch)
                 bar.update(task, advance=len(batch), description=f"tokenising ({packers['train'].tokens:,} tokens)")
+        tokens = {split: packer.tokens for split, packer in packers.items()}
         rows = {split: packer.close() for split, packer in packers.items()}
         if rows["train"] == 0:
             kept = sum(one.kept for one in stats.values())
@@ -100,6 +102,8 @@ def prepare(
                 f"The sources hold fewer than seq_len + 1 = {seq_len + 1} tokens of training text{why}; "
                 "add data or lower --seq-len."
             )
+        if rows["val"] == 0 and val_fraction > 0:
+            raise RecurfitError(_no_validation_row(out, val_fraction, documents, tokens, seq_len))
         meta = {
             "format": FORMAT_VERSION,
             "fingerprint": digest,
@@ -119,6 +123,19 @@ def prepare(
             meta["filter"] = _filter_report(row_filter, stats)
         (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
     return PrepareResult(out, meta, skipped=False)
+
+
+def _no_validation_row(out: Path, val_fraction: float, documents: int, tokens: dict, seq_len: int) -> str:
+    """Why `out` would have no validation row, and a --val-fraction that would likely give it some."""
+    row, total = seq_len + 1, sum(tokens.values())
+    wanted = max(3 * row / max(total, 1), 3 / max(documents, 1))  # about three rows' worth, from three documents
+    scale = 10 ** math.floor(math.log10(wanted))
+    suggestion = min(0.5, math.ceil(wanted / scale) * scale)
+    return (
+        f"{out}: the held-out share (--val-fraction {val_fraction:g}) of {documents:,} documents holds "
+        f"{tokens['val']:,} tokens, less than one validation row of {row}; pass --val-fraction {suggestion:g} or "
+        "more, or --val-fraction 0 for a store without validation (which training cannot validate on)."
+    )
 
 
 def _tokenizer_fingerprint(tokenizer) -> str:

@@ -130,10 +130,12 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
         field, generator, columns = _parquet_columns(path, text_field, row_filter)
         if stats is not None:
             stats.generator_field = stats.generator_field or generator
+        row = 0
         for batch in pq.ParquetFile(path).iter_batches(columns=columns):
             for record in batch.to_pylist():
-                text = record[field]
-                if not text:
+                row += 1
+                text = _text(record[field], field, f"{path} row {row}")
+                if text is None:
                     continue
                 if row_filter is None:
                     yield text
@@ -141,16 +143,17 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
                 value = lookup(record, generator)
                 if value is MISSING:  # a JSON-string column whose object lacks the key
                     row_filter.resolve(lambda _: False, list(record), path)
-                text = row_filter.apply(str(text), value, stats)
+                text = row_filter.apply(text, value, stats)
                 if text is not None:
                     yield text
     else:
         for where, record in _json_records(path):
-            text = record.get(_text_field(record.keys(), text_field, where))
-            if not text:
+            field = _text_field(record.keys(), text_field, where)
+            text = _text(record[field], field, where)
+            if text is None:
                 continue
             if row_filter is None:
-                yield str(text)
+                yield text
                 continue
             text = _filtered(text, record, row_filter, stats, where)
             if text is not None:
@@ -212,6 +215,18 @@ def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[st
     return field, generator, list(dict.fromkeys([field, top]))
 
 
+def _text(value, field: str, where) -> str | None:
+    """A row's text; None for an empty row. A number, list or object is an error: stringified, it would be
+    trained on as if it were prose."""
+    if value is None or isinstance(value, str):
+        return value or None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise RecurfitError(
+        f"{where}: field {field!r} holds {type(value).__name__} {shown}, not text; fix the row, or name the "
+        "field that holds the text with --text-field."
+    )
+
+
 def _text_field(columns, wanted: str | None, where) -> str:
     columns = list(columns)
     if wanted:
@@ -242,11 +257,11 @@ def _hub_dataset(spec: str):
 
 
 def _hub(spec: str, text_field: str | None, row_filter=None, stats: FilterStats | None = None) -> Iterator[str]:
-    field = generator = None
-    for record in _hub_dataset(spec):
+    field = None
+    for row, record in enumerate(_hub_dataset(spec), 1):
         field = field or _text_field(record.keys(), text_field, f"hf:{spec}")
-        text = record[field]
-        if not text:
+        text = _text(record[field], field, f"hf:{spec} row {row}")
+        if text is None:
             continue
         if row_filter is None:
             yield text
@@ -262,7 +277,7 @@ def _filtered(text, record: dict, row_filter, stats: FilterStats | None, where: 
     generator = _record_generator_field(record, row_filter, where)
     if stats is not None:
         stats.generator_field = stats.generator_field or generator
-    return row_filter.apply(str(text), lookup(record, generator), stats)
+    return row_filter.apply(text, lookup(record, generator), stats)
 
 
 # ---------------------------------------------------------------- embedded sources

@@ -31,9 +31,32 @@ def read_meta(folder: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as problem:
         raise RecurfitError(f"{path} is corrupt ({problem.msg}); prepare the data again with --force.") from None
-    if meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise RecurfitError(f"{folder} was written by another recurfit version; prepare it again with --force.")
+    problem = _meta_problem(meta)
+    if problem:
+        raise RecurfitError(f"{path}: {problem}; prepare the store again with --force (meta.json is not for editing).")
     return meta
+
+
+def _meta_problem(meta: dict) -> str | None:
+    """The first key of meta.json that is missing or of the wrong kind, as a phrase; None if all are right."""
+    def whole(value, least):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    checks = (
+        ("seq_len", lambda v: whole(v, 1), "a whole number >= 1"),
+        ("dtype", lambda v: v in ("uint16", "uint32"), "'uint16' or 'uint32'"),
+        ("rows", lambda v: isinstance(v, dict) and all(whole(v.get(split), 0) for split in SPLITS),
+         "a mapping of train and val to row counts"),
+        ("vocab_size", lambda v: whole(v, 1), "a whole number >= 1"),
+    )  # fmt: skip
+    for key, valid, expected in checks:
+        if key not in meta:
+            return f"{key!r} is missing"
+        if not valid(meta[key]):
+            return f"{key!r} must be {expected}, got {meta[key]!r}"
+    return None
 
 
 class TokenStore:

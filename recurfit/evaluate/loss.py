@@ -43,6 +43,11 @@ def load_examples(source: str, tokenizer=None, seq_len: int = 256, limit: int | 
     """A token store's `val` rows, or documents from `source` cut into windows of `seq_len + 1` tokens."""
     if (Path(source) / META).is_file():
         store = TokenStore(source, "val")
+        if len(store) == 0:
+            raise RecurfitError(
+                f"{source} has no validation rows (prepared with --val-fraction {store.meta.get('val_fraction', 0)}); "
+                "prepare it again with a larger --val-fraction, or pass --data a text source."
+            )
         rows = store[: limit or len(store)]
         return Examples([row.tolist() for row in rows], f"{source} (val split, {store.seq_len + 1}-token rows)")
     if tokenizer is None:
