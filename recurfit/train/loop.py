@@ -364,6 +364,7 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False) -> Tra
     """Run (`resume`: continue, `force`: start over) the training `config` describes; returns the counters and
     this run's losses. See `run_folder.py` for what each does with the folder's earlier run."""
     folder = RunFolder(Path(config.out))
+    folder.check_flags(resume, force)
     if resume and folder.finished:  # nothing to do and nothing to change
         return TrainResult(folder.path, Counters(step=folder.last_step() or config.steps), already_finished=True)
     trainer = Trainer(config, resume=resume, force=force)

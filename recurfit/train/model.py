@@ -10,7 +10,7 @@ from torch import nn
 
 from ..data import TokenStore
 from ..errors import RecurfitError
-from ..families import family_of
+from ..families import family_of, supported_families
 from ..init import scaled_init_
 from ..loading import load_model, load_tokenizer
 from ..modeling import RecurrentForCausalLM
@@ -45,7 +45,13 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
         if config.embedding_scale is not None:
             model.config.embedding_scale = config.embedding_scale
     else:
-        _surgery(family_of, model.config)  # the baseline is trained and counted by the same layout rules
+        try:  # a baseline is trained, and its FLOPs counted, by the layout of the families recurfit retrofits
+            family_of(model.config)
+        except ValueError:
+            raise RecurfitError(
+                f"model.path is a {model.config.model_type} model, which recurfit cannot train: it trains the "
+                f"families it can retrofit ({supported_families()})."
+            ) from None
         if config.embedding_scale is not None:
             raise RecurfitError("model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline.")
     if config.untie_embeddings:

@@ -48,10 +48,14 @@ class RunFolder:
         except (OSError, ValueError, KeyError, TypeError):
             return int(folders[-1].name.removeprefix("step-"))
 
-    def check_start(self, resume: bool, force: bool) -> None:
-        """Refuse a fresh start over an earlier run (saying what it holds and the two ways on)."""
+    @staticmethod
+    def check_flags(resume: bool, force: bool) -> None:
         if resume and force:
             raise RecurfitError("--resume continues the run in out and --force starts it over: give one of them.")
+
+    def check_start(self, resume: bool, force: bool) -> None:
+        """Refuse a fresh start over an earlier run (saying what it holds and the two ways on)."""
+        self.check_flags(resume, force)
         if resume or force or not self.started:
             return
         if self.finished:
