@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -147,3 +148,23 @@ def test_stream_resumes_exactly(workspace):
         torch.testing.assert_close(resumed.next_batch(6), expected)
     with pytest.raises(RecurfitError, match="other data"):
         RowStream(phases, seed=9).load_state_dict(state)
+
+
+def test_a_field_that_is_not_text_is_an_error_naming_file_and_line(tmp_path):
+    for value, kind in ((123, "int 123"), (["a", "b"], "list ['a', 'b']"), ({"t": 1}, "dict {'t': 1}")):
+        (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        with pytest.raises(RecurfitError, match=re.escape(f"docs.jsonl:2: field 'text' holds {kind}, not text")):
+            list(iter_documents(str(tmp_path / "docs.jsonl")))
+    (tmp_path / "docs.jsonl").write_text('{"text": null}\n{"text": ""}\n{"text": "kept"}\n')
+    assert list(iter_documents(str(tmp_path / "docs.jsonl"))) == ["kept"]  # empty rows are skipped, as before
+
+
+def test_every_store_gets_a_validation_row_or_prepare_says_how(tmp_path):
+    tokenizer = char_tokenizer()
+    write_documents(tmp_path / "docs.jsonl", 40)
+    source = [str(tmp_path / "docs.jsonl")]
+    with pytest.raises(RecurfitError, match=r"store: the held-out share \(--val-fraction 0.01\) of 40 documents .*"
+                       r"less than one validation row of 17; pass --val-fraction 0.08 or more"):  # fmt: skip
+        prepare(tokenizer, source, 16, tmp_path / "store", show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written
+    assert prepare(tokenizer, source, 16, tmp_path / "store", val_fraction=0.08, show_progress=False).meta["rows"]["val"] > 0
