@@ -462,7 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true",
         help="continue the run in the config's out from its newest checkpoint (or from step 0 if it has none)",
     )  # fmt: skip
-    p.add_argument("--force", action="store_true", help="start over: the run in out is deleted once the new one is set up")
+    p.add_argument(
+        "--force", action="store_true", help="start over: the run in out is deleted once the new one is set up"
+    )
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):

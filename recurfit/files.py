@@ -28,7 +28,9 @@ def staged_directory(target: Path, replace: bool = False, wait: bool = False) ->
     target = Path(target)
     with owned(target, wait=wait):
         if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
-            raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+            raise RecurfitError(
+                f"{target} already exists; pass --force to replace it, or choose another output folder."
+            )
         staging = _new_staging_folder(target)
         try:
             yield staging

@@ -106,8 +106,8 @@ def test_data_prepare_and_train_from_the_command_line(workspace, tmp_path, capsy
     from conftest import write_documents
 
     write_documents(tmp_path / "docs.jsonl", 60)
-    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "docs.jsonl", "--seq-len", "16",
-            "--val-fraction", "0.2"]
+    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "docs.jsonl",
+            "--seq-len", "16", "--val-fraction", "0.2"]  # fmt: skip
     code, text = run(capsys, *args, "--out", tmp_path / "data")
     assert code == 0 and "training rows" in text
     code, text = run(capsys, *args, "--out", tmp_path / "data")

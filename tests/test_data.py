@@ -32,7 +32,7 @@ def test_rows_are_the_documents_joined_by_eos(tmp_path):
 def test_prepare_is_idempotent_and_refuses_other_jobs(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 40)
-    source, settings = [str(tmp_path / "docs.jsonl")], dict(show_progress=False, val_fraction=0.2)
+    source, settings = [str(tmp_path / "docs.jsonl")], {"show_progress": False, "val_fraction": 0.2}
     first = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
     mtime = (tmp_path / "store" / "train.bin").stat().st_mtime_ns
     again = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
@@ -167,4 +167,5 @@ def test_every_store_gets_a_validation_row_or_prepare_says_how(tmp_path):
                        r"less than one validation row of 17; pass --val-fraction 0.08 or more"):  # fmt: skip
         prepare(tokenizer, source, 16, tmp_path / "store", show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written
-    assert prepare(tokenizer, source, 16, tmp_path / "store", val_fraction=0.08, show_progress=False).meta["rows"]["val"] > 0
+    result = prepare(tokenizer, source, 16, tmp_path / "store", val_fraction=0.08, show_progress=False)
+    assert result.meta["rows"]["val"] > 0

@@ -196,7 +196,8 @@ def test_data_prepare_with_the_filter_from_the_command_line(workspace, tmp_path,
         tmp_path / "math.parquet",
     )
     args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "general.jsonl",
-            "--source", tmp_path / "math.parquet", "--seq-len", "8", "--filter", "nemotron-sft", "--val-fraction", "0"]  # fmt: skip
+            "--source", tmp_path / "math.parquet", "--seq-len", "8", "--filter", "nemotron-sft",
+            "--val-fraction", "0"]  # fmt: skip
     code, text = run(capsys, *args, "--out", tmp_path / "data")
     assert code == 0, text
     assert "nemotron-sft filter: 22 rows read, 12 dropped as written by reasoning models (DeepSeek-R1: 2," in text

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import char_tokenizer, run_cli, tiny_parent, write_documents
+from conftest import char_tokenizer, run_cli, write_documents
 from test_train import REPO, tiny_config, train_losses
 
-from recurfit.data import TokenStore, prepare
+from recurfit.data import prepare
 from recurfit.errors import RecurfitError
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.metrics import read_log
@@ -61,7 +61,9 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path,
         trainer.run()
     trainer.log.close()
     assert [r["step"] for r in read_log(out)] == [1] and not (out / "checkpoints").exists()
-    with pytest.raises(RecurfitError, match="stopped before its first checkpoint; pass --resume to continue it, or --force"):
+    with pytest.raises(
+        RecurfitError, match="stopped before its first checkpoint; pass --resume to continue it, or --force"
+    ):
         train(config)
     result = train(config, resume=True)
     assert result.counters.step == 6 and list(train_losses(out)) == [1, 2, 3, 4, 5, 6]  # step 1 logged once
@@ -128,7 +130,9 @@ def test_a_log_write_that_fails_stops_the_run_and_the_torn_line_is_dropped_on_re
 
 
 def test_a_damaged_log_line_before_the_last_names_the_file_and_line(tmp_path):
-    (tmp_path / "log.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "tr\n{"kind": "train", "step": 2}\n{"ki')
+    (tmp_path / "log.jsonl").write_text(
+        '{"kind": "train", "step": 1}\n{"kind": "tr\n{"kind": "train", "step": 2}\n{"ki'
+    )
     with pytest.raises(RecurfitError, match=r"log.jsonl:2 is not a log record"):
         read_log(tmp_path)
     (tmp_path / "log.jsonl").write_text('{"kind": "train", "step": 1}\n{"kind": "tr')
@@ -141,7 +145,10 @@ class NotAState:  # a pickled object that torch.load(weights_only=True) refuses
 
 def _rewrite_sums(folder: Path) -> None:
     """Checksums that match damaged files: the damage must be caught when the files are read, too."""
-    lines = [f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}" for n in ("model.safetensors", "optimizer.pt", "trainer.json")]
+    lines = [
+        f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}"
+        for n in ("model.safetensors", "optimizer.pt", "trainer.json")
+    ]
     (folder / "sha256sums.txt").write_text("\n".join(lines) + "\n")
 
 
@@ -200,7 +207,9 @@ def test_resume_refuses_changed_settings_and_accepts_changed_resources(tmp_path,
     ):  # fmt: skip
         with pytest.raises(RecurfitError, match=rf"--resume: {key} differs from the run's"):
             Trainer(config_for(workspace, out, "steps=8", "checkpoint.every=2", override), resume=True)
-    resumed = Trainer(config_for(workspace, out, "steps=8", "checkpoint.every=4", "batch.micro=4", "eval.rows=2"), resume=True)
+    resumed = Trainer(
+        config_for(workspace, out, "steps=8", "checkpoint.every=4", "batch.micro=4", "eval.rows=2"), resume=True
+    )
     assert resumed.counters.step == 2
 
 
@@ -255,7 +264,7 @@ def test_a_second_train_on_a_live_run_names_the_first_ones_pid(tmp_path, workspa
         for extra in ([], ["--resume"]):
             second = subprocess.run(
                 [sys.executable, "-m", "recurfit", "train", str(config), *extra], cwd=REPO, env=env,
-                capture_output=True, text=True, timeout=300,
+                capture_output=True, text=True, timeout=300, check=False,
             )  # fmt: skip
             said = " ".join(second.stdout.split())
             assert second.returncode == 2 and f"is in use by process {first.pid}" in said, said + second.stderr[-2000:]
@@ -272,14 +281,25 @@ def test_outputs_get_the_permissions_of_the_umask(tmp_path, workspace):
     previous = os.umask(0o022)
     try:
         write_documents(tmp_path / "docs.jsonl", 60)
-        prepare(char_tokenizer(), [str(tmp_path / "docs.jsonl")], 16, tmp_path / "store", val_fraction=0.2, show_progress=False)
+        prepare(
+            char_tokenizer(),
+            [str(tmp_path / "docs.jsonl")],
+            16,
+            tmp_path / "store",
+            val_fraction=0.2,
+            show_progress=False,
+        )
         train(config_for(workspace, tmp_path / "run", "steps=2"))
     finally:
         os.umask(previous)
     checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
     for path in (tmp_path / "store", checkpoint, tmp_path / "run" / "final"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
-    for path in (tmp_path / "store" / "train.bin", checkpoint / "model.safetensors", tmp_path / "run" / "final" / "model.safetensors"):
+    for path in (
+        tmp_path / "store" / "train.bin",
+        checkpoint / "model.safetensors",
+        tmp_path / "run" / "final" / "model.safetensors",
+    ):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
@@ -323,10 +343,16 @@ def test_validation_stores_are_named_and_one_without_rows_is_refused(tmp_path, w
     said = " ".join(capsys.readouterr().out.split())
     assert f"Validation: {workspace / 'prose'} (4 rows), {workspace / 'math'} (4 rows)." in said
     write_documents(tmp_path / "docs.jsonl", 60)
-    prepare(char_tokenizer(), [str(tmp_path / "docs.jsonl")], 32, tmp_path / "no-val", val_fraction=0, show_progress=False)
-    with pytest.raises(RecurfitError, match=r"no-val has no validation rows .*--val-fraction 0\).*drop it from data.validation"):
+    prepare(
+        char_tokenizer(), [str(tmp_path / "docs.jsonl")], 32, tmp_path / "no-val", val_fraction=0, show_progress=False
+    )
+    with pytest.raises(
+        RecurfitError, match=r"no-val has no validation rows .*--val-fraction 0\).*drop it from data.validation"
+    ):
         train(config_for(workspace, tmp_path / "other", "steps=2", f"data.validation=[{tmp_path / 'no-val'}]"))
-    code, text = run_cli(capsys, "eval", "loss", workspace / "parent", "--data", tmp_path / "no-val", "--out", tmp_path / "e")
+    code, text = run_cli(
+        capsys, "eval", "loss", workspace / "parent", "--data", tmp_path / "no-val", "--out", tmp_path / "e"
+    )
     assert code == 2 and "no-val has no validation rows" in text and not (tmp_path / "e").exists()
 
 
@@ -350,7 +376,9 @@ def test_config_values_out_of_range_and_bad_overrides_are_one_line(tmp_path, wor
 def test_a_baseline_of_an_unsupported_family_is_refused(tmp_path, workspace):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(tmp_path / "gpt2")
+    GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(
+        tmp_path / "gpt2"
+    )
     config = config_for(workspace, tmp_path / "run", "model.shape=null", f"model.path={tmp_path / 'gpt2'}")
     with pytest.raises(RecurfitError, match="model.path is a gpt2 model"):
         train(config)

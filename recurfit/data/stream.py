@@ -37,9 +37,13 @@ class RowStream:
             raise RecurfitError("The data config needs at least one source.")
         for index, phase in enumerate(phases):
             if phase.tokens is None and index != len(phases) - 1:
-                raise RecurfitError(f"data.phases[{index}] has no token budget; only the last phase may run open-ended.")
+                raise RecurfitError(
+                    f"data.phases[{index}] has no token budget; only the last phase may run open-ended."
+                )
             if not phase.mixture or any(w <= 0 for w in phase.mixture.values()):
-                raise RecurfitError(f"data.phases[{index}] needs sources with positive weights, got {dict(phase.mixture)}.")
+                raise RecurfitError(
+                    f"data.phases[{index}] needs sources with positive weights, got {dict(phase.mixture)}."
+                )
         self.phases, self.seed, self.vocab_size = list(phases), seed, vocab_size
         self.paths = list(dict.fromkeys(path for phase in phases for path in phase.mixture))
         self.stores = [TokenStore(path, "train") for path in self.paths]

@@ -41,7 +41,7 @@ from ..files import staged_directory
 STEP_FOLDER = re.compile(r"^step-(\d{6,})$")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MODEL, OPTIMIZER, TRAINER, SUMS = "model.safetensors", "optimizer.pt", "trainer.json", "sha256sums.txt"
-TRAINER_KEYS = ("counters", "stream", "config")
+TRAINER_KEYS, OPTIMIZER_KEYS = ("counters", "stream", "config"), ("optimizers", "schedulers")
 
 
 def checkpoint_folders(root: Path) -> list[Path]:
@@ -65,9 +65,8 @@ def write_checkpoint(root: Path, step: int, model_state: dict, optimizer_states:
     try:
         with staged_directory(target, replace=True) as staging:
             save_file(_unshared(model_state), staging / MODEL)
-            torch.save(
-                {"optimizers": optimizer_states, "schedulers": [s.state_dict() for s in schedulers]}, staging / OPTIMIZER
-            )
+            schedules = [s.state_dict() for s in schedulers]
+            torch.save({"optimizers": optimizer_states, "schedulers": schedules}, staging / OPTIMIZER)
             (staging / TRAINER).write_text(json.dumps(trainer, indent=2) + "\n")
             sums = "".join(f"{_sha256(staging / name)}  {name}\n" for name in (MODEL, OPTIMIZER, TRAINER))
             (staging / SUMS).write_text(sums)
@@ -129,9 +128,9 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         optimizer = torch.load(where, weights_only=True, map_location="cpu")
         where = folder / TRAINER
         trainer = json.loads(where.read_text())
-    except Exception as problem:  # safetensors, pickle, JSON and OS errors alike: the file does not read back
+    except Exception as problem:  # noqa: BLE001 (safetensors, pickle, JSON and OS errors: it does not read back)
         raise DamagedCheckpoint(f"{where} cannot be read ({type(problem).__name__}: {_first_line(problem)})") from None
-    if not (isinstance(optimizer, dict) and all(isinstance(optimizer.get(k), list) for k in ("optimizers", "schedulers"))):
+    if not isinstance(optimizer, dict) or not all(isinstance(optimizer.get(k), list) for k in OPTIMIZER_KEYS):
         raise DamagedCheckpoint(f"{folder / OPTIMIZER} does not hold optimizer and schedule states")
     missing = [key for key in TRAINER_KEYS if not isinstance(trainer, dict) or not isinstance(trainer.get(key), dict)]
     if missing:

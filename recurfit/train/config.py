@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import itertools
 import math
 import types
 import typing
@@ -101,7 +102,7 @@ class ModelConfig:
 
 def _in_parent_order(*parts: list[int]) -> bool:
     indices = [i for part in parts for i in part]
-    return all(a < b for a, b in zip(indices, indices[1:]))
+    return all(a < b for a, b in itertools.pairwise(indices))
 
 
 @dataclass
@@ -262,7 +263,8 @@ class TrainConfig:
             problems.append("checkpoint.keep must be >= 1")
         for name, value, least in (
             ("checkpoint.every", self.checkpoint.every, 0), ("eval.every", self.eval.every, 0),
-            ("log.every", self.log.every, 1), ("eval.rows", self.eval.rows, 1), ("max_bad_steps", self.max_bad_steps, 1),
+            ("log.every", self.log.every, 1), ("eval.rows", self.eval.rows, 1),
+            ("max_bad_steps", self.max_bad_steps, 1),
         ):  # fmt: skip
             if value < least:
                 problems.append(f"{name} must be >= {least}, got {value}")

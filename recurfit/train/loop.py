@@ -75,7 +75,9 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False):
+    def __init__(
+        self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False
+    ):
         self.config, self.out = config, Path(config.out)
         self.processes = processes or Processes.from_environment()
         self.folder = RunFolder(self.out)

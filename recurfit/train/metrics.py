@@ -102,13 +102,13 @@ def read_log(path: str | Path) -> list[dict]:
             continue
         try:
             record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a record with a step")
         except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             if number == len(lines):  # no newline after it: the torn last line
                 break
             raise RecurfitError(
                 f"{path}:{number} is not a log record; delete that line (or the run folder) and run again."
-            ) from None
+            )
         records.append(record)
     return records

@@ -53,7 +53,9 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
                 f"families it can retrofit ({supported_families()})."
             ) from None
         if config.embedding_scale is not None:
-            raise RecurfitError("model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline.")
+            raise RecurfitError(
+                "model.embedding_scale applies to recurrent models; drop it for a non-recurrent baseline."
+            )
     if config.untie_embeddings:
         untie_embeddings(model)
     if config.init == "random":
