@@ -263,9 +263,7 @@ class Trainer:
         record = {"kind": "eval", "step": self.counters.step}
         depths = self.config.eval.steps if self.recurrent else [1]
         for store in self.validation:
-            rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))
-            if len(rows) == 0:
-                continue
+            rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
             for r in depths:
                 losses = [self._micro_batch_loss(chunk, (0, r), index) for index, chunk in enumerate(rows.split(self.config.batch.micro))]
                 key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")

@@ -69,12 +69,10 @@ class RunFolder:
     def remove_leftovers(self) -> None:
         """Staging folders and files of a process that died (the caller owns the folder, so they are stale)."""
         for folder in (self.path, self.checkpoints):
-            for pattern in (".*.partial-*", ".*.old-*", "*.partial"):
+            for pattern in (".*.partial-*", ".*.old-*"):
                 for leftover in folder.glob(pattern):
-                    if leftover.is_dir():
-                        shutil.rmtree(leftover, ignore_errors=True)
-                    else:
-                        leftover.unlink(missing_ok=True)
+                    shutil.rmtree(leftover, ignore_errors=True)
+        (self.path / "log.jsonl.partial").unlink(missing_ok=True)  # the log's rewrite on resume
 
     def clear(self) -> None:
         """--force: delete the earlier run's files."""
