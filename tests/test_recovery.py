@@ -217,6 +217,7 @@ def test_resume_refuses_changed_settings_and_accepts_changed_resources(tmp_path,
 
 HOLD = """
 import os, sys, time
+from recurfit.lock import owned
 with owned(sys.argv[1]):
     if len(sys.argv) > 2:
         os.mkdir(sys.argv[2])  # a staging folder, as a job killed mid-write leaves it
