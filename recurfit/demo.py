@@ -21,13 +21,14 @@ from rich.console import Console
 
 from .accounting import inference_flops_per_token
 from .data import prepare
+from .defaults import LOSS_RECURRENCES
 from .errors import RecurfitError
 from .evaluate.loss import load_examples, loss_sweep
 from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
 from .generate import GenerationSettings, generate_text
 from .loading import load_model, load_tokenizer
-from .surgery import parity, retrofit
+from .surgery import check_parity, retrofit
 from .train import load_config, train
 from .train.metrics import read_log
 
@@ -51,7 +52,7 @@ class DemoSettings:
     mean_recurrence: int = 4
     backprop_depth: int = 2
     math_problems: int = 4000
-    test_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    test_steps: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
     loss_rows: int = 16  # validation sequences per store
     gsm8k: int = 16  # GSM8K test problems (the first N)
     gsm8k_steps: list[int] = field(default_factory=lambda: [1, 4, 8])
@@ -112,14 +113,13 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
 
 
 def _retrofit_check(parent, tokenizer, shape, console: Console) -> dict:
+    """What `recurfit retrofit` checks: the fresh retrofit equals its parent minus the dropped layers."""
     model = retrofit(parent, shape)
-    tokenizer.padding_side = "left"
-    batch = tokenizer(["The capital of France is Paris.", "Water boils at"], return_tensors="pt", padding=True)
-    diffs = parity(parent, model, batch["input_ids"], batch["attention_mask"], steps=(1, 8))
+    check = check_parity(parent, model, tokenizer, steps=(1, 8))
     layers = model.config.source_layers
     console.print(f"Shape {shape}: prelude {layers['prelude']}, core {layers['core']}, coda {layers['coda']}.")
-    console.print("Parity with the parent minus its dropped layers: " + ", ".join(f"r={r}: {d:.1e}" for r, d in diffs.items()))
-    return {"layers": layers, "diffs": diffs}
+    console.print(check.describe(), highlight=False)
+    return {"layers": layers, "diffs": check.diffs}
 
 
 def _train_config(settings: DemoSettings, data: dict, out: Path, shape) -> dict:
@@ -215,7 +215,7 @@ def render_report(report: dict) -> str:
         "```bash",
         "recurfit demo " + " ".join(f"--{k} {v}" for k, v in (("steps", settings.steps), ("out", settings.out))),
         f"recurfit eval loss {settings.out}/recurrent/final --data {settings.out}/data/math --baseline "
-        f"{settings.out}/parent/final --steps {','.join(map(str, settings.test_steps))}",
+        f"{settings.out}/parent/final --recurrence {','.join(map(str, settings.test_steps))}",
         f"recurfit eval tasks {settings.out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --baseline "
         f"{settings.out}/parent/final",
         "```",

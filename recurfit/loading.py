@@ -49,6 +49,23 @@ def load_tokenizer(name_or_path: str | None):
     return _from_hub(AutoTokenizer.from_pretrained, resolve(name_or_path))
 
 
+def optional_tokenizer(name_or_path: str | None):
+    """The tokenizer saved with a model, or None for a folder that has none (a bare checkpoint)."""
+    try:
+        return load_tokenizer(name_or_path)
+    except (RecurfitError, OSError, ValueError):
+        return None
+
+
+def load_recurrent_model(name_or_path: str | None, dtype: torch.dtype | str = torch.float32) -> PreTrainedModel:
+    """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
+    retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
+    from .surgery import DEFAULT_SHAPE, retrofit
+
+    model = load_model(name_or_path, dtype=dtype)
+    return model if name_or_path is not None else retrofit(model, DEFAULT_SHAPE).eval()
+
+
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """The model a config describes, on the meta device: shapes and counts without weights."""
     with torch.device("meta"):

@@ -249,7 +249,7 @@ def saved(tmp_path_factory):
 
 def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, workspace, tmp_path, capsys):
     out = tmp_path / "loss"
-    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--steps", "1,2,4",
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--recurrence", "1,2,4",
                          "--baseline", saved / "parent", "--out", out)  # fmt: skip
     assert code == 0, text
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "recurrence.png", "flops.png"}
@@ -274,7 +274,7 @@ def test_eval_loss_of_a_fixed_depth_model_is_one_row_and_bad_data_is_an_error(sa
 
 def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path, capsys):
     out = tmp_path / "tasks"
-    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--steps", "1,2",
+    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--recurrence", "1,2",
                          "--limit", "2", "--max-new-tokens", "4", "--baseline", saved / "parent", "--out", out)  # fmt: skip
     assert code == 0, text
     sweep = Sweep.load(out / "results.json")

@@ -23,6 +23,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from ..defaults import BACKPROP_DEPTH, MEAN_RECURRENCE
 from ..errors import RecurfitError
 
 
@@ -112,8 +113,8 @@ class DataConfig:
 
 @dataclass
 class DepthConfig:
-    mean_recurrence: int = 32
-    backprop_depth: int = 8
+    mean_recurrence: int = MEAN_RECURRENCE
+    backprop_depth: int = BACKPROP_DEPTH
     curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
     curriculum_fraction: float = 0.75  # of all steps, for the mean-recurrence ramp
     # k̄ ramps from 1, as the paper authors' scheduler (their default ramp: the first 10% of steps).

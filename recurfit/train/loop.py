@@ -24,17 +24,18 @@ import torch
 import torch.nn.functional as F
 from rich.progress import TextColumn
 
-from ..accounting import count_parameters, training_flops, training_flops_per_token
+from ..accounting import count_parameters, training_flops_per_token
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..files import staged_directory
+from ..loading import optional_tokenizer
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
 from .checkpoint import checkpoint_folders, gather_state, load_checkpoint, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
 from .metrics import MetricsLog, peak_flops
-from .model import build_model, is_recurrent, optional_tokenizer
+from .model import build_model, is_recurrent
 from .optim import build_optimizers, build_schedulers, global_grad_norm
 
 
@@ -68,6 +69,7 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
             start=1, lead=1,
         ),  # fmt: skip
         seed=config.seed,
+        fixed=depth.fixed,
     )
 
 
@@ -181,29 +183,23 @@ class Trainer:
         return self._account(step, num_steps, loss, grad_norm, finite, seconds, lrs)
 
     def _depth(self, step: int) -> tuple[int, int]:
-        if not self.recurrent:
-            return (0, 1)
-        depth = self.config.depth
-        if depth.fixed:
-            mean = self.schedule.mean_recurrence.at(step)
-            k = min(self.schedule.backprop_depth.at(step), mean)
-            return (mean - k, k)
-        return self.schedule.sample(step)
+        return self.schedule.at(step) if self.recurrent else (0, 1)
 
     def _account(self, step, num_steps, loss, grad_norm, finite, seconds, lrs) -> dict:
         counters, config = self.counters, self.config
         tokens = config.batch.global_ * self.stream.seq_len
-        mean, depth = self.schedule.mean_recurrence.at(step), self.schedule.backprop_depth.at(step)
+        mean_depth = self.schedule.mean_depth(step)
         counters.step += 1
         counters.tokens += tokens
         step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
         counters.flops += step_flops
         # The paper's rule takes N1, N2 at the step's mean depth; a fixed-depth parent costs the same either way.
-        counters.flops_paper += training_flops(self.parameter_counts, tokens, mean, depth) if self.recurrent else step_flops
+        counters.flops_paper += tokens * training_flops_per_token(self.parameter_counts, mean_depth)
         peak = peak_flops(self.processes.device)
         record = {
             "kind": "train", "step": counters.step, "loss": loss, "lr": lrs[-1],
-            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": mean, "backprop_depth": depth,
+            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": sum(mean_depth),
+            "backprop_depth": self.schedule.backprop_depth.at(step),
             "tokens": counters.tokens, "flops": counters.flops, "flops_paper": counters.flops_paper,
             "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.phase,
             "skipped": counters.skipped, "seconds": seconds,
