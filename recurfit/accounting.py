@@ -6,7 +6,8 @@
 - FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
   `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
   run without. A fixed-depth model costs `6·N`.
-All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns.
+All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns. The rules,
+with the paper's sections: docs/method.md ("FLOPs").
 """
 
 from __future__ import annotations
