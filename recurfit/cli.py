@@ -113,16 +113,11 @@ def cmd_retrofit(args) -> None:
 
 def _calibration_ids(args):
     from .loading import load_tokenizer
+    from .surgery import calibration_ids
 
     if args.calibration is None:
         raise RecurfitError("--select shortgpt scores layers on text: pass --calibration FILE (plain text).")
-    path = Path(args.calibration)
-    if not path.is_file():
-        raise RecurfitError(f"Calibration file not found: {path}.")
-    ids = load_tokenizer(args.model)(path.read_text(), return_tensors="pt").input_ids[:, : args.calibration_tokens]
-    if ids.numel() < 16:
-        raise RecurfitError(f"{path} holds only {ids.numel()} tokens; give at least a paragraph of text.")
-    return ids
+    return calibration_ids(load_tokenizer(args.model), Path(args.calibration), args.calibration_tokens)
 
 
 def cmd_inspect(args) -> None:

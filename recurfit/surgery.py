@@ -14,6 +14,7 @@ import copy
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from transformers import PreTrainedModel
 
 from .config import RecurrentConfig
 from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_SHAPE, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
+from .errors import RecurfitError
 from .families import config_for_layers, family_of
 from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 
@@ -111,6 +113,16 @@ def _check_shape(shape: Sequence[int], num_layers: int) -> tuple[int, int, int]:
 
 
 @torch.no_grad()
+def calibration_ids(tokenizer, path: Path, max_tokens: int = 2048) -> torch.Tensor:
+    """The first `max_tokens` tokens of a plain-text file, as ShortGPT's layer scores read them (1 × tokens)."""
+    if not path.is_file():
+        raise RecurfitError(f"Calibration file not found: {path}.")
+    ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+    if ids.numel() < 16:
+        raise RecurfitError(f"{path} holds only {ids.numel()} tokens; give at least a paragraph of text.")
+    return ids
+
+
 def block_influence(parent: PreTrainedModel, calibration) -> list[float]:
     """ShortGPT's Block Influence per parent layer: 1 - mean cosine(input, output) over real tokens.
 
