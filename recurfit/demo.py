@@ -52,10 +52,10 @@ class DemoSettings:
     mean_recurrence: int = 4
     backprop_depth: int = 2
     math_problems: int = 4000
-    test_steps: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
+    loss_recurrences: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
     loss_rows: int = 16  # validation sequences per store
     gsm8k: int = 16  # GSM8K test problems (the first N)
-    gsm8k_steps: list[int] = field(default_factory=lambda: [1, 4, 8])
+    gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_new_tokens: int = 128
     force: bool = False
 
@@ -87,13 +87,13 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     model, trained_parent = (load_model(str(out / name / "final"), dtype=torch.float32) for name in ("recurrent", "parent"))
     report["loss"] = {
         name: loss_sweep(
-            model, load_examples(str(folder), limit=settings.loss_rows), settings.test_steps, "retrofit",
+            model, load_examples(str(folder), limit=settings.loss_rows), settings.loss_recurrences, "retrofit",
             trained_parent, "same tokens",
         )  # fmt: skip
         for name, folder in data.items()
     }
     report["gsm8k"], _ = task_sweep(
-        model, tokenizer, ["gsm8k_cot"], settings.gsm8k_steps, "retrofit", trained_parent, "same tokens",
+        model, tokenizer, ["gsm8k_cot"], settings.gsm8k_recurrences, "retrofit", trained_parent, "same tokens",
         limit=settings.gsm8k, max_new_tokens=settings.max_new_tokens,
     )  # fmt: skip
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
@@ -215,7 +215,7 @@ def render_report(report: dict) -> str:
         "```bash",
         "recurfit demo " + " ".join(f"--{k} {v}" for k, v in (("steps", settings.steps), ("out", settings.out))),
         f"recurfit eval loss {settings.out}/recurrent/final --data {settings.out}/data/math --baseline "
-        f"{settings.out}/parent/final --recurrence {','.join(map(str, settings.test_steps))}",
+        f"{settings.out}/parent/final --recurrence {','.join(map(str, settings.loss_recurrences))}",
         f"recurfit eval tasks {settings.out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --baseline "
         f"{settings.out}/parent/final",
         "```",
