@@ -279,7 +279,7 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
         plot_recurrence([sweep], staging / "recurrence.png")
         plot_flops([sweep], staging / "flops.png")
     console.print(sweep.markdown(), highlight=False, markup=False)
-    console.print(f"Wrote [bold]{out}[/]: results.json, table.md, recurrence.png, flops.png.")
+    console.print(f"Wrote [bold]{out}[/]: results.json, table.md, recurrence and flops figures (PNG, PDF, SVG).")
 
 
 def cmd_eval_loss(args) -> None:
@@ -502,9 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="s_0 as in training, or zeros (results independent of batching)")  # fmt: skip
             p.set_defaults(run=cmd_eval_tasks)
 
-    p = commands.add_parser("plot", help="PNG figures from results files and training runs")
+    p = commands.add_parser("plot", help="figures (PNG, PDF, SVG) from results files and training runs")
     p.add_argument("paths", nargs="+", help="results.json files or eval folders, and training run folders")
-    p.add_argument("--out", default="figures", help="folder for the PNGs")
+    p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
     p.set_defaults(run=cmd_plot)
 
     p = commands.add_parser("lm-eval", help="lm-eval's own CLI with --model recurfit and the offline tasks")

@@ -128,13 +128,23 @@ def _metric_name(key: str) -> str:
     return metric if filtered in ("", "none") else f"{metric}, {filtered}"
 
 
+def _scored_docs(task, limit: int | float | None) -> list:
+    """The documents lm-eval scores of a task under `limit` (a count, or a fraction of the split)."""
+    docs = list(task.eval_docs)
+    return docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
+
+
+def document_count(tasks: Sequence, limit: int | float | None) -> int:
+    """How many documents a task (or a group's tasks together) is scored on: the n of its standard error."""
+    return sum(len(_scored_docs(task, limit)) for task in tasks)
+
+
 def chance_level(tasks: Sequence, limit: int | float | None) -> float:
     """Expected score of guessing over the documents scored (`limit` of each task): 1/choices, averaged over all
     the documents as lm-eval's groups weigh their tasks; 0 for generated answers."""
     total = count = 0.0
     for task in tasks:
-        docs = list(task.eval_docs)
-        scored = docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
+        scored = _scored_docs(task, limit)
         if task.OUTPUT_TYPE == "multiple_choice":
             total += sum(1 / len(task.doc_to_choice(doc)) for doc in scored)
         count += len(scored)
@@ -222,13 +232,16 @@ def task_sweep(
         parent_row = Row.measured(parent, None, metrics(results), label=f"parent ({parent_name})")
     columns = list(rows[0].metrics)
     loaded = manager.load(names)
-    chance = {
-        column: chance_level(_leaves(name, loaded), limit)
-        for name in names for column in task_columns(name, raw[next(iter(raw))][name])
-    }  # fmt: skip
-    headline = [next(iter(task_columns(name, raw[next(iter(raw))][name]))) for name in names]
+    first_run = raw[next(iter(raw))]
+    chance, documents = {}, {}  # per column: the score of guessing and the documents scored (for error bars)
+    for name in names:
+        leaves = _leaves(name, loaded)
+        for column in task_columns(name, first_run[name]):
+            chance[column], documents[column] = chance_level(leaves, limit), document_count(leaves, limit)
+    headline = [next(iter(task_columns(name, first_run[name]))) for name in names]
     details = {
         "data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed, "headline": headline,
-        "model_args": MODEL_ARGS, "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
+        "documents": documents, "model_args": MODEL_ARGS,
+        "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
     }  # fmt: skip
     return Sweep("tasks", model_name, columns, rows, parent_row, Row("random chance", chance), details), raw
