@@ -316,6 +316,14 @@ def cmd_plot(args) -> None:
     console.print("Wrote " + ", ".join(str(path) for path in written) + ".")
 
 
+def cmd_push(args) -> None:
+    from .card import files_to_upload, push
+
+    files = files_to_upload(args.folder)
+    console.print(f"Uploading {len(files)} files of {args.folder} to {args.repo_id}: {', '.join(files)}")
+    console.print(f"Done: {push(args.folder, args.repo_id, private=args.private)}")
+
+
 def cmd_lm_eval(args) -> None:
     """lm-eval's own command line, with the `recurfit` model type registered and the offline tasks included."""
     from lm_eval.__main__ import cli_evaluate
@@ -373,12 +381,14 @@ def _print_parity(parent, model, batch) -> None:
 
 
 def _save(model, tokenizer, out, force) -> None:
+    from .card import write_model_card
     from .files import staged_directory
 
     with staged_directory(Path(out), replace=force) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        write_model_card(staging, model, Path(out).name)
     console.print(f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`.")
 
 
@@ -506,6 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="results.json files or eval folders, and training run folders")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
     p.set_defaults(run=cmd_plot)
+
+    p = commands.add_parser("push", help="upload a saved model folder (weights, tokenizer, model card) to the Hub")
+    p.add_argument("folder", help="a retrofit --out folder or runs/NAME/final")
+    p.add_argument("repo_id", help="Hub repository, e.g. USER/NAME (created if needed; log in with `hf auth login`)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.set_defaults(run=cmd_push)
 
     p = commands.add_parser("lm-eval", help="lm-eval's own CLI with --model recurfit and the offline tasks")
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model recurfit …")

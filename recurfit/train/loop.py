@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from rich.progress import TextColumn
 
 from ..accounting import count_parameters, training_flops, training_flops_per_token
+from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..files import staged_directory
@@ -260,8 +261,9 @@ class Trainer:
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
 
-    def export(self) -> Path:
-        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one)."""
+    def export(self, validation: dict | None = None) -> Path:
+        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one) and its model
+        card: the recipe, the tokens and the last `validation` record."""
         model_state, _ = gather_state(self.model, [])
         final = self.out / "final"
         if self.processes.is_main:
@@ -270,6 +272,10 @@ class Trainer:
                 tokenizer = optional_tokenizer(self.config.model.source)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(staging)
+                counters = self.counters
+                training = {"config": self.config.to_dict(), "steps": counters.step, "tokens": counters.tokens,
+                            "flops": counters.flops}  # fmt: skip
+                write_model_card(staging, self.model, self.out.name, training, validation)
         self.processes.barrier()
         return final
 
@@ -293,9 +299,10 @@ class Trainer:
                     self._write(self.validate())
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
                     self.checkpoint()
-        self._write(self.validate())
+        validation = self.validate()
+        self._write(validation)
         self.checkpoint()
-        self.export()
+        self.export(validation)
         if self.log is not None:
             self.log.close()
         return result
