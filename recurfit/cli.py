@@ -290,8 +290,8 @@ def cmd_eval_loss(args) -> None:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
     sweep = loss_sweep(
-        model, examples, args.steps, _model_name(args.model), parent, _model_name(args.baseline) if parent else None,
-        batch_size=args.batch_size, seed=args.seed,
+        model, examples, recurrences=args.steps, name=_model_name(args.model), baseline=parent,
+        baseline_name=_model_name(args.baseline), batch_size=args.batch_size, seed=args.seed,
     )  # fmt: skip
     _write_sweep(sweep, Path(args.out), args.force)
 
@@ -302,8 +302,9 @@ def cmd_eval_tasks(args) -> None:
 
     model, parent = _eval_models(args)
     sweep, raw = task_sweep(
-        model, load_tokenizer(args.tokenizer or args.model), args.tasks, args.steps, _model_name(args.model),
-        parent, _model_name(args.baseline) if parent else None, data=args.data, limit=args.limit,
+        model, load_tokenizer(args.tokenizer or args.model), tasks=args.tasks, recurrences=args.steps,
+        name=_model_name(args.model), baseline=parent, baseline_name=_model_name(args.baseline), data=args.data,
+        limit=args.limit,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, state_init=args.state_init, seed=args.seed,
     )  # fmt: skip
     _write_sweep(sweep, Path(args.out), args.force, {"lm_eval.json": raw})

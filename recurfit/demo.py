@@ -86,14 +86,15 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     model, trained_parent = (load_model(str(out / name / "final"), dtype=torch.float32) for name in ("recurrent", "parent"))
     report["loss"] = {
         name: loss_sweep(
-            model, load_examples(str(folder), limit=settings.loss_rows), settings.test_steps, "retrofit",
-            trained_parent, "same tokens",
+            model, load_examples(str(folder), limit=settings.loss_rows), recurrences=settings.test_steps,
+            name="retrofit", baseline=trained_parent, baseline_name="same tokens",
         )  # fmt: skip
         for name, folder in data.items()
     }
     report["gsm8k"], _ = task_sweep(
-        model, tokenizer, ["gsm8k_cot"], settings.gsm8k_steps, "retrofit", trained_parent, "same tokens",
-        limit=settings.gsm8k, max_new_tokens=settings.max_new_tokens,
+        model, tokenizer, tasks=["gsm8k_cot"], recurrences=settings.gsm8k_steps, name="retrofit",
+        baseline=trained_parent, baseline_name="same tokens", limit=settings.gsm8k,
+        max_new_tokens=settings.max_new_tokens,
     )  # fmt: skip
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
     report["flops"] = {name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")}

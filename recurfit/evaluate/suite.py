@@ -169,11 +169,12 @@ def plan_runs(names: Sequence[str]) -> dict[RunSettings, list[str]]:
 def task_sweep(
     model,
     tokenizer,
-    tasks: Sequence[str],
-    steps: Sequence[int],
-    model_name: str,
-    parent=None,
-    parent_name: str | None = None,
+    *,
+    tasks: Sequence[str] = ("paper",),
+    recurrences: Sequence[int] = (1, 4, 32),
+    name: str = "model",
+    baseline=None,
+    baseline_name: str = "parent",
     data: str = "offline",
     limit: int | float | None = None,
     batch_size: int = 8,
@@ -181,7 +182,8 @@ def task_sweep(
     state_init: str = "random",
     seed: int = 0,
 ) -> tuple[Sweep, dict]:
-    """The task table (a row per r, the parent, random chance) and lm-eval's full results per run."""
+    """The task table (a row per test recurrence, the `baseline`, random chance) and lm-eval's full results per
+    run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject)."""
     from lm_eval import simple_evaluate
 
     from .lm import RecurfitLM
@@ -215,33 +217,33 @@ def task_sweep(
         return results
 
     def metrics(results: dict) -> dict[str, float]:
-        return {column: value for name in names for column, value in task_columns(name, results[name]).items()}
+        return {column: value for task in names for column, value in task_columns(task, results[task]).items()}
 
     raw: dict = {}
     lms = models(model, state_init=state_init)
-    depths = list(steps) if isinstance(model, RecurrentForCausalLM) else [None]
+    depths = list(recurrences) if isinstance(model, RecurrentForCausalLM) else [None]
     rows = []
     for r in depths:
         for lm in lms.values():
             lm.num_steps = r
-        raw[f"r={r}" if r else "model"] = results = run(lms, f"{model_name} at r={r}" if r else model_name)
+        raw[f"r={r}" if r else "model"] = results = run(lms, f"{name} at r={r}" if r else name)
         rows.append(Row.measured(model, r, metrics(results)))
     parent_row = None
-    if parent is not None:
-        raw["parent"] = results = run(models(parent), f"parent {parent_name}")
-        parent_row = Row.measured(parent, None, metrics(results), label=f"parent ({parent_name})")
+    if baseline is not None:
+        raw["parent"] = results = run(models(baseline), f"parent {baseline_name}")
+        parent_row = Row.measured(baseline, None, metrics(results), label=f"parent ({baseline_name})")
     columns = list(rows[0].metrics)
     loaded = manager.load(names)
     first_run = raw[next(iter(raw))]
     chance, documents = {}, {}  # per column: the score of guessing and the documents scored (for error bars)
-    for name in names:
-        leaves = _leaves(name, loaded)
-        for column in task_columns(name, first_run[name]):
+    for task in names:
+        leaves = _leaves(task, loaded)
+        for column in task_columns(task, first_run[task]):
             chance[column], documents[column] = chance_level(leaves, limit), document_count(leaves, limit)
-    headline = [next(iter(task_columns(name, first_run[name]))) for name in names]
+    headline = [next(iter(task_columns(task, first_run[task]))) for task in names]
     details = {
         "data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed, "headline": headline,
         "documents": documents, "model_args": MODEL_ARGS,
         "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
     }  # fmt: skip
-    return Sweep("tasks", model_name, columns, rows, parent_row, Row("random chance", chance), details), raw
+    return Sweep("tasks", name, columns, rows, parent_row, Row("random chance", chance), details), raw
