@@ -48,11 +48,29 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # recurfit.loading.DTYPES and "auto" (no torch import here)
+
+
+def add_placement_arguments(p, dtype_help: str = "weights' precision; auto: bfloat16 on a GPU, float32 on a CPU") -> None:
+    """--device, --dtype and --threads, the same for every command that runs a model."""
+    p.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: cuda if a GPU is visible, else cpu)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help=f"{dtype_help} (default: auto)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+
+
+def _placement(args, dtype=None):
+    """The device and precision the arguments ask for (`dtype` overrides --dtype, e.g. a resolved `auto`)."""
+    from .loading import resolve_placement
+
+    return resolve_placement(args.device, dtype or args.dtype, args.threads)
+
+
 # ---------------------------------------------------------------- commands
 
 
 def cmd_retrofit(args) -> None:
-    from .loading import load_model
+    """The parent loaded in the precision the retrofit is saved in (--dtype; auto: as the parent is stored)."""
+    from .loading import load_config, load_model, stored_dtype
     from .surgery import retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
@@ -60,7 +78,8 @@ def cmd_retrofit(args) -> None:
     if explicit and args.shape:
         raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
     calibration = _calibration_ids(args) if args.select == "shortgpt" else None
-    parent = load_model(args.model, dtype=args.dtype)
+    placement = _placement(args, stored_dtype(load_config(args.model)) if args.dtype == "auto" else None)
+    parent = load_model(args.model, dtype=placement.dtype, device=placement.device)
     model = retrofit(
         parent,
         None if explicit else (args.shape or DEFAULT_SHAPE),
@@ -77,7 +96,8 @@ def cmd_retrofit(args) -> None:
     tokenizer = _optional_tokenizer(args.model)
     _print_model(model, [1, 4, 32])
     if args.adapter == "linear" and args.adapter_init == "identity":
-        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
+        batch = {name: tensor.to(placement.device) for name, tensor in _parity_batch(tokenizer, parent.config.vocab_size).items()}
+        _print_parity(parent, model.to(placement.device), batch)
     _save(model, tokenizer, args.out, args.force)
 
 
@@ -107,12 +127,18 @@ def _calibration_ids(args):
 
 
 def cmd_inspect(args) -> None:
-    """Parts, parameters and FLOPs from the config alone (meta device): no weights are loaded."""
-    from .loading import load_config, meta_model
+    """Parts, parameters and FLOPs from the config alone (meta device), or with --load from the weights."""
+    from .loading import load_config, load_model, meta_model
     from .surgery import retrofit
 
     config = load_config(args.model)
-    model = meta_model(config)
+    if args.load:
+        placement = _placement(args)
+        model = load_model(args.model, dtype=placement.dtype, device=placement.device)
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        console.print(f"Loaded on {placement}: {size:,.0f} MiB of weights.")
+    else:
+        model = meta_model(config)
     if args.shape:
         if config.model_type == "recurfit":
             raise RecurfitError("This is already a recurfit model; --shape plans a retrofit of a parent model.")
@@ -137,8 +163,9 @@ def cmd_demo(args) -> None:
     settings = DemoSettings(
         out=Path(args.out), model=args.model, shape=args.shape, steps=args.steps, heal_steps=max(args.steps // 4, 1),
         mean_recurrence=args.mean_recurrence, math_problems=args.math_problems, gsm8k=args.gsm8k,
-        max_new_tokens=args.max_new_tokens, force=args.force,
+        max_new_tokens=args.max_new_tokens, force=args.force, device=args.device, dtype=args.dtype,
     )  # fmt: skip
+    _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
     run_demo(settings, console)
 
 
@@ -180,13 +207,13 @@ def cmd_train(args) -> None:
 
 
 def _generation_model(args):
-    """The model to talk to: a folder or Hub id, or by default the embedded SmolLM2 retrofitted on the fly."""
-    import torch
-
+    """The model to talk to: a folder or Hub id, or by default the embedded SmolLM2 retrofitted on the fly; on
+    --device in --dtype."""
     from .loading import load_model, load_tokenizer
     from .surgery import retrofit
 
-    model = load_model(args.model, dtype=torch.float32)
+    placement = _placement(args)
+    model = load_model(args.model, dtype=placement.dtype, device=placement.device)
     if args.model is None:
         model = retrofit(model, DEFAULT_SHAPE).eval()
         console.print(
@@ -247,15 +274,16 @@ def cmd_chat(args) -> None:
 
 
 def _eval_models(args):
-    """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent."""
-    import torch
-
+    """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent, both
+    on --device in --dtype."""
     from .loading import load_model
 
-    model = _generation_model(args)[0] if args.model is None else load_model(args.model, dtype=torch.float32)
+    placement = _placement(args)
+    model = _generation_model(args)[0] if args.model is None else load_model(args.model, placement.dtype, placement.device)
     parent = None
     if args.baseline:
-        parent = load_model(None if args.baseline == "embedded" else args.baseline, dtype=torch.float32)
+        baseline = None if args.baseline == "embedded" else args.baseline
+        parent = load_model(baseline, dtype=placement.dtype, device=placement.device)
     return model, parent
 
 
@@ -415,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
     p.add_argument("--mean-recurrence", type=int, default=32)
     p.add_argument("--backprop-depth", type=int, default=8)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_placement_arguments(p, "precision of the saved model (and of the parity check); auto: the parent's own")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_retrofit)
@@ -424,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model)")
     p.add_argument("--shape", type=shape_arg, help="plan a retrofit of this parent with shape P,R,C")
     p.add_argument("--steps", type=positive_ints, default=[1, 4, 8, 16, 32], help="test recurrences, e.g. 1,4,32")
+    p.add_argument("--load", action="store_true", help="load the weights (on --device in --dtype) instead of the config")
+    add_placement_arguments(p)
     p.set_defaults(run=cmd_inspect)
 
     p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
@@ -480,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
+        add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")
@@ -496,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
         p.add_argument("--out", default=f"eval/{name}", help="output folder (must not exist unless --force)")
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        add_placement_arguments(p)
         if name == "loss":
             p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
             p.add_argument("--steps", type=positive_ints, default=[1, 2, 4, 8, 16, 32], help="test recurrences")
@@ -538,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="runs/demo", help="run folder (replaced only with --force)")
     p.add_argument("--force", action="store_true")
+    add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
     return parser
 
