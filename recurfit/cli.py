@@ -312,8 +312,10 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
 
 def cmd_eval_loss(args) -> None:
     from .evaluate.loss import load_examples, loss_sweep
+    from .files import check_output
     from .loading import load_tokenizer
 
+    check_output(args.out, args.force)  # before loading anything
     model, parent = _eval_models(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
@@ -325,9 +327,12 @@ def cmd_eval_loss(args) -> None:
 
 
 def cmd_eval_tasks(args) -> None:
-    from .evaluate.suite import task_sweep
+    from .evaluate.suite import check_tasks, task_sweep
+    from .files import check_output
     from .loading import load_tokenizer
 
+    check_output(args.out, args.force)  # before loading anything
+    check_tasks(args.tasks, args.data)
     model, parent = _eval_models(args)
     sweep, raw = task_sweep(
         model, load_tokenizer(args.tokenizer or args.model), tasks=args.tasks, recurrences=args.steps,

@@ -13,6 +13,7 @@ zero-shot; GSM8K and MATH one-shot with `max_length=1024`, in a run of their own
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -73,8 +74,10 @@ def offline_tasks() -> list[str]:
     return sorted(path.stem.removesuffix(OFFLINE) for path in TASKS_DIR.glob(f"*{OFFLINE}.yaml"))
 
 
+@functools.cache
 def task_manager(data: str):
-    """lm-eval's TaskManager with recurfit's task folder included (the offline tasks and gsm8k_cot_sean)."""
+    """lm-eval's TaskManager with recurfit's task folder included (the offline tasks and gsm8k_cot_sean); built
+    once per process (it indexes every task lm-eval knows)."""
     from lm_eval.tasks import TaskManager
 
     if data not in ("offline", "hub"):
@@ -82,10 +85,18 @@ def task_manager(data: str):
     return TaskManager(include_path=str(TASKS_DIR))
 
 
+def check_tasks(names: Sequence[str], data: str = "offline") -> list[str]:
+    """The lm-eval task names `names` run as, or the one-line error `task_sweep` would raise: checked before a
+    model is loaded."""
+    return resolve_tasks(names, data, task_manager(data))
+
+
 def resolve_tasks(names: Sequence[str], data: str, manager) -> list[str]:
-    """lm-eval task names for what the user typed; `paper` stands for the whole suite."""
+    """lm-eval task names for what the user typed; `paper` stands for the whole suite. Offline, a name may carry
+    lm-eval's `_offline` suffix or not (`arc_easy_offline` as `recurfit lm-eval` takes it, or `arc_easy`)."""
     expanded = [task for name in names for task in (PAPER_SUITE if name == "paper" else [name])]
     if data == "offline":
+        expanded = [name.removesuffix(OFFLINE) for name in expanded]
         known = [n.removesuffix(OFFLINE) for n in (*manager.all_subtasks, *manager.all_groups) if n.endswith(OFFLINE)]
         resolved = [name + OFFLINE for name in expanded]
     else:
