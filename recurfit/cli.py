@@ -15,7 +15,9 @@ from rich.console import Console
 
 from .errors import RecurfitError
 
-console = Console()
+# Piped or redirected output is not wrapped at all (a terminal's width is unknown there, and a wrap at 80 columns
+# splits paths and numbers); in a terminal, rich wraps at word boundaries.
+console = Console(soft_wrap=not sys.stdout.isatty())
 DEFAULT_SHAPE = (4, 8, 4)  # the paper's headline shape (TinyLlama 4,8,4)
 
 
@@ -253,22 +255,32 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    """A conversation; Ctrl-C stops the answer being written (the exchange is dropped), Ctrl-D or an empty line
+    ends the chat."""
     from .generate import generate_text, prompt_ids
 
     model, tokenizer = _generation_model(args)
     settings = _settings(args)
     messages: list[dict] = []
-    console.print("[dim]Chat: an empty line or Ctrl-D ends it.[/]")
+    console.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
     while True:
         try:
             line = console.input("[bold]you>[/] ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:  # at the prompt: a fresh prompt, as in a shell
+            console.print()
+            continue
         if not line:
             break
         messages.append({"role": "user", "content": line})
         console.print("[bold]model>[/] ", end="")
-        generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+        try:
+            generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+        except KeyboardInterrupt:
+            messages.pop()
+            console.print("\n[dim](stopped; this question is left out of the conversation)[/]")
+            continue
         messages.append({"role": "assistant", "content": generation.text})
         _report(generation)
 
@@ -363,13 +375,14 @@ def cmd_lm_eval(args) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     from .evaluate import lm  # noqa: F401  (registers --model recurfit)
-    from .evaluate.suite import TASKS_DIR
+    from .evaluate.suite import TASKS_DIR, quiet_git_hash
 
     argv = list(args.arguments)
     if not any(a.startswith("--include_path") for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    with quiet_git_hash():
+        cli_evaluate()
 
 
 # ---------------------------------------------------------------- shared output
@@ -429,8 +442,32 @@ def _save(model, tokenizer, out, force) -> None:
 # ---------------------------------------------------------------- parser
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (lists as typed: 1,4,32), unless it says it already."""
+
+    def _get_help_string(self, action) -> str:
+        text, default = action.help or "", action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with HelpFormatter; subcommands inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recurfit", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = Parser(prog="recurfit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"recurfit {__version__}")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the libraries' own progress bars and notices (transformers, datasets, lm-eval)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_help = "parent model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
 
@@ -441,13 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
     p.add_argument("--select", choices=["paper", "shortgpt"], default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
-    p.add_argument("--calibration-tokens", type=int, default=2048)
-    p.add_argument("--adapter", choices=["linear", "add"], default="linear")
-    p.add_argument("--adapter-init", choices=["identity", "random"], default="identity")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of --calibration to score layers on")
+    p.add_argument("--adapter", choices=["linear", "add"], default="linear", help="how the state meets the embedding")
+    p.add_argument("--adapter-init", choices=["identity", "random"], default="identity",
+                   help="identity: exactly the pruned parent at every r")  # fmt: skip
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
-    p.add_argument("--mean-recurrence", type=int, default=32)
-    p.add_argument("--backprop-depth", type=int, default=8)
+    p.add_argument("--mean-recurrence", type=int, default=32, help="r at test time when none is given; training's mean")
+    p.add_argument("--backprop-depth", type=int, default=8, help="recurrences trained with gradient (k)")
     add_placement_arguments(p, "precision of the saved model (and of the parity check); auto: the parent's own")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -464,8 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
     p.add_argument("path", help="checkpoint folder with config.json and weights")
     p.add_argument("--family", choices=["llama", "olmo2"], help="variant (default: detected from the weights)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_import_raven)
 
     p = commands.add_parser("data", help="prepare training data (tokenise and pack into a token store)")
@@ -506,14 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = commands.add_parser(name, help=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
         if name == "generate":
-            p.add_argument("--prompt", required=True)
+            p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
         p.add_argument("--steps", type=int, help="recurrences per token (default: the model's mean recurrence)")
         p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --steps)")
         p.add_argument("--min-steps", type=int, default=2, help="no adaptive exit before this many steps")
-        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
         p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
@@ -528,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task (per subject)"
         )
-        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
         p.add_argument("--out", default=f"eval/{name}", help="output folder (must not exist unless --force)")
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -572,28 +610,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-recurrence", type=int, default=4, help="train recurrence the curriculum ramps to")
     p.add_argument("--math-problems", type=int, default=4000, help="fresh math problems to generate for training")
     p.add_argument("--gsm8k", type=int, default=16, help="GSM8K test problems to score (the first N)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per GSM8K answer and sample")
     p.add_argument("--out", default="runs/demo", help="run folder (replaced only with --force)")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="start over in an existing --out")
     add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
     return parser
+
+
+def _library_output(verbose: bool) -> None:
+    """By default recurfit's own progress bars only: no "Loading weights" bar per model, no download or split
+    bars, no library notices (warnings and errors still show). --verbose: the libraries' own output too."""
+    from transformers.utils import logging as transformers_logging
+
+    if verbose:
+        transformers_logging.enable_progress_bar()
+        transformers_logging.set_verbosity_info()
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_warning()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
-        args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:])  # lm-eval parses its own options
+        args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:], verbose=False)  # lm-eval parses its own
     else:
         args = parser.parse_args(argv)
+    _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
 
         args.state_std = DEFAULT_STATE_INIT_STD
     try:
-        import recurfit  # noqa: F401  (registers the Auto classes)
+        from . import register_auto_classes
 
+        register_auto_classes()  # here, not on import: `recurfit --help` answers without importing torch
         args.run(args)
     except (RecurfitError, ValueError, FileNotFoundError) as error:
         if os.environ.get("RECURFIT_DEBUG"):

@@ -15,7 +15,9 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -72,6 +74,28 @@ def offline_tasks() -> list[str]:
     """The suite's offline task and group names (without the `_offline` suffix); each MMLU and MATH subject is
     a task too (`mmlu_<subject>`, `minerva_math_<subject>`), as in lm-eval."""
     return sorted(path.stem.removesuffix(OFFLINE) for path in TASKS_DIR.glob(f"*{OFFLINE}.yaml"))
+
+
+def _git_hash() -> str | None:
+    """lm-eval's record of the working directory's git commit, asked quietly: outside a repository its own
+    `git describe` prints `fatal: not a git repository` into the user's terminal."""
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except FileNotFoundError:  # no git installed
+        return None
+    return described.stdout.strip() or None
+
+
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval's evaluator with `_git_hash` in place of its noisy own, for the duration."""
+    from lm_eval import evaluator
+
+    noisy, evaluator.get_git_commit_hash = evaluator.get_git_commit_hash, _git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = noisy
 
 
 @functools.cache
@@ -218,12 +242,13 @@ def task_sweep(
         console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
         results: dict = {}
         for settings, group in runs.items():
-            output = simple_evaluate(
-                model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
-                limit=limit, bootstrap_iters=0, log_samples=False,
-                gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
-                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            )  # fmt: skip
+            with quiet_git_hash():
+                output = simple_evaluate(
+                    model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
+                    limit=limit, bootstrap_iters=0, log_samples=False,
+                    gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
+                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                )  # fmt: skip
             results.update(output["results"])
         return results
 
