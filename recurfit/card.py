@@ -22,7 +22,6 @@ from .summary import layer_ranges
 CARD = "README.md"
 # What a model folder shares: weights, configs, tokenizer, the card. Checkpoints, logs and stray files stay home.
 UPLOADED = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja", CARD]
-EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
 
 
 def parent_name(name_or_path: str | None) -> str:
@@ -129,16 +128,12 @@ def _yaml(config: dict) -> str:
 
 def _validation(record: dict) -> str:
     """The last validation of the run: a row per store, a column per test recurrence."""
-    table: dict[str, dict[str, float]] = {}
-    for key, value in record.items():
-        match = EVAL_KEY.match(key)
-        if match:
-            table.setdefault(match["data"], {})[f"r={match['r']}" if match["r"] else "loss"] = value
-    columns = list(dict.fromkeys(column for row in table.values() for column in row))
+    from .train.report import validation_columns
+
+    columns, rows = validation_columns(record)
     lines = [f"## Validation loss (nats/token, step {record.get('step')})", "",
              "| data | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]  # fmt: skip
-    lines += [f"| {store} | " + " | ".join(f"{row[c]:.4f}" if c in row else "" for c in columns) + " |"
-              for store, row in table.items()]  # fmt: skip
+    lines += [f"| {store} | " + " | ".join(cells) + " |" for store, cells in rows.items()]
     return "\n".join(lines)
 
 

@@ -196,16 +196,34 @@ def cmd_data_prepare(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .train import load_config, train
+    """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
+    from .summary import flops_table, parts_table
+    from .train import Trainer, load_config
+    from .train.report import phase_warnings, schedule_table, tokens_per_row, validation_table
 
-    config = load_config(args.config, args.overrides)
-    result = train(config, resume=args.resume)
-    counters = result.counters
-    if int(os.environ.get("RANK", "0")) == 0:
-        console.print(
-            f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
-            f"({counters.skipped} updates skipped). Log: {result.out / 'log.jsonl'}; model: {result.out / 'final'}."
-        )
+    config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    say = console.print if main_process else (lambda *a, **k: None)
+    say(f"[bold]Config[/] ({'not run: --dry-run' if args.dry_run else f'saved as {config.out}/config.yaml'}):")
+    say(config.to_yaml(), markup=False, highlight=False)
+    for warning in phase_warnings(config, tokens_per_row(config)):
+        say(f"[yellow]warning:[/] {warning}", highlight=False)
+    if args.dry_run:
+        say(schedule_table(config))
+        return
+    trainer = Trainer(config, resume=args.resume)
+    say(parts_table(trainer.model))
+    say(flops_table(trainer.model, [config.depth.mean_recurrence]))
+    result = trainer.run()
+    counters, out = result.counters, result.out
+    table = validation_table(result.validation)
+    if table is not None:
+        say(table)
+    say(
+        f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
+        f"({counters.skipped} updates skipped). Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}, "
+        f"{out / 'checkpoints'}/ and the model with its card in {out / 'final'}/."
+    )
 
 
 def _generation_model(args):
@@ -536,8 +554,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
     p.add_argument("config", help="YAML training config (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value settings that override the config, e.g. steps=200")
+    p.add_argument("overrides", nargs="*",
+                   help="key.sub=value settings that override the config, e.g. steps=200 or data.phases.0.tokens=500000 "
+                   "(list items count from 0)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the config's out")
+    p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the depth and LR schedules, then exit")
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):

@@ -16,7 +16,6 @@ Several results files or runs are overlaid, each named as `run_name` names it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from itertools import cycle
 from pathlib import Path, PurePath
@@ -29,9 +28,9 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullLoca
 
 from ..errors import RecurfitError  # noqa: E402
 from ..train.metrics import read_log  # noqa: E402
+from ..train.report import validation_losses  # noqa: E402
 from .results import Sweep  # noqa: E402
 
-EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
 FORMATS = (".png", ".pdf", ".svg")
 LOSS_METRICS = ("loss", "perplexity")
 
@@ -245,13 +244,10 @@ def _validation_series(records: list[dict]) -> dict[str, dict[int | None, list[t
     """store -> test recurrence (None for a fixed-depth model) -> [(step, loss)] from a run's eval records."""
     series: dict = {}
     for record in records:
-        if record.get("kind") != "eval":
-            continue
-        for key, value in record.items():
-            match = EVAL_KEY.match(key)
-            if match:
-                r = int(match["r"]) if match["r"] else None
-                series.setdefault(match["data"], {}).setdefault(r, []).append((record["step"], value))
+        if record.get("kind") == "eval":
+            for store, losses in validation_losses(record).items():
+                for r, loss in losses.items():
+                    series.setdefault(store, {}).setdefault(r, []).append((record["step"], loss))
     return series
 
 

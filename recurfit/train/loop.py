@@ -56,6 +56,7 @@ class TrainResult:
     out: Path
     counters: Counters
     losses: list[float] = field(default_factory=list)  # per step run in this process (not the resumed prefix)
+    validation: dict | None = None  # the final validation record (store/loss@r: loss), if the run validates
 
 
 def depth_schedule(config: TrainConfig) -> DepthSchedule:
@@ -98,6 +99,7 @@ class Trainer:
         self.log = None
         if self.processes.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(config.to_yaml())
             self.log = MetricsLog(
                 self.out, resume_step=self.counters.step if resume else None,
                 tensorboard=config.log.tensorboard, wandb=config.log.wandb, config=config.to_dict(),
@@ -284,14 +286,15 @@ class Trainer:
     def run(self) -> TrainResult:
         config, counters = self.config, self.counters
         result = TrainResult(self.out, counters)
-        loss_column = TextColumn("loss {task.fields[loss]:.4f}  r̄ {task.fields[mean]}  {task.fields[rate]:,.0f} tok/s")
         show = config.log.progress and self.processes.is_main
-        with progress_bar(loss_column, disable=not show) as bar:
-            task = bar.add_task("training", total=config.steps, completed=counters.step, loss=float("nan"), mean=0, rate=0)
+        with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
+            first = f"step {counters.step + 1}: first forward and backward (r̄ {self.schedule.mean_recurrence.at(counters.step)})"
+            task = bar.add_task("training", total=config.steps, completed=counters.step, status=first)
             while counters.step < config.steps:
                 record = self.train_step()
                 result.losses.append(record["loss"])
-                bar.update(task, advance=1, loss=record["loss"], mean=record["mean_recurrence"], rate=record["tokens_per_s"])
+                status = f"loss {record['loss']:.4f}  r̄ {record['mean_recurrence']}  {record['tokens_per_s']:,.0f} tok/s"
+                bar.update(task, advance=1, status=status)
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.steps):
                     self.log.write(record)
@@ -299,10 +302,10 @@ class Trainer:
                     self._write(self.validate())
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
                     self.checkpoint()
-        validation = self.validate()
-        self._write(validation)
+        result.validation = self.validate()
+        self._write(result.validation)
         self.checkpoint()
-        self.export(validation)
+        self.export(result.validation)
         if self.log is not None:
             self.log.close()
         return result
