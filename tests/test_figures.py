@@ -69,6 +69,8 @@ def check_figure(figure) -> None:
     assert figure.get_suptitle()
     (legend,) = figure.legends  # one legend for the figure, none inside a panel
     legend_box = legend.get_window_extent(renderer)
+    width, height = figure.bbox.width, figure.bbox.height
+    assert 0 <= legend_box.x0 and legend_box.x1 <= width and 0 <= legend_box.y0, (legend_box, width)
     for axis in panels:
         assert axis.get_legend() is None and axis.get_title() and axis.get_xlabel() and axis.get_ylabel()
         assert len(visible_ticks(axis, "x")) >= 2, (axis.get_title(), axis.get_xticks(), axis.get_xlim())
@@ -86,6 +88,7 @@ def check_figure(figure) -> None:
 
 def test_every_figure_has_readable_ticks_nothing_clipped_and_the_legend_off_the_data(drawn, tmp_path):
     sweeps = [loss_sweep("runs/smollm2-cpu/final", 4.0), loss_sweep("runs/other/final", 4.5)]
+    sweeps[1].parent.label = "parent (a long name: untrained, 30 layers)"  # a wide legend under one panel
     plots.plot_recurrence(sweeps, tmp_path / "loss_recurrence.png")
     plots.plot_flops(sweeps, tmp_path / "loss_flops.png")
     plots.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")

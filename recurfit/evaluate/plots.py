@@ -71,8 +71,9 @@ def _figure_legend(figure) -> None:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             entries.setdefault(label, handle)
     if entries:
-        figure.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=min(len(entries), 4),
-                      fontsize=8, frameon=False)  # fmt: skip
+        columns = min(len(entries), 4, max(1, round(figure.get_figwidth() / 2.5)))  # as many as fit the width
+        figure.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8,
+                      frameon=False)  # fmt: skip
 
 
 def _metric_label(metric: str) -> str:
