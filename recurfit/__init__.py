@@ -26,7 +26,20 @@ _EXPORTS = {
     "sample_depth": "sampling",
     "training_flops": "accounting",
 }
-__all__ = [*_EXPORTS, "register_auto_classes"]
+__all__ = [  # noqa: RUF022 (as _EXPORTS lists them)
+    "LayerSelection",
+    "RecurrentCache",
+    "RecurrentConfig",
+    "RecurrentForCausalLM",
+    "RecurrentModel",
+    "count_parameters",
+    "effective_parameters",
+    "inference_flops_per_token",
+    "retrofit",
+    "sample_depth",
+    "training_flops",
+    "register_auto_classes",
+]
 
 
 def __getattr__(name: str):

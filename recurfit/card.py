@@ -42,8 +42,8 @@ def model_card(model, name: str, training: dict | None = None, validation: dict 
     config = model.config
     parent = parent_name(getattr(config, "parent_name_or_path", None) or getattr(config, "_name_or_path", None))
     recurrent = isinstance(model, RecurrentForCausalLM)
-    data = ModelCardData(library_name="transformers", tags=["recurfit", "depth-recurrence"] if recurrent else ["recurfit"],
-                         base_model=_hub_id(parent))  # fmt: skip
+    tags = ["recurfit", "depth-recurrence"] if recurrent else ["recurfit"]
+    data = ModelCardData(library_name="transformers", tags=tags, base_model=_hub_id(parent))
     sections = [f"# {name}", _summary(model, parent, recurrent), _structure(model, recurrent)]
     if training:
         sections.append(_training(training))
@@ -96,22 +96,23 @@ def _training(training: dict) -> str:
     config = training["config"]
     phases = config.get("data", {}).get("phases", [])
     depth, optimizer = config.get("depth", {}), config.get("optimizer", {})
-    lines = [
-        "## Training",
-        "",
-        f"{training['steps']:,} optimizer steps, {training['tokens']:,} tokens, {training['flops']:.3e} training FLOPs "
-        f"(from the depths drawn), by `recurfit train` in global batches of {config.get('batch', {}).get('global')} rows, "
-        f"from these data phases:",
-        "",
-    ]
+    batch = config.get("batch", {}).get("global")
+    summary = (
+        f"{training['steps']:,} optimizer steps, {training['tokens']:,} tokens, {training['flops']:.3e} training "
+        f"FLOPs (from the depths drawn), by `recurfit train` in global batches of {batch} rows, from these data phases:"
+    )
+    lines = ["## Training", "", summary, ""]
     for index, phase in enumerate(phases, 1):
         sources = ", ".join(f"{s['path']} (weight {s.get('weight', 1)})" for s in phase.get("sources", []))
         budget = f"{phase['tokens']:,} tokens" if phase.get("tokens") else "the rest of the run"
         lines.append(f"{index}. {sources}: {budget}")
+    recipe = (
+        f"Depth: mean recurrence {depth.get('mean_recurrence')} ({depth.get('curriculum')} curriculum), backprop "
+        f"depth {depth.get('backprop_depth')}. Optimizer: {optimizer.get('name')}. The full config is below."
+    )
     lines += [
         "",
-        f"Depth: mean recurrence {depth.get('mean_recurrence')} ({depth.get('curriculum')} curriculum), backprop "
-        f"depth {depth.get('backprop_depth')}. Optimizer: {optimizer.get('name')}. The full config is below.",
+        recipe,
         "",
         "```yaml",
         _yaml(config).rstrip(),
@@ -172,7 +173,9 @@ def push(folder: str | Path, repo_id: str, private: bool = False, token: str | N
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise RecurfitError(f"{folder} is not a saved model (no config.json): push a retrofit --out or runs/NAME/final.")
+        raise RecurfitError(
+            f"{folder} is not a saved model (no config.json): push a retrofit --out or runs/NAME/final."
+        )
     if not (folder / CARD).is_file():
         raise RecurfitError(f"{folder} has no {CARD} model card: re-save it with recurfit, or write one, then push.")
     create_repo(repo_id, private=private, exist_ok=True, token=token)

@@ -53,7 +53,10 @@ def positive_ints(text: str) -> list[int]:
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # recurfit.loading.DTYPES and "auto" (no torch import here)
 
 
-def add_placement_arguments(p, dtype_help: str = "weights' precision; auto: bfloat16 on a GPU, float32 on a CPU") -> None:
+DTYPE_HELP = "weights' precision; auto: bfloat16 on a GPU, float32 on a CPU"
+
+
+def add_placement_arguments(p, dtype_help: str = DTYPE_HELP) -> None:
     """--device, --dtype and --threads, the same for every command that runs a model."""
     p.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: cuda if a GPU is visible, else cpu)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help=f"{dtype_help} (default: auto)")
@@ -98,7 +101,8 @@ def cmd_retrofit(args) -> None:
     tokenizer = _optional_tokenizer(args.model)
     _print_model(model, [1, 4, 32])
     if args.adapter == "linear" and args.adapter_init == "identity":
-        batch = {name: tensor.to(placement.device) for name, tensor in _parity_batch(tokenizer, parent.config.vocab_size).items()}
+        batch = _parity_batch(tokenizer, parent.config.vocab_size)
+        batch = {name: tensor.to(placement.device) for name, tensor in batch.items()}
         _print_parity(parent, model.to(placement.device), batch)
     _save(model, tokenizer, args.out, args.force)
 
@@ -309,7 +313,10 @@ def _eval_models(args):
     from .loading import load_model
 
     placement = _placement(args)
-    model = _generation_model(args)[0] if args.model is None else load_model(args.model, placement.dtype, placement.device)
+    if args.model is None:
+        model = _generation_model(args)[0]
+    else:
+        model = load_model(args.model, placement.dtype, placement.device)
     parent = None
     if args.baseline:
         baseline = None if args.baseline == "embedded" else args.baseline
@@ -513,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model)")
     p.add_argument("--shape", type=shape_arg, help="plan a retrofit of this parent with shape P,R,C")
     p.add_argument("--steps", type=positive_ints, default=[1, 4, 8, 16, 32], help="test recurrences, e.g. 1,4,32")
-    p.add_argument("--load", action="store_true", help="load the weights (on --device in --dtype) instead of the config")
+    p.add_argument("--load", action="store_true", help="load the weights (on --device in --dtype), not the config")
     add_placement_arguments(p)
     p.set_defaults(run=cmd_inspect)
 
@@ -555,11 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
     p.add_argument("config", help="YAML training config (see recipes/)")
     p.add_argument("overrides", nargs="*",
-                   help="key.sub=value settings that override the config, e.g. steps=200 or data.phases.0.tokens=500000 "
-                   "(list items count from 0)")  # fmt: skip
+                   help="key.sub=value settings that override the config, e.g. steps=200 or "
+                   "data.phases.0.tokens=500000 (list items count from 0)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the config's out")
     p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the depth and LR schedules, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and the depth and LR schedules, then exit")  # fmt: skip
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):

@@ -77,7 +77,9 @@ class Placement:
         return f"{self.device} {str(self.dtype).removeprefix('torch.')}"
 
 
-def resolve_placement(device: str | None = None, dtype: str | torch.dtype = "auto", threads: int | None = None) -> Placement:
+def resolve_placement(
+    device: str | None = None, dtype: str | torch.dtype = "auto", threads: int | None = None
+) -> Placement:
     """`device` None: cuda if a GPU is visible, else cpu. `dtype` "auto": bfloat16 on a GPU (its fast path),
     float32 on a CPU (where bfloat16 is slower and less accurate). `threads`: torch's CPU threads."""
     if device is None:

@@ -46,7 +46,9 @@ def test_push_uploads_the_model_files_and_the_card_only(workspace, tmp_path, cap
     (out / "checkpoints" / "optimizer.pt").write_text("state")
     calls = []
     monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: calls.append(("create", repo_id, kw)))
-    monkeypatch.setattr(huggingface_hub, "upload_folder", lambda **kw: calls.append(("upload", kw)) or "https://hub/commit")
+    monkeypatch.setattr(
+        huggingface_hub, "upload_folder", lambda **kw: calls.append(("upload", kw)) or "https://hub/commit"
+    )
     code, text = run_cli(capsys, "push", out, "me/tiny-121")
     assert code == 0, text
     files = files_to_upload(out)

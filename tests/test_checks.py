@@ -20,7 +20,9 @@ def test_an_existing_out_is_refused_before_the_model_is_loaded(tmp_path, capsys,
 
 
 def test_an_unknown_task_is_refused_before_the_model_is_loaded(tmp_path, capsys):
-    code, text = run_cli(capsys, "eval", "tasks", tmp_path / "no-model", "--tasks", "arc_easy,gsm8k", "--out", tmp_path / "o")
+    code, text = run_cli(
+        capsys, "eval", "tasks", tmp_path / "no-model", "--tasks", "arc_easy,gsm8k", "--out", tmp_path / "o"
+    )
     assert code == 2 and "Unknown task 'gsm8k' (did you mean 'gsm8k_cot'?)" in text and "no-model" not in text
 
 

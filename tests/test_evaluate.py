@@ -328,7 +328,8 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
     recurrence, training = figures
     assert [line.get_label() for line in recurrence.axes[0].get_lines()] == ["a", "b", "parent (p)"]
     panels = [axis for axis in training.axes if axis.get_visible()]
-    assert [axis.get_title() for axis in panels[2:]] == [f"validation loss on {s} (fainter: smaller r)" for s in ("prose", "math")]
+    titles = [f"validation loss on {s} (fainter: smaller r)" for s in ("prose", "math")]
+    assert [axis.get_title() for axis in panels[2:]] == titles
     assert [line.get_label() for line in panels[3].get_lines()] == ["run r=1", "run r=4"]
 
 

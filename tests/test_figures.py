@@ -35,7 +35,9 @@ def task_sweep() -> Sweep:
 def training_run(folder):
     folder.mkdir()
     records = [{"kind": "train", "step": s, "loss": 6 - s / 10, "flops": 1.3e12 * s} for s in range(1, 21)]
-    records += [{"kind": "eval", "step": s, "prose/loss@1": 6.5 - s / 20, "prose/loss@4": 6.2 - s / 20} for s in (10, 20)]
+    records += [
+        {"kind": "eval", "step": s, "prose/loss@1": 6.5 - s / 20, "prose/loss@4": 6.2 - s / 20} for s in (10, 20)
+    ]
     (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return folder
 
@@ -69,8 +71,7 @@ def check_figure(figure) -> None:
     assert figure.get_suptitle()
     (legend,) = figure.legends  # one legend for the figure, none inside a panel
     legend_box = legend.get_window_extent(renderer)
-    width, height = figure.bbox.width, figure.bbox.height
-    assert 0 <= legend_box.x0 and legend_box.x1 <= width and 0 <= legend_box.y0, (legend_box, width)
+    assert 0 <= legend_box.x0 and legend_box.x1 <= figure.bbox.width and 0 <= legend_box.y0, legend_box
     for axis in panels:
         assert axis.get_legend() is None and axis.get_title() and axis.get_xlabel() and axis.get_ylabel()
         assert len(visible_ticks(axis, "x")) >= 2, (axis.get_title(), axis.get_xticks(), axis.get_xlim())
@@ -81,7 +82,7 @@ def check_figure(figure) -> None:
                 assert_inside(axis, *line.get_data())
             else:
                 y = line.get_ydata()[0]
-                assert sorted(axis.get_ylim())[0] < y < sorted(axis.get_ylim())[1], axis.get_title()
+                assert min(axis.get_ylim()) < y < max(axis.get_ylim()), axis.get_title()
         for text in axis.texts:  # the r= labels
             assert axis.get_window_extent(renderer).contains(*text.get_window_extent(renderer).p1), text.get_text()
 

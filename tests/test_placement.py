@@ -57,8 +57,11 @@ def test_retrofit_saves_in_the_dtype_asked_for_and_refuses_a_missing_gpu(workspa
                          "--out", out)  # fmt: skip
     assert code == 0 and "✓ equal" in text, text
     with safe_open(out / "model.safetensors", "pt") as weights:
-        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
-    code, text = run_cli(capsys, "retrofit", "--model", workspace / "parent", "--device", "cuda", "--out", tmp_path / "x")
+        names = weights.keys()  # safe_open is no dict: no `in`
+        assert {weights.get_tensor(name).dtype for name in names} == {torch.bfloat16}
+    code, text = run_cli(
+        capsys, "retrofit", "--model", workspace / "parent", "--device", "cuda", "--out", tmp_path / "x"
+    )
     assert code == 2 and "--device cpu" in text and not (tmp_path / "x").exists()
 
 
@@ -69,7 +72,9 @@ def test_inspect_load_and_generate_run_in_bfloat16_on_the_cpu(workspace, tmp_pat
     assert "Loaded on cpu float32" in fp32
     seen = []
     original = recurfit.generate.generate_text
-    monkeypatch.setattr(recurfit.generate, "generate_text", lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k))
+    monkeypatch.setattr(
+        recurfit.generate, "generate_text", lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k)
+    )
     code, text = run_cli(capsys, "generate", workspace / "parent", "--prompt", "the cat", "--max-new-tokens", "2",
                          "--dtype", "bfloat16")  # fmt: skip
     assert code == 0 and seen == [torch.bfloat16], text

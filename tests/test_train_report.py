@@ -4,14 +4,15 @@ outputs; overrides reach list items; --out like every other command."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import yaml
 from conftest import run_cli
 from test_train import tiny_config
 
-import recurfit.train.loop as loop
 from recurfit.errors import RecurfitError
-from recurfit.train import load_config
+from recurfit.train import load_config, loop
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_a_run_says_what_it_is_and_where_it_wrote(config_file, tmp_path, capsys)
 class RecordingBar:
     """A stand-in for the progress bar that records the status it shows."""
 
-    shown: list[str] = []
+    shown: ClassVar[list[str]] = []
 
     def __init__(self, *columns, disable=False):
         pass

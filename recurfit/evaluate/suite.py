@@ -163,13 +163,13 @@ def _metric_name(key: str) -> str:
     return metric if filtered in ("", "none") else f"{metric}, {filtered}"
 
 
-def _scored_docs(task, limit: int | float | None) -> list:
+def _scored_docs(task, limit: float | None) -> list:
     """The documents lm-eval scores of a task under `limit` (a count, or a fraction of the split)."""
     docs = list(task.eval_docs)
     return docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
 
 
-def document_count(tasks: Sequence, limit: int | float | None) -> int:
+def document_count(tasks: Sequence, limit: float | None) -> int:
     """How many documents a task (or a group's tasks together) is scored on: the n of its standard error."""
     return sum(len(_scored_docs(task, limit)) for task in tasks)
 

@@ -288,12 +288,14 @@ class Trainer:
         result = TrainResult(self.out, counters)
         show = config.log.progress and self.processes.is_main
         with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
-            first = f"step {counters.step + 1}: first forward and backward (r̄ {self.schedule.mean_recurrence.at(counters.step)})"
+            mean = self.schedule.mean_recurrence.at(counters.step)
+            first = f"step {counters.step + 1}: first forward and backward (r̄ {mean})"
             task = bar.add_task("training", total=config.steps, completed=counters.step, status=first)
             while counters.step < config.steps:
                 record = self.train_step()
                 result.losses.append(record["loss"])
-                status = f"loss {record['loss']:.4f}  r̄ {record['mean_recurrence']}  {record['tokens_per_s']:,.0f} tok/s"
+                loss, mean, rate = record["loss"], record["mean_recurrence"], record["tokens_per_s"]
+                status = f"loss {loss:.4f}  r̄ {mean}  {rate:,.0f} tok/s"
                 bar.update(task, advance=1, status=status)
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.steps):
