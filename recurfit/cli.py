@@ -84,7 +84,7 @@ def cmd_retrofit(args) -> None:
         raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
     calibration = _calibration_ids(args) if args.select == "shortgpt" else None
     placement = _placement(args, stored_dtype(load_config(args.model)) if args.dtype == "auto" else None)
-    parent = load_model(args.model, dtype=placement.dtype, device=placement.device)
+    parent = load_model(args.model, dtype=placement.dtype)  # surgery on the CPU; the parity check on --device
     model = retrofit(
         parent,
         None if explicit else (args.shape or DEFAULT_SHAPE),
@@ -103,7 +103,7 @@ def cmd_retrofit(args) -> None:
     if args.adapter == "linear" and args.adapter_init == "identity":
         batch = _parity_batch(tokenizer, parent.config.vocab_size)
         batch = {name: tensor.to(placement.device) for name, tensor in batch.items()}
-        _print_parity(parent, model.to(placement.device), batch)
+        _print_parity(parent.to(placement.device), model.to(placement.device), batch)
     _save(model, tokenizer, args.out, args.force)
 
 
@@ -237,14 +237,14 @@ def _generation_model(args):
     from .surgery import retrofit
 
     placement = _placement(args)
-    model = load_model(args.model, dtype=placement.dtype, device=placement.device)
+    model = load_model(args.model, dtype=placement.dtype)
     if args.model is None:
-        model = retrofit(model, DEFAULT_SHAPE).eval()
+        model = retrofit(model, DEFAULT_SHAPE).eval()  # on the CPU, then moved whole
         console.print(
             f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained (its "
             "outputs are rough). Pass a trained model folder (e.g. runs/NAME/final).[/]"
         )
-    return model, load_tokenizer(args.model)
+    return model.to(placement.device), load_tokenizer(args.model)
 
 
 def _settings(args):
