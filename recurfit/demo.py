@@ -27,7 +27,7 @@ from .evaluate.loss import load_examples, loss_sweep
 from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
 from .generate import GenerationSettings, generate_text
-from .loading import load_model, load_tokenizer
+from .loading import load_model, load_tokenizer, resolve_placement
 from .surgery import check_parity, retrofit
 from .train import load_config, train
 from .train.metrics import read_log
@@ -58,6 +58,8 @@ class DemoSettings:
     gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_new_tokens: int = 128
     force: bool = False
+    device: str | None = None  # where the trained models are evaluated (None: cuda if available, else cpu)
+    dtype: str = "auto"  # their precision there (auto: bfloat16 on a GPU, float32 on a CPU)
 
 
 def run_demo(settings: DemoSettings, console: Console) -> Path:
@@ -84,17 +86,21 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
         train(load_config(None, base=_train_config(settings, data, out / name, shape)))
 
     console.rule("[bold]5. Evaluate")
-    model, trained_parent = (load_model(str(out / name / "final"), dtype=torch.float32) for name in ("recurrent", "parent"))
+    placement = resolve_placement(settings.device, settings.dtype)
+    model, trained_parent = (
+        load_model(str(out / name / "final"), placement.dtype, placement.device) for name in ("recurrent", "parent")
+    )
     report["loss"] = {
         name: loss_sweep(
-            model, load_examples(str(folder), limit=settings.loss_rows), settings.loss_recurrences, "retrofit",
-            trained_parent, "same tokens",
+            model, load_examples(str(folder), limit=settings.loss_rows), recurrences=settings.loss_recurrences,
+            name="retrofit", baseline=trained_parent, baseline_name="same tokens",
         )  # fmt: skip
         for name, folder in data.items()
     }
     report["gsm8k"], _ = task_sweep(
-        model, tokenizer, ["gsm8k_cot"], settings.gsm8k_recurrences, "retrofit", trained_parent, "same tokens",
-        limit=settings.gsm8k, max_new_tokens=settings.max_new_tokens,
+        model, tokenizer, tasks=["gsm8k_cot"], recurrences=settings.gsm8k_recurrences, name="retrofit",
+        baseline=trained_parent, baseline_name="same tokens", limit=settings.gsm8k,
+        max_new_tokens=settings.max_new_tokens,
     )  # fmt: skip
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
     report["flops"] = {name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")}

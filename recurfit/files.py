@@ -11,6 +11,14 @@ from pathlib import Path
 from .errors import RecurfitError
 
 
+def check_output(target: str | Path, replace: bool = False) -> None:
+    """Refuse an existing non-empty `target` unless `replace`: commands call it before any work, so that a long
+    evaluation never ends on this error."""
+    target = Path(target)
+    if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
+        raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+
+
 @contextmanager
 def staged_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     """Yield an empty sibling folder to write into; on success it is renamed to `target`.
@@ -18,8 +26,7 @@ def staged_directory(target: Path, replace: bool = False) -> Iterator[Path]:
     An existing non-empty `target` is an error unless `replace`; a failure leaves `target` untouched.
     """
     target = Path(target)
-    if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
-        raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+    check_output(target, replace)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:

@@ -347,5 +347,5 @@ def parity_batch(tokenizer, vocab_size: int) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def check_parity(parent: PreTrainedModel, model: RecurrentForCausalLM, tokenizer=None, steps=(1, 32)) -> ParityCheck:
     """`parity` on `parity_batch`: what `recurfit retrofit` and the demo report right after surgery."""
-    batch = parity_batch(tokenizer, parent.config.vocab_size)
+    batch = {name: tensor.to(model.device) for name, tensor in parity_batch(tokenizer, parent.config.vocab_size).items()}
     return ParityCheck(parity(parent, model, **batch, steps=steps), rows=len(batch["input_ids"]))

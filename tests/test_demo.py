@@ -20,7 +20,8 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         assert heading in report
     assert "| r=4 |" in report and "| parent (same tokens) |" in report and "**r = 4**" in report
     figures = {p.name for p in (tmp_path / "demo" / "figures").iterdir()}
-    assert figures == {"training.png", "loss_prose.png", "loss_math.png", "gsm8k.png"}
+    names = ("training", "loss_prose", "loss_math", "gsm8k")
+    assert figures == {f"{name}.{suffix}" for name in names for suffix in ("png", "pdf", "svg")}
     assert (tmp_path / "demo" / "recurrent" / "final" / "config.json").is_file()
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)

@@ -251,6 +251,10 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return _to_plain(self)
 
+    def to_yaml(self) -> str:
+        """The config as run (the file, the overrides and every default), as `OUT/config.yaml` holds it."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
 
 # ---------------------------------------------------------------- loading
 
@@ -275,11 +279,27 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base: dict |
         target = raw
         *parents, last = key.split(".")
         for part in parents:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise RecurfitError(f"Override {override!r}: {part} is not a section.")
-        target[last] = yaml.safe_load(value)
+            target = _override_slot(target, part, override, descend=True)
+        _override_slot(target, last, override, descend=False)
+        if isinstance(target, list):
+            target[int(last)] = yaml.safe_load(value)
+        else:
+            target[last] = yaml.safe_load(value)
     return _build(TrainConfig, raw, "").validate()
+
+
+def _override_slot(target, part: str, override: str, descend: bool):
+    """The section (or list item: `data.phases.1` is the second phase) an override's `part` names; with
+    `descend`, a missing section is created."""
+    if isinstance(target, list):
+        if not part.isdigit() or int(part) >= len(target):
+            raise RecurfitError(
+                f"Override {override!r}: {part!r} is not an item of a list of {len(target)} (items count from 0)."
+            )
+        return target[int(part)] if descend else None
+    if not isinstance(target, dict):
+        raise RecurfitError(f"Override {override!r}: the value before {part!r} is not a section.")
+    return target.setdefault(part, {}) if descend else None
 
 
 def _yaml_name(f: dataclasses.Field) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from rich.progress import TextColumn
 
 from ..accounting import count_parameters, training_flops_per_token
+from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..files import staged_directory
@@ -56,6 +57,7 @@ class TrainResult:
     out: Path
     counters: Counters
     losses: list[float] = field(default_factory=list)  # per step run in this process (not the resumed prefix)
+    validation: dict | None = None  # the final validation record (store/loss@r: loss), if the run validates
 
 
 def depth_schedule(config: TrainConfig) -> DepthSchedule:
@@ -99,6 +101,7 @@ class Trainer:
         self.log = None
         if self.processes.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(config.to_yaml())
             self.log = MetricsLog(
                 self.out, resume_step=self.counters.step if resume else None,
                 tensorboard=config.log.tensorboard, wandb=config.log.wandb, config=config.to_dict(),
@@ -256,8 +259,9 @@ class Trainer:
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
 
-    def export(self) -> Path:
-        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one)."""
+    def export(self, validation: dict | None = None) -> Path:
+        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one) and its model
+        card: the recipe, the tokens and the last `validation` record."""
         model_state, _ = gather_state(self.model, [])
         final = self.out / "final"
         if self.processes.is_main:
@@ -266,6 +270,10 @@ class Trainer:
                 tokenizer = optional_tokenizer(self.config.model.source)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(staging)
+                counters = self.counters
+                training = {"config": self.config.to_dict(), "steps": counters.step, "tokens": counters.tokens,
+                            "flops": counters.flops}  # fmt: skip
+                write_model_card(staging, self.model, self.out.name, training, validation)
         self.processes.barrier()
         return final
 
@@ -274,14 +282,17 @@ class Trainer:
     def run(self) -> TrainResult:
         config, counters = self.config, self.counters
         result = TrainResult(self.out, counters)
-        loss_column = TextColumn("loss {task.fields[loss]:.4f}  r̄ {task.fields[mean]}  {task.fields[rate]:,.0f} tok/s")
         show = config.log.progress and self.processes.is_main
-        with progress_bar(loss_column, disable=not show) as bar:
-            task = bar.add_task("training", total=config.steps, completed=counters.step, loss=float("nan"), mean=0, rate=0)
+        with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
+            mean = self.schedule.mean_recurrence.at(counters.step)
+            first = f"step {counters.step + 1}: first forward and backward (r̄ {mean})"
+            task = bar.add_task("training", total=config.steps, completed=counters.step, status=first)
             while counters.step < config.steps:
                 record = self.train_step()
                 result.losses.append(record["loss"])
-                bar.update(task, advance=1, loss=record["loss"], mean=record["mean_recurrence"], rate=record["tokens_per_s"])
+                loss, mean, rate = record["loss"], record["mean_recurrence"], record["tokens_per_s"]
+                status = f"loss {loss:.4f}  r̄ {mean}  {rate:,.0f} tok/s"
+                bar.update(task, advance=1, status=status)
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.steps):
                     self.log.write(record)
@@ -289,9 +300,10 @@ class Trainer:
                     self._write(self.validate())
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
                     self.checkpoint()
-        self._write(self.validate())
+        result.validation = self.validate()
+        self._write(result.validation)
         self.checkpoint()
-        self.export()
+        self.export(result.validation)
         if self.log is not None:
             self.log.close()
         return result
