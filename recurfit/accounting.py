@@ -6,7 +6,8 @@
 - FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
   `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
   run without. A fixed-depth model costs `6·N`.
-All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns.
+All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns. The rules,
+with the paper's sections: docs/method.md ("FLOPs").
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from .modeling import RecurrentForCausalLM
+from .sampling import split_depth
 
 
 def _numel(module: nn.Module | None) -> int:
@@ -90,7 +92,6 @@ def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int
 
 
 def training_flops(model_or_counts, tokens: int, mean_recurrence: int = 1, backprop_depth: int = 1) -> int:
-    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth:
-    k = min(k̄, r̄) steps with gradient and n = r̄ - k without."""
-    k = min(backprop_depth, mean_recurrence)
-    return tokens * training_flops_per_token(model_or_counts, (mean_recurrence - k, k))
+    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth r̄
+    (split into n without gradient and k with as `sampling.split_depth` does)."""
+    return tokens * training_flops_per_token(model_or_counts, split_depth(mean_recurrence, backprop_depth))

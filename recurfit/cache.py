@@ -26,9 +26,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .config import RecurrentConfig
+from .defaults import CACHE_POLICIES
 from .families import attention_types
 
-POLICIES = ("all", "latest")
+POLICIES = CACHE_POLICIES
 
 
 class RecurrentCache(Cache):

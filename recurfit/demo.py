@@ -21,13 +21,14 @@ from rich.console import Console
 
 from .accounting import inference_flops_per_token
 from .data import prepare
+from .defaults import LOSS_RECURRENCES
 from .errors import RecurfitError
 from .evaluate.loss import load_examples, loss_sweep
 from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
 from .generate import GenerationSettings, generate_text
-from .loading import load_model, load_tokenizer
-from .surgery import parity, retrofit
+from .loading import load_model, load_tokenizer, resolve_placement
+from .surgery import check_parity, retrofit
 from .train import load_config, train
 from .train.metrics import read_log
 
@@ -51,12 +52,14 @@ class DemoSettings:
     mean_recurrence: int = 4
     backprop_depth: int = 2
     math_problems: int = 4000
-    test_steps: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    loss_recurrences: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
     loss_rows: int = 16  # validation sequences per store
     gsm8k: int = 16  # GSM8K test problems (the first N)
-    gsm8k_steps: list[int] = field(default_factory=lambda: [1, 4, 8])
+    gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_new_tokens: int = 128
     force: bool = False
+    device: str | None = None  # where the trained models are evaluated (None: cuda if available, else cpu)
+    dtype: str = "auto"  # their precision there (auto: bfloat16 on a GPU, float32 on a CPU)
 
 
 def run_demo(settings: DemoSettings, console: Console) -> Path:
@@ -83,17 +86,21 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
         train(load_config(None, base=_train_config(settings, data, out / name, shape)))
 
     console.rule("[bold]5. Evaluate")
-    model, trained_parent = (load_model(str(out / name / "final"), dtype=torch.float32) for name in ("recurrent", "parent"))
+    placement = resolve_placement(settings.device, settings.dtype)
+    model, trained_parent = (
+        load_model(str(out / name / "final"), placement.dtype, placement.device) for name in ("recurrent", "parent")
+    )
     report["loss"] = {
         name: loss_sweep(
-            model, load_examples(str(folder), limit=settings.loss_rows), settings.test_steps, "retrofit",
-            trained_parent, "same tokens",
+            model, load_examples(str(folder), limit=settings.loss_rows), recurrences=settings.loss_recurrences,
+            name="retrofit", baseline=trained_parent, baseline_name="same tokens",
         )  # fmt: skip
         for name, folder in data.items()
     }
     report["gsm8k"], _ = task_sweep(
-        model, tokenizer, ["gsm8k_cot"], settings.gsm8k_steps, "retrofit", trained_parent, "same tokens",
-        limit=settings.gsm8k, max_new_tokens=settings.max_new_tokens,
+        model, tokenizer, tasks=["gsm8k_cot"], recurrences=settings.gsm8k_recurrences, name="retrofit",
+        baseline=trained_parent, baseline_name="same tokens", limit=settings.gsm8k,
+        max_new_tokens=settings.max_new_tokens,
     )  # fmt: skip
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
     report["flops"] = {name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")}
@@ -112,14 +119,13 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
 
 
 def _retrofit_check(parent, tokenizer, shape, console: Console) -> dict:
+    """What `recurfit retrofit` checks: the fresh retrofit equals its parent minus the dropped layers."""
     model = retrofit(parent, shape)
-    tokenizer.padding_side = "left"
-    batch = tokenizer(["The capital of France is Paris.", "Water boils at"], return_tensors="pt", padding=True)
-    diffs = parity(parent, model, batch["input_ids"], batch["attention_mask"], steps=(1, 8))
+    check = check_parity(parent, model, tokenizer, steps=(1, 8))
     layers = model.config.source_layers
     console.print(f"Shape {shape}: prelude {layers['prelude']}, core {layers['core']}, coda {layers['coda']}.")
-    console.print("Parity with the parent minus its dropped layers: " + ", ".join(f"r={r}: {d:.1e}" for r, d in diffs.items()))
-    return {"layers": layers, "diffs": diffs}
+    console.print(check.describe(), highlight=False)
+    return {"layers": layers, "diffs": check.diffs}
 
 
 def _train_config(settings: DemoSettings, data: dict, out: Path, shape) -> dict:
@@ -215,7 +221,7 @@ def render_report(report: dict) -> str:
         "```bash",
         "recurfit demo " + " ".join(f"--{k} {v}" for k, v in (("steps", settings.steps), ("out", settings.out))),
         f"recurfit eval loss {settings.out}/recurrent/final --data {settings.out}/data/math --baseline "
-        f"{settings.out}/parent/final --steps {','.join(map(str, settings.test_steps))}",
+        f"{settings.out}/parent/final --recurrence {','.join(map(str, settings.loss_recurrences))}",
         f"recurfit eval tasks {settings.out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --baseline "
         f"{settings.out}/parent/final",
         "```",

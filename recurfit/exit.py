@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-CRITERIA = ("kl", "state", "argmax")
+from .defaults import EXIT_CRITERIA
+
+CRITERIA = EXIT_CRITERIA
 
 
 @dataclass

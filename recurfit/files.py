@@ -17,6 +17,14 @@ from .errors import RecurfitError
 from .lock import owned
 
 
+def check_output(target: str | Path, replace: bool = False) -> None:
+    """Refuse an existing non-empty `target` unless `replace`: commands call it before any work, so that a long
+    evaluation never ends on this error."""
+    target = Path(target)
+    if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
+        raise RecurfitError(f"{target} already exists; pass --force to replace it, or choose another output folder.")
+
+
 @contextmanager
 def staged_directory(target: Path, replace: bool = False, wait: bool = False) -> Iterator[Path]:
     """Yield an empty sibling folder to write into; on success its files are synced to disk and it is renamed
@@ -27,10 +35,7 @@ def staged_directory(target: Path, replace: bool = False, wait: bool = False) ->
     is writing `target`, wait for it instead of stopping."""
     target = Path(target)
     with owned(target, wait=wait):
-        if target.exists() and not replace and (not target.is_dir() or any(target.iterdir())):
-            raise RecurfitError(
-                f"{target} already exists; pass --force to replace it, or choose another output folder."
-            )
+        check_output(target, replace)
         staging = _new_staging_folder(target)
         try:
             yield staging

@@ -1,12 +1,15 @@
-"""Loading models and tokenizers by path or Hub id, with errors that say what to do offline."""
+"""Loading models and tokenizers by path or Hub id, with errors that say what to do offline; where and in
+what precision to run them (`resolve_placement`, behind every command's --device, --dtype and --threads)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
+from . import defaults
 from .assets import embedded_model_dir
 from .errors import RecurfitError
 
@@ -40,16 +43,94 @@ def load_config(name_or_path: str | None) -> PreTrainedConfig:
     return _from_hub(AutoConfig.from_pretrained, resolve(name_or_path))
 
 
-def load_model(name_or_path: str | None, dtype: torch.dtype | str = "auto") -> PreTrainedModel:
-    """A causal LM (a parent, or a saved recurfit model: `import recurfit` registered the class)."""
-    return _from_hub(AutoModelForCausalLM.from_pretrained, resolve(name_or_path), dtype=dtype).eval()
+def load_model(
+    name_or_path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str | None = None
+) -> PreTrainedModel:
+    """A causal LM (a parent, or a saved recurfit model: `import recurfit` registered the class), in `dtype`
+    ("auto": as stored) and on `device` (None: the CPU)."""
+    model = _from_hub(AutoModelForCausalLM.from_pretrained, resolve(name_or_path), dtype=dtype).eval()
+    return model if device is None else model.to(device)
 
 
 def load_tokenizer(name_or_path: str | None):
     return _from_hub(AutoTokenizer.from_pretrained, resolve(name_or_path))
 
 
+def optional_tokenizer(name_or_path: str | None):
+    """The tokenizer saved with a model, or None for a folder that has none (a bare checkpoint)."""
+    try:
+        return load_tokenizer(name_or_path)
+    except (RecurfitError, OSError, ValueError):
+        return None
+
+
+def load_recurrent_model(
+    name_or_path: str | None, dtype: torch.dtype | str = torch.float32, device: torch.device | str | None = None
+) -> PreTrainedModel:
+    """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
+    retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
+    from .defaults import DEFAULT_SHAPE
+    from .surgery import retrofit
+
+    if name_or_path is not None:
+        return load_model(name_or_path, dtype, device)
+    model = retrofit(load_model(None, dtype), DEFAULT_SHAPE).eval()  # surgery on the CPU, then moved whole
+    return model if device is None else model.to(device)
+
+
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """The model a config describes, on the meta device: shapes and counts without weights."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
+
+
+# ---------------------------------------------------------------- devices and precision
+
+DTYPES = {name: getattr(torch, name) for name in defaults.DTYPES if name != "auto"}  # the --dtype names
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a command runs its model and in which precision."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"{self.device} {str(self.dtype).removeprefix('torch.')}"
+
+
+def resolve_placement(
+    device: str | None = None, dtype: str | torch.dtype = "auto", threads: int | None = None
+) -> Placement:
+    """`device` None: cuda if a GPU is visible, else cpu. `dtype` "auto": bfloat16 on a GPU (its fast path),
+    float32 on a CPU (where bfloat16 is slower and less accurate). `threads`: torch's CPU threads."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise RecurfitError(f"Unknown device {device!r}: use cpu, cuda, cuda:N or mps.") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise RecurfitError(
+            f"--device {device}: torch sees no CUDA GPU here (a CPU build of torch, or no driver); use --device cpu."
+        )
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise RecurfitError(f"--device {device}: torch sees no Apple GPU here; use --device cpu.")
+    if isinstance(dtype, str):
+        if dtype != "auto" and dtype not in DTYPES:
+            raise RecurfitError(f"Unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}.")
+        dtype = DTYPES.get(dtype) or (torch.bfloat16 if resolved.type == "cuda" else torch.float32)
+    if threads is not None:
+        if threads < 1:
+            raise RecurfitError(f"--threads must be at least 1, got {threads}.")
+        torch.set_num_threads(threads)
+    return Placement(resolved, dtype)
+
+
+def stored_dtype(config: PreTrainedConfig) -> torch.dtype:
+    """The precision a model's weights are stored in (its config's `dtype`), float32 if it does not say."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32

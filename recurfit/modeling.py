@@ -277,7 +277,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if num_steps is not None:
             return parse_num_steps(num_steps)
         if self.training and torch.is_grad_enabled():
-            return sample_depth(self.config.mean_recurrence, self.config.mean_backprop_depth)
+            return sample_depth(self.config.mean_recurrence, self.config.backprop_depth)
         return 0, self.config.mean_recurrence
 
 

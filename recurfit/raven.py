@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .config import RecurrentConfig
+from .defaults import BACKPROP_DEPTH, MEAN_RECURRENCE
 from .errors import RecurfitError
 from .modeling import RecurrentForCausalLM
 
@@ -72,8 +73,8 @@ def raven_config(raw: dict, family: str, dtype: torch.dtype) -> RecurrentConfig:
         num_core_layers=shape[1],
         num_coda_layers=shape[2],
         state_init_std=std,
-        mean_recurrence=raw.get("mean_recurrence", 32),
-        mean_backprop_depth=raw.get("mean_backprop_depth", 8),
+        mean_recurrence=raw.get("mean_recurrence", MEAN_RECURRENCE),
+        backprop_depth=raw.get("mean_backprop_depth", BACKPROP_DEPTH),
         dtype=dtype,
     )
 

@@ -1,4 +1,7 @@
-"""How many recurrences a forward pass runs: the training depth sampler and `num_steps` parsing."""
+"""How many recurrences a forward pass runs: the training depth sampler, the curricula, `num_steps` parsing.
+
+The formulas, with the paper's sections: docs/method.md ("The depth sampler", "Curricula").
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+
+from .defaults import CURRICULA
 
 # `num_steps` as users write it: r (all steps), or (n, k): n steps without gradient, then k with.
 NumSteps = Union[int, tuple[int, int]]
@@ -47,7 +52,6 @@ def sample_depth(
     return max(total - s, 0), min(s, total)
 
 
-CURRICULA = ("constant", "linear", "1-sqrt")
 
 
 @dataclass(frozen=True)
@@ -87,18 +91,34 @@ class Curriculum:
         return max(1, math.ceil(self.start + (self.target - self.start) * fraction))
 
 
+def split_depth(mean_recurrence: int, backprop_depth: int) -> tuple[int, int]:
+    """A mean depth as `(n, k)`: k = min(k̄, r̄) final steps with gradient, n = r̄ - k before them without.
+
+    The cap matters early in a curriculum (r̄ = 1, k̄ = 8): uncapped, the sampler would draw about k̄ + 1
+    steps and undo the cheap start, and the FLOPs rule would count steps that never run."""
+    k = min(backprop_depth, mean_recurrence)
+    return mean_recurrence - k, k
+
+
 @dataclass(frozen=True)
 class DepthSchedule:
-    """The depth of every training step: curricula for the mean recurrence and the backprop depth, and a
-    draw seeded by (seed, step), so every rank and a resumed run get the same (n, k) at the same step."""
+    """The depth of every training step, decided in one place: curricula for the mean recurrence r̄ and the
+    backprop depth k̄, and a draw seeded by (seed, step), so every rank and a resumed run get the same (n, k)
+    at the same step. `fixed` runs each step at its mean depth instead of drawing."""
 
     mean_recurrence: Curriculum
     backprop_depth: Curriculum
     seed: int = 0
+    fixed: bool = False
 
-    def sample(self, step: int) -> tuple[int, int]:
-        """(n, k) for `step`. The backprop depth is capped at the step's mean recurrence: early in a curriculum
-        (r̄ = 1, k̄ = 8) the formula would otherwise draw about k̄ + 1 steps and undo the cheap start."""
+    def mean_depth(self, step: int) -> tuple[int, int]:
+        """`(n, k)` of the step's mean depth r̄ (what the paper's FLOPs rule counts)."""
+        return split_depth(self.mean_recurrence.at(step), self.backprop_depth.at(step))
+
+    def at(self, step: int) -> tuple[int, int]:
+        """`(n, k)` that optimizer step `step` runs."""
+        n, k = self.mean_depth(step)
+        if self.fixed:
+            return n, k
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        mean = self.mean_recurrence.at(step)
-        return sample_depth(mean, min(self.backprop_depth.at(step), mean), generator)
+        return sample_depth(n + k, k, generator)

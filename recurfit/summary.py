@@ -10,7 +10,8 @@ from .accounting import count_parameters, effective_parameters, inference_flops_
 from .modeling import RecurrentForCausalLM
 
 
-def _layers(indices: Sequence[int]) -> str:
+def layer_ranges(indices: Sequence[int]) -> str:
+    """[0, 1, 2, 3, 10] → "0–3, 10"; no layers → "—"."""
     if not indices:
         return "—"
     runs, start = [], indices[0]
@@ -31,7 +32,7 @@ def parts_table(model) -> Table:
         table.add_row("embeddings (in + out)", "", f"{counts['embeddings']:,}")
         for part in ("prelude", "core", "coda"):
             label = f"{part} ({len(getattr(model.model, part))} layers)" + (" ×r" if part == "core" else "")
-            table.add_row(label, _layers(source.get(part, [])), f"{counts[part]:,}")
+            table.add_row(label, layer_ranges(source.get(part, [])), f"{counts[part]:,}")
         table.add_row(f"adapter ({model.config.adapter})", "", f"{counts['adapter']:,}")
         table.add_row("final norm", "", f"{counts['final_norm']:,}")
     else:
@@ -46,7 +47,7 @@ def parts_table(model) -> Table:
 def flops_table(model, steps: Sequence[int]) -> Table:
     """Per test recurrence r: effective parameters and forward FLOPs per token; training FLOPs at (r - k, k)."""
     recurrent = isinstance(model, RecurrentForCausalLM)
-    depth = model.config.mean_backprop_depth if recurrent else 0
+    depth = model.config.backprop_depth if recurrent else 0
     table = Table(title="Compute per token (non-embedding; attention over the context not included)", title_justify="left")
     for column in ("r", "effective params", "inference GFLOPs", f"training GFLOPs (k ≤ {depth})" if recurrent else "training GFLOPs"):
         table.add_column(column, justify="right")

@@ -14,17 +14,23 @@ import copy
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .config import DEFAULT_STATE_INIT_STD, RecurrentConfig
+from .config import RecurrentConfig
+from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_SHAPE, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
+from .errors import RecurfitError
 from .families import config_for_layers, family_of
 from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 
-ADAPTER_INITS = ("identity", "random")
-SELECTIONS = ("paper", "shortgpt")
+PARITY_TOLERANCE = 1e-4  # max |Δlogit| (fp32) under which a retrofit counts as equal to its pruned parent
+PARITY_SAMPLES = (
+    "Depth-recurrent language models loop a block of layers to think longer.",
+    "The quick brown fox jumps over the lazy dog.",
+)
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,16 @@ def _check_shape(shape: Sequence[int], num_layers: int) -> tuple[int, int, int]:
 
 
 @torch.no_grad()
+def calibration_ids(tokenizer, path: Path, max_tokens: int = 2048) -> torch.Tensor:
+    """The first `max_tokens` tokens of a plain-text file, as ShortGPT's layer scores read them (1 × tokens)."""
+    if not path.is_file():
+        raise RecurfitError(f"Calibration file not found: {path}.")
+    ids = tokenizer(path.read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+    if ids.numel() < 16:
+        raise RecurfitError(f"{path} holds only {ids.numel()} tokens; give at least a paragraph of text.")
+    return ids
+
+
 def block_influence(parent: PreTrainedModel, calibration) -> list[float]:
     """ShortGPT's Block Influence per parent layer: 1 - mean cosine(input, output) over real tokens.
 
@@ -154,8 +170,8 @@ def retrofit(
     adapter_init: str = "identity",
     untie_embeddings: bool = True,
     state_init_std: float = DEFAULT_STATE_INIT_STD,
-    mean_recurrence: int = 32,
-    mean_backprop_depth: int = 8,
+    mean_recurrence: int = MEAN_RECURRENCE,
+    backprop_depth: int = BACKPROP_DEPTH,
 ) -> RecurrentForCausalLM:
     """Turn a pretrained causal LM into a `RecurrentForCausalLM` (see module docstring for the layer choices).
 
@@ -180,7 +196,7 @@ def retrofit(
         adapter=adapter,
         state_init_std=state_init_std,
         mean_recurrence=mean_recurrence,
-        mean_backprop_depth=mean_backprop_depth,
+        backprop_depth=backprop_depth,
         tie_word_embeddings=not untie_embeddings,
         dtype=parent.dtype,
     )
@@ -297,3 +313,39 @@ def parity(parent: PreTrainedModel, model: RecurrentForCausalLM, input_ids, atte
         r: (model(input_ids, attention_mask=attention_mask, num_steps=r).logits.float() - expected)[valid].abs().max().item()
         for r in steps
     }
+
+
+@dataclass
+class ParityCheck:
+    """A retrofit against its pruned parent: max |Δlogit| at each r over the real tokens of a padded batch."""
+
+    diffs: dict[int, float]
+    rows: int
+
+    @property
+    def equal(self) -> bool:
+        return max(self.diffs.values()) <= PARITY_TOLERANCE
+
+    def describe(self) -> str:
+        per_r = ", ".join(f"r={r}: max |Δlogit| = {d:.1e}" for r, d in self.diffs.items())
+        verdict = "✓ equal" if self.equal else "✗ differs"
+        return f"Parity with the parent minus its dropped layers (left-padded batch of {self.rows}): {per_r}  {verdict}"
+
+
+def parity_batch(tokenizer, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Two sample sentences, left-padded so the check covers padding; random tokens (one row padded) when there
+    is no tokenizer."""
+    if tokenizer is None:
+        ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    tokenizer.padding_side = "left"
+    return dict(tokenizer(list(PARITY_SAMPLES), return_tensors="pt", padding=True))
+
+
+@torch.no_grad()
+def check_parity(parent: PreTrainedModel, model: RecurrentForCausalLM, tokenizer=None, steps=(1, 32)) -> ParityCheck:
+    """`parity` on `parity_batch`: what `recurfit retrofit` and the demo report right after surgery."""
+    batch = {name: tensor.to(model.device) for name, tensor in parity_batch(tokenizer, parent.config.vocab_size).items()}
+    return ParityCheck(parity(parent, model, **batch, steps=steps), rows=len(batch["input_ids"]))

@@ -21,7 +21,7 @@ for arm in pretrained random 1-sqrt; do
   [ -d "$out/$arm/final" ] || "$recurfit" train "$recipe" "out=$out/$arm" ${arms[$arm]}
   for store in math prose; do   # (b) validation loss at r = 1..32, against the untrained 30-layer parent
     [ -f "$out/eval/$arm-$store/results.json" ] || "$recurfit" eval loss "$out/$arm/final" --data "data/$store" \
-      --steps 1,2,4,8,16,32 --baseline embedded --out "$out/eval/$arm-$store"
+      --recurrence 1,2,4,8,16,32 --baseline embedded --out "$out/eval/$arm-$store"
   done
 done
 

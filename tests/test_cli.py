@@ -57,7 +57,7 @@ def test_existing_output_is_never_overwritten_without_force(parent_dir, tmp_path
         (["--shape", "5,5,5"], "needs 15 layers but the parent has only 6"),
         (["--prelude", "0,1", "--core", "1,2", "--coda", "5"], "Layer 1 is in both prelude and core"),
         (["--shape", "1,2,1", "--core", "2,3"], "not both"),
-        (["--shape", "1,2,1", "--mean-recurrence", "0"], "mean_recurrence and mean_backprop_depth must be >= 1"),
+        (["--shape", "1,2,1", "--mean-recurrence", "0"], "mean_recurrence and backprop_depth must be >= 1"),
         (["--shape", "1,2,1", "--select", "shortgpt"], "--calibration FILE"),
     ],
 )
@@ -80,7 +80,7 @@ def test_missing_folder_and_unknown_family_are_clear_errors(tmp_path, capsys):
 
 def test_inspect_plans_a_shape_from_the_config_alone(parent_dir, capsys):
     (parent_dir / "model.safetensors").unlink()  # no weights needed
-    code, text = run(capsys, "inspect", parent_dir, "--shape", "2,2,1", "--steps", "1,4")
+    code, text = run(capsys, "inspect", parent_dir, "--shape", "2,2,1", "--recurrence", "1,4")
     assert code == 0 and "core (2 layers) ×r" in text and "3–4" in text
     counts = recurfit.count_parameters(recurfit.retrofit(tiny_parent("llama", num_layers=6), shape=(2, 2, 1)))
     assert f"{counts['body']:,}" in text
@@ -88,7 +88,7 @@ def test_inspect_plans_a_shape_from_the_config_alone(parent_dir, capsys):
 
 def test_bad_steps_are_rejected_by_the_parser(parent_dir):
     with pytest.raises(SystemExit) as exit_info:
-        main(["inspect", str(parent_dir), "--steps", "0,4"])
+        main(["inspect", str(parent_dir), "--recurrence", "0,4"])
     assert exit_info.value.code == 2
 
 
@@ -139,7 +139,8 @@ def test_generate_streams_and_reports_depth(workspace, tmp_path, capsys):
     assert code == 0
     code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "3", "--max-new-tokens", "5", "--stream")
     assert code == 0 and "5 tokens in" in text and "mean 3.0 (min 3, max 3)" in text
-    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "6", "--exit", "state:1e9", "--max-new-tokens", "4")
+    assert "--steps is deprecated; use --recurrence" in text  # the old name still works, and says so
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "-r", "6", "--exit", "state:1e9", "--max-new-tokens", "4")
     assert code == 0 and "(min 2, max 6)" in text  # the prompt runs 6 steps, each new token exits at min-steps 2
     code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "x", "--exit", "entropy:1")
     assert code == 2 and "--exit takes CRITERION" in text

@@ -11,8 +11,8 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
 
     settings = DemoSettings(
         out=tmp_path / "demo", model=str(workspace / "parent"), shape=(2, 2, 2), steps=4, heal_steps=1, seq_len=32,
-        mean_recurrence=2, backprop_depth=1, math_problems=40, test_steps=[1, 2, 4], loss_rows=2, gsm8k=2,
-        gsm8k_steps=[1, 2], max_new_tokens=4,
+        mean_recurrence=2, backprop_depth=1, math_problems=40, loss_recurrences=[1, 2, 4], loss_rows=2, gsm8k=2,
+        gsm8k_recurrences=[1, 2], max_new_tokens=4,
     )  # fmt: skip
     console = Console(quiet=True)
     report = run_demo(settings, console).read_text()
@@ -20,7 +20,8 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         assert heading in report
     assert "| r=4 |" in report and "| parent (same tokens) |" in report and "**r = 4**" in report
     figures = {p.name for p in (tmp_path / "demo" / "figures").iterdir()}
-    assert figures == {"training.png", "loss_prose.png", "loss_math.png", "gsm8k.png"}
+    names = ("training", "loss_prose", "loss_math", "gsm8k")
+    assert figures == {f"{name}.{suffix}" for name in names for suffix in ("png", "pdf", "svg")}
     assert (tmp_path / "demo" / "recurrent" / "final" / "config.json").is_file()
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)

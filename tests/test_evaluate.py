@@ -249,10 +249,11 @@ def saved(tmp_path_factory):
 
 def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, workspace, tmp_path, capsys):
     out = tmp_path / "loss"
-    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--steps", "1,2,4",
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--recurrence", "1,2,4",
                          "--baseline", saved / "parent", "--out", out)  # fmt: skip
     assert code == 0, text
-    assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "recurrence.png", "flops.png"}
+    figures = {f"{name}.{suffix}" for name in ("recurrence", "flops") for suffix in ("png", "pdf", "svg")}
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.md", *figures}
     sweep = Sweep.load(out / "results.json")
     assert [row.steps for row in sweep.rows] == [1, 2, 4] and sweep.parent is not None
     assert sweep.details["tokens"] == sweep.details["sequences"] * 32
@@ -274,7 +275,7 @@ def test_eval_loss_of_a_fixed_depth_model_is_one_row_and_bad_data_is_an_error(sa
 
 def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path, capsys):
     out = tmp_path / "tasks"
-    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--steps", "1,2",
+    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--recurrence", "1,2",
                          "--limit", "2", "--max-new-tokens", "4", "--baseline", saved / "parent", "--out", out)  # fmt: skip
     assert code == 0, text
     sweep = Sweep.load(out / "results.json")
@@ -301,7 +302,9 @@ def test_plot_overlays_results_and_training_runs(saved, workspace, tmp_path, cap
     ]))  # fmt: skip
     code, text = run_cli(capsys, "plot", tmp_path / "a", tmp_path / "b" / "results.json", tmp_path / "run", "--out", tmp_path / "figs")
     assert code == 0, text
-    assert {p.name for p in (tmp_path / "figs").iterdir()} == {"loss_recurrence.png", "loss_flops.png", "training.png"}
+    assert {p.name for p in (tmp_path / "figs").iterdir()} == {
+        f"{name}.{suffix}" for name in ("loss_recurrence", "loss_flops", "training") for suffix in ("png", "pdf", "svg")
+    }
     code, text = run_cli(capsys, "plot", tmp_path, "--out", tmp_path / "figs2")
     assert code == 2 and "neither a training run" in text
 
@@ -325,7 +328,8 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
     recurrence, training = figures
     assert [line.get_label() for line in recurrence.axes[0].get_lines()] == ["a", "b", "parent (p)"]
     panels = [axis for axis in training.axes if axis.get_visible()]
-    assert [axis.get_title() for axis in panels[2:]] == [f"validation: {s} (fainter: smaller r)" for s in ("prose", "math")]
+    titles = [f"validation loss on {s} (fainter: smaller r)" for s in ("prose", "math")]
+    assert [axis.get_title() for axis in panels[2:]] == titles
     assert [line.get_label() for line in panels[3].get_lines()] == ["run r=1", "run r=4"]
 
 

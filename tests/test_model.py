@@ -59,7 +59,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_default_depth_is_sampled_in_training_and_the_mean_in_eval():
-    model = trained_like(mean_recurrence=6, mean_backprop_depth=2)
+    model = trained_like(mean_recurrence=6, backprop_depth=2)
     ids = token_batch()
     torch.manual_seed(0)
     model.train()
@@ -130,3 +130,15 @@ def test_generate_greedy_matches_manual_argmax_decoding():
             next_token = model(manual, num_steps=3).logits[:, -1].argmax(-1, keepdim=True)
             manual = torch.cat([manual, next_token], dim=1)
     assert torch.equal(out, manual)
+
+
+def test_configs_saved_with_the_old_backprop_depth_key_still_load(tmp_path):
+    import json
+
+    from recurfit import RecurrentConfig
+
+    RecurrentConfig(backprop_depth=3).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["mean_backprop_depth"] = saved.pop("backprop_depth")  # the name recurfit 0.1 and Huginn write
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert RecurrentConfig.from_pretrained(tmp_path).backprop_depth == 3

@@ -94,5 +94,5 @@ def test_import_raven_command_writes_a_loadable_model(tmp_path, capsys):
         expected = original.eval()(ids, num_steps=3, initial_state=zero).logits
         assert torch.allclose(loaded(ids, num_steps=3, initial_state=zero).logits, expected, atol=1e-5)
     capsys.readouterr()
-    assert main(["inspect", str(tmp_path / "out"), "--steps", "1,2"]) == 0
+    assert main(["inspect", str(tmp_path / "out"), "--recurrence", "1,2"]) == 0
     assert "core (2 layers) ×r" in " ".join(capsys.readouterr().out.split())

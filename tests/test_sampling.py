@@ -61,11 +61,25 @@ def test_depth_schedule_draws_depend_only_on_seed_and_step():
     from recurfit.sampling import Curriculum, DepthSchedule
 
     schedule = DepthSchedule(Curriculum(16, "linear", 50), Curriculum(4), seed=3)
-    first = [schedule.sample(step) for step in range(80)]
-    assert first == [schedule.sample(step) for step in range(80)]  # a resumed run redraws the same depths
-    assert [schedule.sample(step) for step in range(60, 80)] == first[60:]
-    assert first != [DepthSchedule(schedule.mean_recurrence, schedule.backprop_depth, seed=4).sample(s) for s in range(80)]
+    first = [schedule.at(step) for step in range(80)]
+    assert first == [schedule.at(step) for step in range(80)]  # a resumed run redraws the same depths
+    assert [schedule.at(step) for step in range(60, 80)] == first[60:]
+    assert first != [DepthSchedule(schedule.mean_recurrence, schedule.backprop_depth, seed=4).at(s) for s in range(80)]
     assert all(k <= 4 for _, k in first)
     early = sum(n + k for n, k in first[:10]) / 10
     late = sum(n + k for n, k in first[60:]) / 20
     assert early < late  # the mean ramps up
+
+
+def test_one_schedule_decides_the_depth_the_model_runs_and_the_flops_count():
+    from recurfit.accounting import training_flops, training_flops_per_token
+    from recurfit.sampling import Curriculum, DepthSchedule
+
+    counts = {"prelude": 10, "core": 100, "coda": 10, "adapter": 5, "final_norm": 1, "body": 120}
+    # Early in a curriculum r̄ = 2 < k̄ = 8: the step runs (0, 2), and the paper's FLOPs rule counts the same.
+    schedule = DepthSchedule(Curriculum(32, "linear", 16), Curriculum(8), fixed=True)
+    assert schedule.mean_recurrence.at(1) == 2 and schedule.at(1) == schedule.mean_depth(1) == (0, 2)
+    assert training_flops(counts, 7, 2, 8) == 7 * training_flops_per_token(counts, schedule.mean_depth(1))
+    assert schedule.at(100) == (24, 8)  # after the ramp: r̄ = 32 split into n = 24 without gradient, k = 8 with
+    sampled = DepthSchedule(Curriculum(32, "linear", 16), Curriculum(8), seed=1)
+    assert all(k <= sampled.mean_recurrence.at(step) for step in range(16) for _, k in [sampled.at(step)])

@@ -117,26 +117,28 @@ def evaluate_loss(
 def loss_sweep(
     model,
     examples: Examples,
-    steps: Sequence[int],
-    model_name: str,
-    parent=None,
-    parent_name: str | None = None,
+    *,
+    recurrences: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    name: str = "model",
+    baseline=None,
+    baseline_name: str = "parent",
     batch_size: int = 8,
     seed: int = 0,
     show_progress: bool = True,
 ) -> Sweep:
-    """The loss table: the model at each r (once if it is not recurrent), the parent alongside."""
-    for lm, name in ((model, model_name), (parent, parent_name)):
+    """The loss table: `model` at each test recurrence (once if it is not recurrent), the `baseline` (its
+    parent, say) alongside. `name` and `baseline_name` label the rows and the figures' legends."""
+    for lm, label in ((model, name), (baseline, baseline_name)):
         if lm is not None:
-            _check_vocabulary(lm, examples, name)
-    measured = evaluate_loss(model, examples, steps, batch_size, seed, show_progress)
+            _check_vocabulary(lm, examples, label)
+    measured = evaluate_loss(model, examples, recurrences, batch_size, seed, show_progress)
     rows = [Row.measured(model, r, metrics) for r, metrics in sorted(measured.items(), key=lambda item: item[0] or 0)]
     parent_row = None
-    if parent is not None:
-        (metrics,) = evaluate_loss(parent, examples, steps, batch_size, seed, show_progress).values()
-        parent_row = Row.measured(parent, None, metrics, label=f"parent ({parent_name})")
+    if baseline is not None:
+        (metrics,) = evaluate_loss(baseline, examples, recurrences, batch_size, seed, show_progress).values()
+        parent_row = Row.measured(baseline, None, metrics, label=f"parent ({baseline_name})")
     details = {"data": examples.description, "sequences": len(examples.sequences), "tokens": examples.tokens, "seed": seed}
-    return Sweep("loss", model_name, ["loss", "perplexity"], rows, parent_row, None, details)
+    return Sweep("loss", name, ["loss", "perplexity"], rows, parent_row, None, details)
 
 
 def _check_vocabulary(model, examples: Examples, name: str) -> None:

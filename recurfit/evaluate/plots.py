@@ -1,39 +1,54 @@
-"""PNG figures (matplotlib) from sweep results and training logs (`recurfit plot`).
+"""Figures for a paper (matplotlib) from sweep results and training logs (`recurfit plot`).
 
-    KIND_recurrence.png  each metric against test recurrence; the parent and random chance as horizontal lines
-    KIND_flops.png       each metric against inference FLOPs per token (effective depth); the parent as a point
-    training.png         training loss against steps and FLOPs; validation loss per r and store, if logged
+    KIND_recurrence  each metric against test recurrence; the parent and random chance as horizontal lines
+    KIND_flops       each metric against inference FLOPs per token (effective depth); the parent as a point
+    training         training loss against steps and FLOPs; validation loss per r and store, if logged
 
-(KIND is `loss` or `tasks`; `recurfit eval` writes the first two for its own results as recurrence.png and
-flops.png.)
+(KIND is `loss` or `tasks`; `recurfit eval` writes the first two for its own results as recurrence and flops.)
+Every figure is written as PNG, PDF and SVG side by side. Axes keep every point and label inside their limits,
+show tick labels on every axis (FLOPs in engineering units), and share one legend placed below the panels, where
+it covers no data. Task scores carry ±1 binomial standard error bars, sqrt(p(1 - p) / n) over the n documents
+scored, when the results record n.
 
-Several results files or runs are overlaid, each labelled with its model or run folder.
+Several results files or runs are overlaid, each named as `run_name` names it.
 """
 
 from __future__ import annotations
 
-import re
+import math
 from collections.abc import Sequence
 from itertools import cycle
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullLocator  # noqa: E402
 
 from ..errors import RecurfitError  # noqa: E402
 from ..train.metrics import read_log  # noqa: E402
+from ..train.report import validation_losses  # noqa: E402
 from .results import Sweep  # noqa: E402
 
-EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
+FORMATS = (".png", ".pdf", ".svg")
+LOSS_METRICS = ("loss", "perplexity")
+
+
+def run_name(name: str | Path) -> str:
+    """How legends name a model or training run: `runs/NAME/final` and the run folder `runs/NAME` are both NAME,
+    so an evaluated model and its training curves carry one name; a Hub id or label stays as it is."""
+    path = PurePath(str(name).rstrip("/"))
+    if path.name == "final" and len(path.parts) > 1:
+        path = path.parent
+    return path.name or str(name)
 
 
 def _grid(count: int, title: str):
     columns = min(count, 3)
     rows = -(-count // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows + 0.8), squeeze=False,
+                                layout="constrained")  # fmt: skip
     for extra in axes.flat[count:]:
         extra.set_visible(False)
     figure.suptitle(title)
@@ -41,66 +56,137 @@ def _grid(count: int, title: str):
 
 
 def _save(figure, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    """The figure as PNG, PDF and SVG beside each other (`path` names the PNG); the legend below the panels."""
+    _figure_legend(figure)
+    for suffix in FORMATS:
+        figure.savefig(path.with_suffix(suffix), dpi=150)
     plt.close(figure)
-    return path
+    return path.with_suffix(".png")
+
+
+def _figure_legend(figure) -> None:
+    """One legend for all panels, outside them (a legend inside an axis covers some data sooner or later)."""
+    entries: dict = {}
+    for axis in figure.axes:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        columns = min(len(entries), 4, max(1, round(figure.get_figwidth() / 2.5)))  # as many as fit the width
+        figure.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8,
+                      frameon=False)  # fmt: skip
 
 
 def _metric_label(metric: str) -> str:
     return {"loss": "validation loss (nats/token)", "perplexity": "perplexity"}.get(metric, metric)
 
 
+def _panel_title(sweep: Sweep, metric: str) -> str:
+    """The metric and what it was measured on: the data (loss) or the number of documents (a task)."""
+    if metric in LOSS_METRICS:
+        data = sweep.details.get("data")
+        return f"{metric} on {data}" if data else metric
+    documents = sweep.details.get("documents", {}).get(metric)
+    return f"{metric}, {documents} documents" if documents else metric
+
+
+def _stderr(sweep: Sweep, metric: str, values: Sequence[float]) -> list[float] | None:
+    """±1 binomial standard error of each score over the documents scored; None for a loss or unknown n."""
+    documents = sweep.details.get("documents", {}).get(metric)
+    if metric in LOSS_METRICS or not documents:
+        return None
+    return [math.sqrt(max(p * (1 - p), 0.0) / documents) for p in values]
+
+
+def _draw(axis, xs, ys, errors, **style) -> None:
+    if errors is None:
+        axis.plot(xs, ys, **style)
+    else:
+        axis.errorbar(xs, ys, yerr=errors, capsize=3, **style)
+
+
 def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
     """Each metric against test recurrence r (log₂ axis), one line per model; the parent dashed, chance dotted."""
     metrics = _shared_metrics(sweeps)
-    figure, axes = _grid(len(metrics), "Metric vs test-time recurrence")
+    kind = "Validation loss" if sweeps[0].kind == "loss" else "Task scores"
+    figure, axes = _grid(len(metrics), f"{kind} against test-time recurrence")
+    depths = sorted({row.steps for sweep in sweeps for row in sweep.rows if row.steps is not None}) or [1]
+    if len(depths) == 1:  # an axis needs two ticks to read
+        depths.append(2 * depths[0])
     for axis, metric in zip(axes, metrics):
         for sweep in sweeps:
-            recurrent = [row for row in sweep.rows if row.steps is not None]
+            recurrent = [row for row in sweep.rows if row.steps is not None and metric in row.metrics]
             if recurrent:
-                axis.plot([row.steps for row in recurrent], [row.metrics[metric] for row in recurrent], marker="o",
-                          label=sweep.model)  # fmt: skip
-            else:  # a fixed-depth model: one value whatever r
-                axis.axhline(sweep.rows[0].metrics[metric], label=sweep.model)
+                ys = [row.metrics[metric] for row in recurrent]
+                _draw(axis, [row.steps for row in recurrent], ys, _stderr(sweep, metric, ys), marker="o",
+                      label=run_name(sweep.model))  # fmt: skip
+            elif metric in sweep.rows[0].metrics:  # a fixed-depth model: one value whatever r
+                axis.axhline(sweep.rows[0].metrics[metric], label=run_name(sweep.model))
         for row, style in _references(sweeps, metric):
             axis.axhline(row.metrics[metric], linestyle=style, color="black" if style == "--" else "grey",
                          label=row.label)  # fmt: skip
-        _finish_metric_axis(axis, metric, "test recurrence r (core iterations)", log_base=2)
+        axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
+        axis.set_xscale("log", base=2)
+        axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)  # room for the end markers
+        axis.set_xticks(depths, [f"{r:g}" for r in depths])
+        axis.xaxis.set_minor_locator(NullLocator())
+        _finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
     return _save(figure, path)
 
 
 def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
     """Each metric against inference FLOPs per token: what a point of accuracy costs in compute."""
     metrics = _shared_metrics(sweeps)
-    figure, axes = _grid(len(metrics), "Metric vs inference compute")
+    kind = "Validation loss" if sweeps[0].kind == "loss" else "Task scores"
+    figure, axes = _grid(len(metrics), f"{kind} against inference compute")
     for axis, metric in zip(axes, metrics):
         for sweep in sweeps:
-            rows = [row for row in sweep.rows if row.flops_per_token]
-            axis.plot([row.flops_per_token / 1e9 for row in rows], [row.metrics[metric] for row in rows],
-                      marker="o", label=sweep.model)  # fmt: skip
+            rows = [row for row in sweep.rows if row.flops_per_token and metric in row.metrics]
+            ys = [row.metrics[metric] for row in rows]
+            _draw(axis, [row.flops_per_token for row in rows], ys, _stderr(sweep, metric, ys), marker="o",
+                  label=run_name(sweep.model))  # fmt: skip
             for row in rows:
                 if row.steps is not None:
-                    axis.annotate(f"r={row.steps}", (row.flops_per_token / 1e9, row.metrics[metric]), fontsize=7,
-                                  textcoords="offset points", xytext=(3, 3))  # fmt: skip
+                    axis.annotate(f"r={row.steps}", (row.flops_per_token, row.metrics[metric]), fontsize=7,
+                                  textcoords="offset points", xytext=(4, 4))  # fmt: skip
         for row, _ in _references(sweeps, metric, chance=False):
-            axis.plot([row.flops_per_token / 1e9], [row.metrics[metric]], marker="*", markersize=12,
+            axis.plot([row.flops_per_token], [row.metrics[metric]], marker="*", markersize=12, color="black",
                       linestyle="none", label=row.label)  # fmt: skip
-        _finish_metric_axis(axis, metric, "inference GFLOPs per token (2 × eff. params)", log_base=10)
+        axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
+        _log_flops_axis(axis.xaxis, right_room=1.35)  # the r= labels sit right of their points
+        _finish_metric_axis(axis, metric, "inference FLOPs per token (2 × effective parameters; M = 10⁶, G = 10⁹)")
     return _save(figure, path)
 
 
-def _finish_metric_axis(axis, metric: str, xlabel: str, log_base: int) -> None:
-    """A log x axis with plain tick labels; scores (accuracies) start at 0; labels, grid, legend."""
-    axis.set_xscale("log", base=log_base)
-    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 1, 2, 4 rather than 2⁰, 2¹
-    axis.xaxis.set_minor_formatter(NullFormatter())
-    if metric not in ("loss", "perplexity"):  # so that an all-zero task reads as zero, not as a flat mystery
-        axis.set_ylim(bottom=0, top=max(0.05, axis.get_ylim()[1]))
+def _log_flops_axis(axis, right_room: float = 1.15) -> None:
+    """A log axis of FLOPs with at least two labelled ticks (1, 2, 5 × 10ⁿ, or every digit when the data span
+    less than a decade: matplotlib's log locator alone leaves a narrow range without any label)."""
+    axis.axes.set_xscale("log") if axis is axis.axes.xaxis else axis.axes.set_yscale("log")
+    low, high = axis.get_data_interval()
+    low = low if low > 0 else axis.get_minpos()  # a log axis ignores the zero FLOPs before the first step
+    low, high = low / 1.15, high * right_room
+    if high / low < 4:  # widen around the middle so that at least two ticks fall inside
+        middle, half = math.sqrt(low * high), 2.0
+        low, high = min(low, middle / half), max(high, middle * half)
+    for digits in ((1, 2, 5), range(1, 10)):
+        ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+                 for m in digits if low <= m * 10.0**e <= high]  # fmt: skip
+        if len(ticks) >= 2:
+            break
+    axis.set_view_interval(low, high, ignore=True)
+    axis.set_ticks(ticks)
+    axis.set_major_formatter(EngFormatter(places=0, sep=" "))  # 200 M, 1 G: short enough not to collide
+    axis.set_minor_locator(NullLocator())
+
+
+def _finish_metric_axis(axis, metric: str, xlabel: str) -> None:
+    """Scores (accuracies) start at 0, with room below so a zero score is a whole marker; labels and grid."""
+    if metric not in LOSS_METRICS:  # so that an all-zero task reads as zero, not as a flat mystery
+        top = max(0.05, axis.get_ylim()[1])
+        axis.set_ylim(bottom=-0.05 * top, top=1.03 * top)
     axis.set_xlabel(xlabel)
     axis.set_ylabel(_metric_label(metric))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
 
 
 def _references(sweeps: Sequence[Sweep], metric: str, chance: bool = True):
@@ -127,28 +213,31 @@ def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
 def plot_training(runs: Sequence[Path], path: Path) -> Path:
     """Training loss against optimizer steps and against training FLOPs; validation loss per r if logged, one
     panel per validation store."""
-    logs = {Path(run).name: read_log(run) for run in runs}
+    logs = {run_name(run): read_log(run) for run in runs}
     validation = {name: _validation_series(records) for name, records in logs.items()}
     stores = list(dict.fromkeys(store for series in validation.values() for store in series))
-    figure, axes = _grid(2 + len(stores), "Training")
+    figure, axes = _grid(2 + len(stores), "Training and validation loss")
     for color, (name, records) in zip(cycle(f"C{i}" for i in range(10)), logs.items()):
         train = [record for record in records if record.get("kind") == "train"]
         axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=name)
         axes[1].plot([r["flops"] for r in train], [r["loss"] for r in train], color=color, label=name)
         for axis, store in zip(axes[2:], stores):
             _plot_validation(axis, name, color, validation[name].get(store, {}))
+    axes[0].set_title("training loss by step", fontsize=9)
     axes[0].set_xlabel("optimizer step")
-    axes[1].set_xlabel("training FLOPs (from the depths drawn)")
-    axes[1].set_xscale("log")
+    axes[1].set_title("training loss by compute", fontsize=9)
+    axes[1].set_xlabel("training FLOPs, from the depths drawn (G = 10⁹, T = 10¹²)")
+    _log_flops_axis(axes[1].xaxis)
     for axis in axes[:2]:
         axis.set_ylabel("training loss (nats/token)")
     for axis, store in zip(axes[2:], stores):
-        axis.set_title(f"validation: {store} (fainter: smaller r)", fontsize=10)
+        axis.set_title(f"validation loss on {store} (fainter: smaller r)", fontsize=9)
         axis.set_xlabel("optimizer step")
         axis.set_ylabel("validation loss (nats/token)")
     for axis in axes:
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+        if axis is not axes[1]:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: 5, 10, 15 rather than 2.5, 7.5
     return _save(figure, path)
 
 
@@ -156,13 +245,10 @@ def _validation_series(records: list[dict]) -> dict[str, dict[int | None, list[t
     """store -> test recurrence (None for a fixed-depth model) -> [(step, loss)] from a run's eval records."""
     series: dict = {}
     for record in records:
-        if record.get("kind") != "eval":
-            continue
-        for key, value in record.items():
-            match = EVAL_KEY.match(key)
-            if match:
-                r = int(match["r"]) if match["r"] else None
-                series.setdefault(match["data"], {}).setdefault(r, []).append((record["step"], value))
+        if record.get("kind") == "eval":
+            for store, losses in validation_losses(record).items():
+                for r, loss in losses.items():
+                    series.setdefault(store, {}).setdefault(r, []).append((record["step"], loss))
     return series
 
 
@@ -175,7 +261,7 @@ def _plot_validation(axis, run: str, color: str, by_r: dict[int | None, list[tup
 
 
 def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
-    """Figures for a mix of results files (or folders holding `results.json`) and training runs."""
+    """Figures for a mix of results files (or folders holding `results.json`) and training runs: every file written."""
     sweeps, runs = [], []
     for raw in paths:
         path = Path(raw)
@@ -197,4 +283,4 @@ def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
             written.append(plot_flops(group, out / f"{kind}_flops.png"))
     if runs:
         written.append(plot_training(runs, out / "training.png"))
-    return written
+    return [png.with_suffix(suffix) for png in written for suffix in FORMATS]

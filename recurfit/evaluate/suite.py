@@ -13,8 +13,11 @@ zero-shot; GSM8K and MATH one-shot with `max_length=1024`, in a run of their own
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,8 +76,32 @@ def offline_tasks() -> list[str]:
     return sorted(path.stem.removesuffix(OFFLINE) for path in TASKS_DIR.glob(f"*{OFFLINE}.yaml"))
 
 
+def _git_hash() -> str | None:
+    """lm-eval's record of the working directory's git commit, asked quietly: outside a repository its own
+    `git describe` prints `fatal: not a git repository` into the user's terminal."""
+    try:
+        described = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except FileNotFoundError:  # no git installed
+        return None
+    return described.stdout.strip() or None
+
+
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval's evaluator with `_git_hash` in place of its noisy own, for the duration."""
+    from lm_eval import evaluator
+
+    noisy, evaluator.get_git_commit_hash = evaluator.get_git_commit_hash, _git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = noisy
+
+
+@functools.cache
 def task_manager(data: str):
-    """lm-eval's TaskManager with recurfit's task folder included (the offline tasks and gsm8k_cot_sean)."""
+    """lm-eval's TaskManager with recurfit's task folder included (the offline tasks and gsm8k_cot_sean); built
+    once per process (it indexes every task lm-eval knows)."""
     from lm_eval.tasks import TaskManager
 
     if data not in ("offline", "hub"):
@@ -82,10 +109,18 @@ def task_manager(data: str):
     return TaskManager(include_path=str(TASKS_DIR))
 
 
+def check_tasks(names: Sequence[str], data: str = "offline") -> list[str]:
+    """The lm-eval task names `names` run as, or the one-line error `task_sweep` would raise: checked before a
+    model is loaded."""
+    return resolve_tasks(names, data, task_manager(data))
+
+
 def resolve_tasks(names: Sequence[str], data: str, manager) -> list[str]:
-    """lm-eval task names for what the user typed; `paper` stands for the whole suite."""
+    """lm-eval task names for what the user typed; `paper` stands for the whole suite. Offline, a name may carry
+    lm-eval's `_offline` suffix or not (`arc_easy_offline` as `recurfit lm-eval` takes it, or `arc_easy`)."""
     expanded = [task for name in names for task in (PAPER_SUITE if name == "paper" else [name])]
     if data == "offline":
+        expanded = [name.removesuffix(OFFLINE) for name in expanded]
         known = [n.removesuffix(OFFLINE) for n in (*manager.all_subtasks, *manager.all_groups) if n.endswith(OFFLINE)]
         resolved = [name + OFFLINE for name in expanded]
     else:
@@ -128,13 +163,23 @@ def _metric_name(key: str) -> str:
     return metric if filtered in ("", "none") else f"{metric}, {filtered}"
 
 
+def _scored_docs(task, limit: float | None) -> list:
+    """The documents lm-eval scores of a task under `limit` (a count, or a fraction of the split)."""
+    docs = list(task.eval_docs)
+    return docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
+
+
+def document_count(tasks: Sequence, limit: float | None) -> int:
+    """How many documents a task (or a group's tasks together) is scored on: the n of its standard error."""
+    return sum(len(_scored_docs(task, limit)) for task in tasks)
+
+
 def chance_level(tasks: Sequence, limit: int | float | None) -> float:
     """Expected score of guessing over the documents scored (`limit` of each task): 1/choices, averaged over all
     the documents as lm-eval's groups weigh their tasks; 0 for generated answers."""
     total = count = 0.0
     for task in tasks:
-        docs = list(task.eval_docs)
-        scored = docs[: len(docs) if limit is None else int(limit if limit >= 1 else limit * len(docs))]
+        scored = _scored_docs(task, limit)
         if task.OUTPUT_TYPE == "multiple_choice":
             total += sum(1 / len(task.doc_to_choice(doc)) for doc in scored)
         count += len(scored)
@@ -159,11 +204,12 @@ def plan_runs(names: Sequence[str]) -> dict[RunSettings, list[str]]:
 def task_sweep(
     model,
     tokenizer,
-    tasks: Sequence[str],
-    steps: Sequence[int],
-    model_name: str,
-    parent=None,
-    parent_name: str | None = None,
+    *,
+    tasks: Sequence[str] = ("paper",),
+    recurrences: Sequence[int] = (1, 4, 32),
+    name: str = "model",
+    baseline=None,
+    baseline_name: str = "parent",
     data: str = "offline",
     limit: int | float | None = None,
     batch_size: int = 8,
@@ -171,7 +217,8 @@ def task_sweep(
     state_init: str = "random",
     seed: int = 0,
 ) -> tuple[Sweep, dict]:
-    """The task table (a row per r, the parent, random chance) and lm-eval's full results per run."""
+    """The task table (a row per test recurrence, the `baseline`, random chance) and lm-eval's full results per
+    run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject)."""
     from lm_eval import simple_evaluate
 
     from .lm import RecurfitLM
@@ -195,40 +242,44 @@ def task_sweep(
         console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
         results: dict = {}
         for settings, group in runs.items():
-            output = simple_evaluate(
-                model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
-                limit=limit, bootstrap_iters=0, log_samples=False,
-                gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
-                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            )  # fmt: skip
+            with quiet_git_hash():
+                output = simple_evaluate(
+                    model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
+                    limit=limit, bootstrap_iters=0, log_samples=False,
+                    gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
+                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                )  # fmt: skip
             results.update(output["results"])
         return results
 
     def metrics(results: dict) -> dict[str, float]:
-        return {column: value for name in names for column, value in task_columns(name, results[name]).items()}
+        return {column: value for task in names for column, value in task_columns(task, results[task]).items()}
 
     raw: dict = {}
     lms = models(model, state_init=state_init)
-    depths = list(steps) if isinstance(model, RecurrentForCausalLM) else [None]
+    depths = list(recurrences) if isinstance(model, RecurrentForCausalLM) else [None]
     rows = []
     for r in depths:
         for lm in lms.values():
             lm.num_steps = r
-        raw[f"r={r}" if r else "model"] = results = run(lms, f"{model_name} at r={r}" if r else model_name)
+        raw[f"r={r}" if r else "model"] = results = run(lms, f"{name} at r={r}" if r else name)
         rows.append(Row.measured(model, r, metrics(results)))
     parent_row = None
-    if parent is not None:
-        raw["parent"] = results = run(models(parent), f"parent {parent_name}")
-        parent_row = Row.measured(parent, None, metrics(results), label=f"parent ({parent_name})")
+    if baseline is not None:
+        raw["parent"] = results = run(models(baseline), f"parent {baseline_name}")
+        parent_row = Row.measured(baseline, None, metrics(results), label=f"parent ({baseline_name})")
     columns = list(rows[0].metrics)
     loaded = manager.load(names)
-    chance = {
-        column: chance_level(_leaves(name, loaded), limit)
-        for name in names for column in task_columns(name, raw[next(iter(raw))][name])
-    }  # fmt: skip
-    headline = [next(iter(task_columns(name, raw[next(iter(raw))][name]))) for name in names]
+    first_run = raw[next(iter(raw))]
+    chance, documents = {}, {}  # per column: the score of guessing and the documents scored (for error bars)
+    for task in names:
+        leaves = _leaves(task, loaded)
+        for column in task_columns(task, first_run[task]):
+            chance[column], documents[column] = chance_level(leaves, limit), document_count(leaves, limit)
+    headline = [next(iter(task_columns(task, first_run[task]))) for task in names]
     details = {
         "data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed, "headline": headline,
-        "model_args": MODEL_ARGS, "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
+        "documents": documents, "model_args": MODEL_ARGS,
+        "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
     }  # fmt: skip
-    return Sweep("tasks", model_name, columns, rows, parent_row, Row("random chance", chance), details), raw
+    return Sweep("tasks", name, columns, rows, parent_row, Row("random chance", chance), details), raw

@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from ..defaults import BACKPROP_DEPTH, MEAN_RECURRENCE
 from ..errors import RecurfitError
 
 
@@ -125,8 +126,8 @@ class DataConfig:
 
 @dataclass
 class DepthConfig:
-    mean_recurrence: int = 32
-    backprop_depth: int = 8
+    mean_recurrence: int = MEAN_RECURRENCE
+    backprop_depth: int = BACKPROP_DEPTH
     curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
     curriculum_fraction: float = 0.75  # of all steps, for the mean-recurrence ramp
     # k̄ ramps from 1, as the paper authors' scheduler (their default ramp: the first 10% of steps).
@@ -279,6 +280,10 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return _to_plain(self)
 
+    def to_yaml(self) -> str:
+        """The config as run (the file, the overrides and every default), as `OUT/config.yaml` holds it."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
 
 # ---------------------------------------------------------------- loading
 
@@ -303,18 +308,35 @@ def load_config(path: str | Path | None, overrides: list[str] = (), base: dict |
         target = raw
         *parents, last = key.split(".")
         for part in parents:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise RecurfitError(f"Override {override!r}: {part} is not a section.")
+            target = _override_slot(target, part, override, descend=True)
+        _override_slot(target, last, override, descend=False)
         try:
-            target[last] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError as problem:
             reason = getattr(problem, "problem", None) or "not YAML"
             raise RecurfitError(
                 f"Override {override!r}: {value!r} is not a YAML value ({reason}); write lists as [1, 2] and quote "
                 "text that holds YAML syntax."
             ) from None
+        if isinstance(target, list):
+            target[int(last)] = parsed
+        else:
+            target[last] = parsed
     return _build(TrainConfig, raw, "").validate()
+
+
+def _override_slot(target, part: str, override: str, descend: bool):
+    """The section (or list item: `data.phases.1` is the second phase) an override's `part` names; with
+    `descend`, a missing section is created."""
+    if isinstance(target, list):
+        if not part.isdigit() or int(part) >= len(target):
+            raise RecurfitError(
+                f"Override {override!r}: {part!r} is not an item of a list of {len(target)} (items count from 0)."
+            )
+        return target[int(part)] if descend else None
+    if not isinstance(target, dict):
+        raise RecurfitError(f"Override {override!r}: the value before {part!r} is not a section.")
+    return target.setdefault(part, {}) if descend else None
 
 
 def _yaml_name(f: dataclasses.Field) -> str:

@@ -24,18 +24,20 @@ import torch
 import torch.nn.functional as F
 from rich.progress import TextColumn
 
-from ..accounting import count_parameters, training_flops, training_flops_per_token
+from ..accounting import count_parameters, training_flops_per_token
+from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..files import staged_directory
+from ..loading import optional_tokenizer
 from ..lock import owned
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
 from .checkpoint import gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
-from .metrics import MetricsLog, peak_flops
-from .model import build_model, is_recurrent, optional_tokenizer
+from .metrics import MetricsLog, peak_flops, read_log
+from .model import build_model, is_recurrent
 from .optim import build_optimizers, build_schedulers, global_grad_norm
 from .run_folder import RunFolder, changed_settings
 
@@ -58,6 +60,7 @@ class TrainResult:
     counters: Counters
     losses: list[float] = field(default_factory=list)  # per step run in this process (not the resumed prefix)
     already_finished: bool = False  # --resume of a finished run: nothing was done
+    validation: dict | None = None  # the final validation record (store/loss@r: loss), if the run validates
 
 
 def depth_schedule(config: TrainConfig) -> DepthSchedule:
@@ -71,6 +74,7 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
             start=1, lead=1,
         ),  # fmt: skip
         seed=config.seed,
+        fixed=depth.fixed,
     )
 
 
@@ -121,6 +125,7 @@ class Trainer:
         self.log = None
         if self.processes.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(config.to_yaml())
             self.log = MetricsLog(
                 self.out, resume_step=self.counters.step if resume else None,
                 tensorboard=config.log.tensorboard, wandb=config.log.wandb, config=config.to_dict(),
@@ -212,29 +217,23 @@ class Trainer:
         return self._account(step, num_steps, loss, grad_norm, finite, seconds, lrs)
 
     def _depth(self, step: int) -> tuple[int, int]:
-        if not self.recurrent:
-            return (0, 1)
-        depth = self.config.depth
-        if depth.fixed:
-            mean = self.schedule.mean_recurrence.at(step)
-            k = min(self.schedule.backprop_depth.at(step), mean)
-            return (mean - k, k)
-        return self.schedule.sample(step)
+        return self.schedule.at(step) if self.recurrent else (0, 1)
 
     def _account(self, step, num_steps, loss, grad_norm, finite, seconds, lrs) -> dict:
         counters, config = self.counters, self.config
         tokens = config.batch.global_ * self.stream.seq_len
-        mean, depth = self.schedule.mean_recurrence.at(step), self.schedule.backprop_depth.at(step)
+        mean_depth = self.schedule.mean_depth(step)
         counters.step += 1
         counters.tokens += tokens
         step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
         counters.flops += step_flops
         # The paper's rule takes N1, N2 at the step's mean depth; a fixed-depth parent costs the same either way.
-        counters.flops_paper += training_flops(self.parameter_counts, tokens, mean, depth) if self.recurrent else step_flops
+        counters.flops_paper += tokens * training_flops_per_token(self.parameter_counts, mean_depth)
         peak = peak_flops(self.processes.device)
         record = {
             "kind": "train", "step": counters.step, "loss": loss, "lr": lrs[-1],
-            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": mean, "backprop_depth": depth,
+            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": sum(mean_depth),
+            "backprop_depth": self.schedule.backprop_depth.at(step),
             "tokens": counters.tokens, "flops": counters.flops, "flops_paper": counters.flops_paper,
             "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.phase,
             "skipped": counters.skipped, "seconds": seconds,
@@ -304,8 +303,9 @@ class Trainer:
         if self.processes.is_main:
             print(message)
 
-    def export(self) -> Path:
-        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one)."""
+    def export(self, validation: dict | None = None) -> Path:
+        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one) and its model
+        card: the recipe, the tokens and the last `validation` record."""
         model_state, _ = gather_state(self.model, [])
         final = self.out / "final"
         if self.processes.is_main:
@@ -314,6 +314,10 @@ class Trainer:
                 tokenizer = optional_tokenizer(self.config.model.source)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(staging)
+                counters = self.counters
+                training = {"config": self.config.to_dict(), "steps": counters.step, "tokens": counters.tokens,
+                            "flops": counters.flops}  # fmt: skip
+                write_model_card(staging, self.model, self.out.name, training, validation)
         self.processes.barrier()
         return final
 
@@ -322,14 +326,17 @@ class Trainer:
     def run(self) -> TrainResult:
         config, counters = self.config, self.counters
         result = TrainResult(self.out, counters)
-        loss_column = TextColumn("loss {task.fields[loss]:.4f}  r̄ {task.fields[mean]}  {task.fields[rate]:,.0f} tok/s")
         show = config.log.progress and self.processes.is_main
-        with progress_bar(loss_column, disable=not show) as bar:
-            task = bar.add_task("training", total=config.steps, completed=counters.step, loss=float("nan"), mean=0, rate=0)
+        with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
+            mean = self.schedule.mean_recurrence.at(counters.step)
+            first = f"step {counters.step + 1}: first forward and backward (r̄ {mean})"
+            task = bar.add_task("training", total=config.steps, completed=counters.step, status=first)
             while counters.step < config.steps:
                 record = self.train_step()
                 result.losses.append(record["loss"])
-                bar.update(task, advance=1, loss=record["loss"], mean=record["mean_recurrence"], rate=record["tokens_per_s"])
+                loss, mean, rate = record["loss"], record["mean_recurrence"], record["tokens_per_s"]
+                status = f"loss {loss:.4f}  r̄ {mean}  {rate:,.0f} tok/s"
+                bar.update(task, advance=1, status=status)
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.steps):
                     self.log.write(record)
@@ -337,10 +344,15 @@ class Trainer:
                     self._write(self.validate())
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
                     self.checkpoint()
-        if self.resumed_at < config.steps:  # else the last checkpoint follows the final validation already
-            self._write(self.validate())
+        if self.resumed_at < config.steps:
+            result.validation = self.validate()
+            self._write(result.validation)
             self.checkpoint()
-        self.export()
+        else:  # resumed from the last checkpoint, which follows the final validation: only the export is left
+            result.validation = next(
+                (r for r in reversed(read_log(self.out)) if r["kind"] == "eval" and r["step"] == config.steps), None
+            )
+        self.export(result.validation)
         self.close()
         return result
 
@@ -363,12 +375,20 @@ def processes_mean_float(processes: Processes, value: torch.Tensor) -> float:
 def train(config: TrainConfig, resume: bool = False, force: bool = False) -> TrainResult:
     """Run (`resume`: continue, `force`: start over) the training `config` describes; returns the counters and
     this run's losses. See `run_folder.py` for what each does with the folder's earlier run."""
-    folder = RunFolder(Path(config.out))
-    folder.check_flags(resume, force)
-    if resume and folder.finished:  # nothing to do and nothing to change
-        return TrainResult(folder.path, Counters(step=folder.last_step() or config.steps), already_finished=True)
+    finished = already_finished(config, resume, force)
+    if finished is not None:
+        return finished
     trainer = Trainer(config, resume=resume, force=force)
     try:
         return trainer.run()
     finally:
         trainer.close()
+
+
+def already_finished(config: TrainConfig, resume: bool, force: bool) -> TrainResult | None:
+    """With `resume`, a finished run is left as it is: its result, marked `already_finished` (None otherwise)."""
+    folder = RunFolder(Path(config.out))
+    folder.check_flags(resume, force)
+    if resume and folder.finished:
+        return TrainResult(folder.path, Counters(step=folder.last_step() or config.steps), already_finished=True)
+    return None

@@ -12,7 +12,7 @@ from ..data import TokenStore
 from ..errors import RecurfitError
 from ..families import family_of, supported_families
 from ..init import scaled_init_
-from ..loading import load_model, load_tokenizer
+from ..loading import load_model
 from ..modeling import RecurrentForCausalLM
 from ..surgery import prune_layers, retrofit, untie_embeddings
 from .config import DepthConfig, ModelConfig
@@ -35,11 +35,11 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
         model = _surgery(
             retrofit, model, tuple(config.shape) if config.shape else None, **layers, select=config.select,
             calibration=calibration, adapter=config.adapter,
-            mean_recurrence=depth.mean_recurrence, mean_backprop_depth=depth.backprop_depth,
+            mean_recurrence=depth.mean_recurrence, backprop_depth=depth.backprop_depth,
         )  # fmt: skip
     if isinstance(model, RecurrentForCausalLM):
         model.config.mean_recurrence = depth.mean_recurrence
-        model.config.mean_backprop_depth = depth.backprop_depth
+        model.config.backprop_depth = depth.backprop_depth
         if config.state_init_std is not None:
             model.config.state_init_std = config.state_init_std
         if config.embedding_scale is not None:
@@ -94,10 +94,3 @@ def _surgery(operation, *args, **kwargs):
 
 def is_recurrent(model: nn.Module) -> bool:
     return isinstance(model, RecurrentForCausalLM)
-
-
-def optional_tokenizer(path: str | None):
-    try:
-        return load_tokenizer(path)
-    except (RecurfitError, OSError, ValueError):
-        return None

@@ -1,0 +1,109 @@
+"""What `recurfit train` tells its user: the resolved config, the model's size and cost per token, the depth and
+LR schedules (`--dry-run`), warnings about the data phases, and the final validation table."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from rich.table import Table
+
+from ..errors import RecurfitError
+from .config import TrainConfig
+from .loop import depth_schedule
+from .optim import build_schedulers
+
+EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
+
+
+def lr_multiplier(config: TrainConfig):
+    """The LR schedule's multiplier of step s (0-based), from the schedule the run builds."""
+    (scheduler,) = build_schedulers([torch.optim.SGD([torch.zeros(1)], lr=1.0)], config.optimizer, config.steps)
+    return scheduler.lr_lambdas[0]
+
+
+def schedule_steps(config: TrainConfig) -> list[int]:
+    """The steps where something changes: the start, the end of warmup and of each curriculum, the decay's start,
+    the quarters of the run, the last step (1-based, as the log counts them)."""
+    warmup, decay = config.optimizer.schedule_steps(config.steps)
+    depth = config.depth
+    ramps = [math.ceil(f * config.steps) for f in (depth.curriculum_fraction, depth.backprop_curriculum_fraction)]
+    marks = [1, warmup, *ramps, config.steps - decay, *(config.steps * q // 4 for q in (1, 2, 3)), config.steps]
+    return sorted({min(max(mark, 1), config.steps) for mark in marks})
+
+
+def schedule_table(config: TrainConfig) -> Table:
+    """Mean recurrence, backprop depth and learning rates at the steps where the schedules change."""
+    schedule, multiplier = depth_schedule(config), lr_multiplier(config)
+    muon = config.optimizer.name == "muon"
+    table = Table(title=f"Schedule over {config.steps:,} steps", title_justify="left")
+    for column in ("step", "mean r̄", "backprop k̄", "LR factor", "AdamW LR", *(["Muon LR"] if muon else [])):
+        table.add_column(column, justify="right")
+    for step in schedule_steps(config):
+        factor = multiplier(step - 1)
+        mean = schedule.mean_recurrence.at(step - 1)
+        cells = [f"{step:,}", str(mean), str(min(schedule.backprop_depth.at(step - 1), mean)), f"{factor:.3f}",
+                 f"{config.optimizer.lr * factor:.2e}"]  # fmt: skip
+        table.add_row(*cells, *([f"{config.optimizer.muon_lr * factor:.2e}"] if muon else []))
+    return table
+
+
+def tokens_per_row(config: TrainConfig) -> int | None:
+    """Training tokens per row of the first store (its seq_len), or None if it is not prepared yet."""
+    from ..data import TokenStore
+
+    try:
+        return TokenStore(config.data.phases[0].sources[0].path, "train").seq_len
+    except (RecurfitError, OSError, KeyError, ValueError):
+        return None
+
+
+def phase_warnings(config: TrainConfig, tokens_per_row: int | None) -> list[str]:
+    """A phase whose budget (with those before it) reaches the end of the run leaves the later phases unused."""
+    if tokens_per_row is None or len(config.data.phases) < 2:
+        return []
+    total = config.steps * config.batch.global_ * tokens_per_row
+    warnings, spent = [], 0
+    for index, phase in enumerate(config.data.phases[:-1]):
+        spent += phase.tokens or 0
+        if spent >= total:
+            warnings.append(
+                f"data.phases.{index} (phase {index + 1}) ends at {spent:,} tokens, but the run trains {total:,} "
+                f"(steps × batch.global × {tokens_per_row} tokens per row): the phases after it never run. Lower "
+                f"its tokens (e.g. data.phases.{index}.tokens={total // 2}) or raise steps."
+            )
+            break
+    return warnings
+
+
+def validation_losses(record: dict | None) -> dict[str, dict[int | None, float]]:
+    """store -> test recurrence (None for a fixed-depth model) -> loss, from a training log's eval record."""
+    losses: dict = {}
+    for key, value in (record or {}).items():
+        match = EVAL_KEY.match(key)
+        if match:
+            losses.setdefault(match["data"], {})[int(match["r"]) if match["r"] else None] = value
+    return losses
+
+
+def validation_columns(record: dict | None) -> tuple[list[str], dict[str, list[str]]]:
+    """The final validation as table cells: the column names (r=1, r=4, … or loss) and a row of losses per store."""
+    losses = validation_losses(record)
+    depths = sorted({r for row in losses.values() for r in row}, key=lambda r: r or 0)
+    columns = [f"r={r}" if r is not None else "loss" for r in depths]
+    return columns, {store: [f"{row[r]:.4f}" if r in row else "" for r in depths] for store, row in losses.items()}
+
+
+def validation_table(record: dict | None) -> Table | None:
+    """A training log's eval record as a table: a row per validation store, a column per test recurrence."""
+    columns, rows = validation_columns(record)
+    if not rows:
+        return None
+    result = Table(title=f"Validation loss (nats/token) at step {record.get('step')}", title_justify="left")
+    result.add_column("data")
+    for column in columns:
+        result.add_column(column, justify="right")
+    for store, cells in rows.items():
+        result.add_row(store, *cells)
+    return result
