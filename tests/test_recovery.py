@@ -393,3 +393,14 @@ def test_overrides_may_follow_resume(tmp_path, workspace, capsys):
     assert code == 0 and "Trained 3 steps" in text
     with pytest.raises(SystemExit):  # argparse: usage and the unknown option, exit 2
         run_cli(capsys, "train", config, "--resume", "--what")
+
+
+def test_a_checkpoint_from_before_checksums_resumes_unverified_and_says_so(tmp_path, workspace, capsys):
+    out = tmp_path / "run"
+    config = stopped_run(workspace, out)
+    capsys.readouterr()
+    (out / "checkpoints" / "step-000004" / "sha256sums.txt").unlink()  # as an earlier recurfit wrote it
+    resumed = Trainer(config, resume=True)
+    assert resumed.counters.step == 4
+    assert "has no sha256sums.txt (written by an earlier recurfit)" in " ".join(capsys.readouterr().out.split())
+    resumed.close()

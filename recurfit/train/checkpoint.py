@@ -118,9 +118,9 @@ class Checkpoint:
         return self.trainer["counters"]["step"]
 
 
-def read_checkpoint(folder: Path) -> Checkpoint:
+def read_checkpoint(folder: Path, warn: Callable[[str], None] = print) -> Checkpoint:
     """Verify the checksums, then read the three files; a DamagedCheckpoint names the file and the problem."""
-    _verify(folder)
+    _verify(folder, warn)
     where = folder / MODEL
     try:
         model_state = load_file(where)
@@ -138,10 +138,13 @@ def read_checkpoint(folder: Path) -> Checkpoint:
     return Checkpoint(folder, model_state, optimizer, trainer)
 
 
-def _verify(folder: Path) -> None:
+def _verify(folder: Path, warn: Callable[[str], None]) -> None:
     sums = folder / SUMS
     if not sums.is_file():
-        raise DamagedCheckpoint(f"{sums} is missing")
+        # Checkpoints appear whole (a staged folder renamed into place), so one without sums was written by a
+        # recurfit that did not record them: read it, unverified, rather than strand the run.
+        warn(f"{folder} has no {SUMS} (written by an earlier recurfit): its files are read without verification.")
+        return
     expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text().splitlines() if line.strip())
     for name in (MODEL, OPTIMIZER, TRAINER):
         path = folder / name
@@ -162,7 +165,7 @@ def newest_readable(root: Path, warn: Callable[[str], None] = print) -> Checkpoi
     problems = []
     for folder in reversed(folders):
         try:
-            checkpoint = read_checkpoint(folder)
+            checkpoint = read_checkpoint(folder, warn)
         except DamagedCheckpoint as problem:
             problems.append(str(problem))
             continue
