@@ -80,6 +80,12 @@ class LayerSelection:
                 if i in seen:
                     raise ValueError(f"Layer {i} is in both {seen[i]} and {name}: each parent layer can be used once.")
                 seen[i] = name
+        order = [i for indices in parts.values() for i in indices]
+        if any(b <= a for a, b in zip(order, order[1:])):
+            raise ValueError(
+                f"prelude {parts['prelude']}, core {parts['core']} and coda {parts['coda']} must run in parent order: "
+                "every prelude layer before every core layer, every core layer before every coda layer."
+            )
         return cls(tuple(parts["prelude"]), tuple(parts["core"]), tuple(parts["coda"]))
 
     @classmethod

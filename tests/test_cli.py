@@ -57,6 +57,7 @@ def test_existing_output_is_never_overwritten_without_force(parent_dir, tmp_path
         (["--shape", "5,5,5"], "needs 15 layers but the parent has only 6"),
         (["--prelude", "0,1", "--core", "1,2", "--coda", "5"], "Layer 1 is in both prelude and core"),
         (["--shape", "1,2,1", "--core", "2,3"], "not both"),
+        (["--prelude", "3", "--core", "1,2", "--coda", "5"], "must run in parent order"),
         (["--shape", "1,2,1", "--mean-recurrence", "0"], "mean_recurrence and backprop_depth must be >= 1"),
         (["--shape", "1,2,1", "--select", "shortgpt"], "--calibration FILE"),
     ],
