@@ -197,11 +197,11 @@ def _generation_model(args):
 
 
 def _settings(args):
-    from .generate import GenerationSettings
+    from .generation import GenerationSettings
 
     return GenerationSettings(
         steps=args.steps, exit=args.exit, min_steps=args.min_steps, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache,
+        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache, warm_start=args.warm_start,
     )  # fmt: skip
 
 
@@ -215,21 +215,22 @@ def _report(generation) -> None:
 
 
 def cmd_generate(args) -> None:
-    from .generate import generate_text, prompt_ids
+    from .generation import generate_text, prompt_ids
 
+    settings = _settings(args)  # bad settings fail before the model loads
     model, tokenizer = _generation_model(args)
     ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
-    generation = generate_text(model, tokenizer, ids, _settings(args), stream=args.stream)
+    generation = generate_text(model, tokenizer, ids, settings, stream=args.stream)
     if not args.stream:
         console.print(generation.text, highlight=False, markup=False)
     _report(generation)
 
 
 def cmd_chat(args) -> None:
-    from .generate import generate_text, prompt_ids
+    from .generation import generate_text, prompt_ids
 
-    model, tokenizer = _generation_model(args)
     settings = _settings(args)
+    model, tokenizer = _generation_model(args)
     messages: list[dict] = []
     console.print("[dim]Chat: an empty line or Ctrl-D ends it.[/]")
     while True:
@@ -462,13 +463,16 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-        p.add_argument("--steps", type=int, help="recurrences per token (default: the model's mean recurrence)")
+        p.add_argument("--steps", type=int, help="recurrences per token, 1 to 1024 (default: the model's mean)")
         p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --steps)")
         p.add_argument("--min-steps", type=int, default=2, help="no adaptive exit before this many steps")
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--cache", choices=["all", "latest"], default="all", help="KV-cache policy for the core")
+        p.add_argument(
+            "--warm-start", action="store_true", help="start each token's recurrence from the previous token's state"
+        )
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")

@@ -25,7 +25,7 @@ from .errors import RecurfitError
 from .evaluate.loss import load_examples, loss_sweep
 from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
-from .generate import GenerationSettings, generate_text
+from .generation import GenerationSettings, generate_text
 from .loading import load_model, load_tokenizer
 from .surgery import parity, retrofit
 from .train import load_config, train

@@ -1,7 +1,8 @@
 """Text generation for people: prompts through the chat template, streaming, depth and exit settings.
 
-The model side (the step-aware cache, adaptive exit) lives in `cache.py`, `exit.py` and `modeling.py`; this
-module turns command-line settings into a `generate` call and reports what it cost.
+The model side (the step-aware cache, the recurrence that drops settled rows, warm starts) lives in
+`recurfit.cache` and `recurfit.modeling`; this module turns settings into a `generate` call and reports what
+it cost.
 """
 
 from __future__ import annotations
@@ -12,21 +13,34 @@ from dataclasses import dataclass
 import torch
 from transformers import TextStreamer
 
-from .cache import RecurrentCache
-from .errors import RecurfitError
-from .exit import CRITERIA
-from .modeling import RecurrentForCausalLM
+from ..cache import RecurrentCache
+from ..errors import RecurfitError
+from ..modeling import RecurrentForCausalLM
+from .exit import ExitRule
+
+# Test-time recurrences a user may ask for. The paper evaluates up to r = 64 (Huginn up to 128); beyond a few
+# hundred, each token costs hundreds of core passes and a typo (--steps 100000) would look like a hang.
+MAX_STEPS = 1024
 
 
 @dataclass
 class GenerationSettings:
-    steps: int | None = None  # recurrences; None: the model's mean recurrence
+    steps: int | None = None  # recurrences; None: the model's mean recurrence (the model fills it in)
     exit: str | None = None  # "kl:5e-4", "state:0.01", "argmax:2"
     min_steps: int = 2
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     cache_policy: str = "all"
+    warm_start: bool = False  # start each token's recurrence from the previous token's final state
+
+    def __post_init__(self):
+        if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
+            raise RecurfitError(
+                f"--steps must be between 1 and {MAX_STEPS} recurrences, got {self.steps}; "
+                "leave it out for the model's mean recurrence."
+            )
+        self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps)
 
 
 @dataclass
@@ -37,22 +51,10 @@ class Generation:
     steps_per_token: list[int] | None  # recurrences per generated token (recurrent models)
 
 
-def parse_exit(spec: str | None) -> dict:
-    """'kl:5e-4' → generate kwargs; a clear error for anything else."""
-    if spec is None:
-        return {}
-    criterion, _, value = spec.partition(":")
-    if criterion not in CRITERIA:
-        raise RecurfitError(f"--exit takes CRITERION[:VALUE] with CRITERION one of {', '.join(CRITERIA)}, got {spec!r}.")
-    try:
-        number = float(value) if value else None
-    except ValueError:
-        raise RecurfitError(f"--exit {spec!r}: {value!r} is not a number.") from None
-    return {"exit_criterion": criterion, "exit_threshold": number}
-
-
 def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
     """Token ids of a conversation: the tokenizer's chat template when it has one, else plain text."""
+    if not any(m["content"].strip() for m in messages):
+        raise RecurfitError("The prompt is empty: pass the text to continue, e.g. --prompt \"Once upon a time\".")
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
@@ -71,11 +73,12 @@ def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSetti
     if settings.temperature > 0:
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
     if recurrent:
-        kwargs.update(num_steps=settings.steps or model.config.mean_recurrence, min_steps=settings.min_steps)
-        kwargs.update(parse_exit(settings.exit))
+        kwargs.update(num_steps=settings.steps, exit_rule=settings.exit_rule, warm_start=settings.warm_start)
         kwargs["past_key_values"] = RecurrentCache(model.config, policy=settings.cache_policy)
-    elif settings.exit:
-        raise RecurfitError("--exit needs a recurrent model; this one has a fixed depth.")
+    elif settings.exit or settings.warm_start:
+        raise RecurfitError("--exit and --warm-start need a recurrent model; this one has a fixed depth.")
+    if ids.shape[1] == 0:
+        raise RecurfitError("The prompt is empty: pass the text to continue.")
     if stream:
         kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
