@@ -33,7 +33,8 @@ POLICIES = ("all", "latest")
 
 
 class RecurrentCache(Cache):
-    def __init__(self, config: RecurrentConfig, policy: str = "all"):
+    def __init__(self, config: RecurrentConfig, policy: str = "all", rollback: bool = False):
+        """`rollback=True` keeps sliding-window layers' older entries until `truncate` (speculative decoding)."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}.")
         self.policy = policy
@@ -42,6 +43,10 @@ class RecurrentCache(Cache):
         self.kinds = attention_types(text)
         self.sliding_window = getattr(text, "sliding_window", None)
         super().__init__(layers=[self._new_layer(i) for i in range(len(self.kinds))])
+        if rollback:
+            for layer in self.layers:
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.activate_past_recording()  # copied into every step's slot with the layer
         self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
         self.slots: dict[tuple[int, int], int] = {}  # (core layer index, step >= 2) -> index in self.layers
         self.steps_stored = 1  # steps each core layer has a slot for
@@ -130,6 +135,11 @@ class RecurrentCache(Cache):
             self.step, self.rows = running
             for index, layer in saved.items():
                 self.layers[index] = layer
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens in every slot (roll back rejected draft tokens)."""
+        for layer in self.layers:
+            layer.crop(length - layer.get_seq_length())
 
     def step_slots(self, layer_idx: int) -> list[int]:
         """The slots of a core layer, step 1 first."""
