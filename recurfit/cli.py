@@ -202,6 +202,7 @@ def _settings(args):
     return GenerationSettings(
         steps=args.steps, exit=args.exit, min_steps=args.min_steps, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache, warm_start=args.warm_start,
+        draft_steps=args.draft_steps, lookahead=args.lookahead,
     )  # fmt: skip
 
 
@@ -211,6 +212,8 @@ def _report(generation) -> None:
     if generation.steps_per_token:
         steps = generation.steps_per_token
         depth = f", recurrences per token: mean {sum(steps) / len(steps):.1f} (min {min(steps)}, max {max(steps)})"
+    if generation.acceptance_rate is not None:
+        depth = f", {generation.acceptance_rate:.0%} of drafted tokens accepted"
     console.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
 
 
@@ -473,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--warm-start", action="store_true", help="start each token's recurrence from the previous token's state"
         )
+        p.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft at this recurrence (greedy)")
+        p.add_argument("--lookahead", type=int, default=4, help="with --draft-steps: tokens drafted per verification")
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
     p = commands.add_parser("eval", help="loss and benchmark accuracy as functions of test recurrence")

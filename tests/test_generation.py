@@ -202,3 +202,16 @@ def test_speculative_accept_ratio_keeps_more_drafts():
     loose = speculative_generate(model, ids, mask, max_new_tokens=12, num_steps=6, draft_steps=1, lookahead=4,
                                  accept_ratio=1e-6)  # fmt: skip
     assert loose.acceptance_rate == 1.0 > exact.acceptance_rate
+
+
+def test_generate_command_decodes_speculatively(workspace, tmp_path, capsys):
+    code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "4", "--draft-steps", "1",
+                     "--lookahead", "3", "--max-new-tokens", "6")  # fmt: skip
+    assert code == 0 and "of drafted tokens accepted" in text
+    model, ids = model_with_state(), torch.tensor([[5, 6, 7, 8]])
+    plain = generate_text(model, char_tokenizer(), ids, GenerationSettings(steps=4, max_new_tokens=8))
+    fast = generate_text(model, char_tokenizer(), ids, GenerationSettings(steps=4, max_new_tokens=8, draft_steps=2))
+    assert fast.text == plain.text and fast.tokens == plain.tokens and 0 <= fast.acceptance_rate <= 1
+    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--draft-steps", "1", "--exit", "kl")
+    assert code == 2 and "--draft-steps (speculative decoding) is greedy" in text

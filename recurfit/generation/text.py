@@ -17,6 +17,7 @@ from ..cache import RecurrentCache
 from ..errors import RecurfitError
 from ..modeling import RecurrentForCausalLM
 from .exit import ExitRule
+from .speculative import speculative_generate
 
 # Test-time recurrences a user may ask for. The paper evaluates up to r = 64 (Huginn up to 128); beyond a few
 # hundred, each token costs hundreds of core passes and a typo (--steps 100000) would look like a hang.
@@ -33,6 +34,8 @@ class GenerationSettings:
     top_p: float = 1.0
     cache_policy: str = "all"
     warm_start: bool = False  # start each token's recurrence from the previous token's final state
+    draft_steps: int | None = None  # self-speculative decoding: draft at this recurrence, verify at `steps`
+    lookahead: int = 4  # tokens drafted per verification
 
     def __post_init__(self):
         if self.steps is not None and not 1 <= self.steps <= MAX_STEPS:
@@ -41,6 +44,9 @@ class GenerationSettings:
                 "leave it out for the model's mean recurrence."
             )
         self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps)
+        if self.draft_steps is not None and (self.exit or self.warm_start or self.temperature > 0):
+            raise RecurfitError("--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "
+                                "--warm-start and --temperature.")  # fmt: skip
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Generation:
     tokens: int
     seconds: float
     steps_per_token: list[int] | None  # recurrences per generated token (recurrent models)
+    acceptance_rate: float | None = None  # speculative decoding: the share of drafted tokens kept
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
@@ -63,6 +70,10 @@ def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool = False) -> Generation:
     recurrent = isinstance(model, RecurrentForCausalLM)
+    if ids.shape[1] == 0:
+        raise RecurfitError("The prompt is empty: pass the text to continue.")
+    if settings.draft_steps is not None:
+        return _speculative_text(model, tokenizer, ids, settings, stream) if recurrent else _fixed_depth_refusal()
     kwargs: dict = dict(
         max_new_tokens=settings.max_new_tokens,
         do_sample=settings.temperature > 0,
@@ -76,9 +87,7 @@ def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSetti
         kwargs.update(num_steps=settings.steps, exit_rule=settings.exit_rule, warm_start=settings.warm_start)
         kwargs["past_key_values"] = RecurrentCache(model.config, policy=settings.cache_policy)
     elif settings.exit or settings.warm_start:
-        raise RecurfitError("--exit and --warm-start need a recurrent model; this one has a fixed depth.")
-    if ids.shape[1] == 0:
-        raise RecurfitError("The prompt is empty: pass the text to continue.")
+        _fixed_depth_refusal()
     if stream:
         kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
@@ -93,3 +102,29 @@ def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSetti
         seconds=seconds,
         steps_per_token=steps[0, : len(new)].tolist() if steps is not None else None,
     )
+
+
+def _fixed_depth_refusal():
+    raise RecurfitError("--exit, --warm-start and --draft-steps need a recurrent model; this one has a fixed depth.")
+
+
+def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool) -> Generation:
+    """Greedy self-speculative decoding; with `stream`, the text is printed when it is complete (verification
+    may still roll drafted tokens back, so nothing can be shown earlier)."""
+    start = time.perf_counter()
+    output = speculative_generate(
+        model, ids.to(model.device), max_new_tokens=settings.max_new_tokens, num_steps=settings.steps,
+        draft_steps=settings.draft_steps, lookahead=settings.lookahead, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    new = output.sequences[0, ids.shape[1] :]
+    if tokenizer.eos_token_id is not None and (new == tokenizer.eos_token_id).any():
+        new = new[: int((new == tokenizer.eos_token_id).nonzero()[0]) + 1]
+    if stream:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer.put(ids[0])
+        streamer.put(new.cpu())
+        streamer.end()
+    return Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), seconds, None,
+                      acceptance_rate=output.acceptance_rate)  # fmt: skip
