@@ -186,7 +186,9 @@ def batched_exit(model, tokenizer, args) -> None:
     depths = run["steps_per_row"]  # (tokens, batch)
     # Layers per token, per row on average: the core at each row's own depth, and the KL probe (coda) at each
     # step a row ran; against fixed r. Batch × deepest row is what a batch cost before rows were dropped.
-    layers = lambda steps: P + C + steps * (R + C)  # noqa: E731
+    def layers(steps):
+        return P + C + steps * (R + C)
+
     predicted = layers(depths.float().mean()) / (P + C + r * R)
     batch_max = layers(depths.max(-1).values.float().mean()) / (P + C + r * R)
     measured = statistics.median(adaptive) / statistics.median(fixed)

@@ -206,10 +206,10 @@ class RecurrentModel(RecurrentPreTrainedModel):
         decoding = cache is not None and embedded.shape[1] == 1
         if initial_state is None and warm_start and decoding and cache.final_state is not None:
             initial_state = cache.final_state  # continuous compute: carry the previous token's s_r forward
-        state = self.initial_state(e) if initial_state is None else initial_state
-        tracker = exit_rule.start(state.shape[0], state.device) if exit_rule is not None and decoding else None
+        s0 = self.initial_state(e) if initial_state is None else initial_state
+        tracker = exit_rule.start(s0.shape[0], s0.device) if exit_rule is not None and decoding else None
         states = []
-        for state in self.recur(state, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker,
+        for state in self.recur(s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker,
                                 readout=readout):  # fmt: skip
             if output_hidden_states:
                 states.append(state)
@@ -230,6 +230,11 @@ class RecurrentModel(RecurrentPreTrainedModel):
         The first `no_grad_steps` run without gradient (truncated backprop). The cache learns which step each
         core layer is in; with an exit `tracker`, rows that settled keep their state and drop out of the
         core's batch (and the loop ends once every row has)."""
+
+        def next_token_logits(state_of_rows, rows):  # the exit rule's look at the distribution (kl, argmax)
+            return readout(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
+
+        batch = state.shape[0]
         for step in range(1, steps + 1):
             rows = tracker.active if tracker is not None else None  # None: every row recurs
             if cache is not None:
@@ -237,8 +242,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step > no_grad_steps):
                 previous, state = state, self._core_step(state, e, layer_kwargs, rows)
             if tracker is not None:
-                probe = lambda s, rows: readout(self._coda_probe(s, cache, layer_kwargs, rows, len(state)))  # noqa: E731
-                tracker.check(step, previous, state, probe)
+                tracker.check(step, previous, state, next_token_logits)
             yield state
             if tracker is not None and tracker.finished:
                 break
@@ -262,9 +266,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
         `forward(num_steps=r, initial_state=s_0)`'s."""
         embedded, layer_kwargs = self._prepare(input_ids, None, attention_mask, None, None, {})
         e = self._run(self.prelude, 0, embedded, **layer_kwargs)
-        state = self.initial_state(e, generator) if initial_state is None else initial_state
+        s0 = self.initial_state(e, generator) if initial_state is None else initial_state
         wanted = set(steps)
-        for step, state in enumerate(self.recur(state, e, layer_kwargs, max(wanted)), start=1):
+        for step, state in enumerate(self.recur(s0, e, layer_kwargs, max(wanted)), start=1):
             if step in wanted:
                 yield step, self._coda(state, layer_kwargs)
 

@@ -45,7 +45,7 @@ class ExitRule:
             raise RecurfitError(f"argmax patience must be >= 1 step, got {self.patience}.")
 
     @classmethod
-    def parse(cls, spec: str | None, min_steps: int = 2) -> "ExitRule | None":
+    def parse(cls, spec: str | None, min_steps: int = 2) -> ExitRule | None:
         """'kl:5e-4', 'state:0.01', 'argmax:3': the number is the threshold, or the patience for argmax.
         The one parser of exit specs, for the CLI, `generate_text` and lm-eval's `model_args`; None stays None."""
         if spec is None:
@@ -62,7 +62,7 @@ class ExitRule:
             raise RecurfitError(f"--exit {spec!r}: {value!r} is not {'an integer' if kind is int else 'a number'}.") from None
         return cls(criterion, min_steps=min_steps, **({} if number is None else {field: number}))
 
-    def start(self, batch: int, device) -> "ExitTracker":
+    def start(self, batch: int, device) -> ExitTracker:
         """The bookkeeping of one decoding forward over `batch` rows."""
         return ExitTracker(self, batch, device)
 
