@@ -69,9 +69,13 @@ def main() -> None:
         model = load_model(args.model, dtype=torch.float32).eval()
     else:
         model = recurfit.retrofit(load_model(args.parent, dtype=torch.float32), (6, 12, 6)).eval()
+    tokenizer = load_tokenizer(args.model or args.parent)
+    warm_up = tokenizer(["Question: warm-up run " * 20] * 8, return_tensors="pt").input_ids
+    for each in (model, parent):  # the first large forward of a process is slow; keep it out of both
+        each.generate(warm_up, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     records = {"retrofit": instrument(model), "parent": instrument(parent)}
     start = time.perf_counter()
-    task_sweep(model, load_tokenizer(args.model or args.parent), ["gsm8k_cot"], [args.steps], "retrofit", parent,
+    task_sweep(model, tokenizer, ["gsm8k_cot"], [args.steps], "retrofit", parent,
                "parent", limit=args.limit, max_new_tokens=args.max_new_tokens)  # fmt: skip
     print(f"GSM8K, {args.limit} problems, at most {args.max_new_tokens} new tokens, batch 8, r = {args.steps}, "
           f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; {time.perf_counter() - start:.0f} s")
