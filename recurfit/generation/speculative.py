@@ -49,7 +49,7 @@ def speculative_generate(
     pad_token_id: int = 0,
 ) -> SpeculativeOutput:
     """Decode greedily at `num_steps` (default: the model's mean recurrence), drafting at `draft_steps`."""
-    r = num_steps or model.config.mean_recurrence
+    r = sum(model.model.resolve_num_steps(num_steps))  # the model's own default depth when None
     if not 1 <= draft_steps < r:
         raise RecurfitError(f"draft_steps must be between 1 and the full recurrence - 1 ({r - 1}), got {draft_steps}.")
     if lookahead < 1 or not 0 < accept_ratio <= 1:
