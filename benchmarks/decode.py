@@ -184,13 +184,17 @@ def batched_exit(model, tokenizer, args) -> None:
         adaptive.append(run["ms_per_token"])
     P, R, C = model.config.shape
     depths = run["steps_per_row"]  # (tokens, batch)
-    # Layers per token, per row on average: the core at each row's own depth, and the KL probe (coda) at each
-    # step a row ran; against fixed r. Batch × deepest row is what a batch cost before rows were dropped.
-    def layers(steps):
-        return P + C + steps * (R + C)
+    # Cost per token and row in decoder-layer units: prelude, coda and head once; the core at the row's own
+    # depth; the KL probe (coda and head) at each step the row ran. Against fixed r. Batch × deepest row is
+    # what a batch cost before settled rows were dropped.
+    head = model.lm_head.weight.numel() / sum(p.numel() for p in model.model.core[0].parameters())
 
-    predicted = layers(depths.float().mean()) / (P + C + r * R)
-    batch_max = layers(depths.max(-1).values.float().mean()) / (P + C + r * R)
+    def layers(steps):
+        return P + C + head + steps * (R + C + head)
+
+    fixed_layers = P + C + head + r * R
+    predicted = layers(depths.float().mean()) / fixed_layers
+    batch_max = layers(depths.max(-1).values.float().mean()) / fixed_layers
     measured = statistics.median(adaptive) / statistics.median(fixed)
     print(f"\n5. adaptive depth in a batch of {args.batch} (KL < {args.batch_threshold}, at most r = {r})")
     print(f"   steps per token: mean {depths.float().mean():.1f}, per row from {depths.float().mean(0).min():.1f} to "
