@@ -140,9 +140,11 @@ def main() -> None:
     print("   threshold  start  mean steps/token  NLL     agreement with fixed r")
     for threshold in (float(t) for t in args.exit_thresholds.split(",")):
         for warm in (False, True):
-            run = teacher_forced(model, ids, args.prompt, num_steps=top, exit_rule=ExitRule("kl", threshold), warm_start=warm)
+            rule = ExitRule("kl", threshold)
+            run = teacher_forced(model, ids, args.prompt, num_steps=top, exit_rule=rule, warm_start=warm)
             agree = (run["predictions"] == full[top]["predictions"]).float().mean().item()
-            print(f"   {threshold:9.0e}  {'warm' if warm else 'cold':5}  {run['steps']:16.1f}  {run['nll']:6.3f}  {agree:22.1%}")
+            start = "warm" if warm else "cold"
+            print(f"   {threshold:9.0e}  {start:5}  {run['steps']:16.1f}  {run['nll']:6.3f}  {agree:22.1%}")
     for r in depths:
         print(f"   fixed r={r:<3}{r:23.1f}  {full[r]['nll']:6.3f}")
 
@@ -163,7 +165,8 @@ def speculative(model, prompts, args) -> None:
             plain = model.generate(prompts, do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
             plain_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            fast = speculative_generate(model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead, **kwargs)
+            fast = speculative_generate(model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead,
+                                        **kwargs)  # fmt: skip
             spec_s.append(time.perf_counter() - start)
         tokens = prompts.shape[0] * args.decode
         plain_rate, spec_rate = tokens / statistics.median(plain_s), tokens / statistics.median(spec_s)

@@ -289,7 +289,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
     def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict, rows=None) -> torch.Tensor:
         """s_i = core(adapter(s_{i-1}, e)), computed for `rows` only when given (the others keep s_{i-1})."""
         if rows is not None:
-            return state.index_copy(0, rows, self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state))))
+            running = self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state)))
+            return state.index_copy(0, rows, running)
         return self._run(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
 
     def _coda(self, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:

@@ -59,7 +59,8 @@ class ExitRule:
         try:
             number = kind(value) if value else None
         except ValueError:
-            raise RecurfitError(f"--exit {spec!r}: {value!r} is not {'an integer' if kind is int else 'a number'}.") from None
+            expected = "an integer" if kind is int else "a number"
+            raise RecurfitError(f"--exit {spec!r}: {value!r} is not {expected}.") from None
         return cls(criterion, min_steps=min_steps, **({} if number is None else {field: number}))
 
     def start(self, batch: int, device) -> ExitTracker:
