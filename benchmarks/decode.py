@@ -1,4 +1,4 @@
-"""Decoding with the step-aware KV cache: speed, cache memory, and the quality cost of the cheaper options.
+"""Decoding with the step-aware KV cache: speed, cache memory, and the quality and speed of each decoding mode.
 
     python benchmarks/decode.py [MODEL]          # default: the embedded SmolLM2 retrofitted to (4,8,4)
 
@@ -7,14 +7,21 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
 1. Speed: milliseconds per decoded token at r ∈ {1, 4, 16, 32}, and the parent's, against the effective
    depth ratio (prelude + r·core + coda) / parent layers; cache memory per policy.
 2. Memory policy: the `latest` cache's negative log-likelihood and next-token agreement against `all`.
-3. Adaptive exit: mean recurrences per token and NLL for KL thresholds, against fixed r.
-Use a trained model for 2 and 3: an untrained identity-adapter retrofit ignores its state, so every step
-computes the same thing and no option can cost anything.
+3. Adaptive exit: mean recurrences per token, NLL and agreement with fixed r for KL thresholds, each with a
+   cold s_0 and warm-started from the previous token's final state.
+4. Self-speculative decoding (free-running greedy): tokens/s and acceptance at r ∈ `--spec-depths` against
+   plain greedy decoding at the same r, and whether the outputs are identical.
+5. Adaptive depth in a batch of `--batch` sequences: time per token against fixed r, as a ratio to the
+   compute the rows' own depths predict (the core runs only on rows still recurring).
+Use a trained model for 2, 3 and 5: an untrained identity-adapter retrofit ignores its state, so every step
+computes the same thing, no option can cost anything, and every row exits at the same step.
+Times are medians over the decoded tokens of this one run, modes interleaved (the machine is noisy).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -22,17 +29,19 @@ import torch
 import recurfit
 from recurfit.cache import RecurrentCache
 from recurfit.data.sources import embedded_prose
+from recurfit.generation import ExitRule
+from recurfit.generation.speculative import speculative_generate
 from recurfit.loading import load_model, load_tokenizer
 
 
-def passages(tokenizer, count: int, length: int) -> torch.Tensor:
+def passages(tokenizer, count: int, length: int, skip: int = 0) -> torch.Tensor:
     rows = []
     for text in embedded_prose():
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) >= length:
             rows.append(ids[:length])
-        if len(rows) == count:
-            return torch.tensor(rows)
+        if len(rows) == skip + count:
+            return torch.tensor(rows[skip:])
     raise SystemExit("not enough passages of that length")
 
 
@@ -46,6 +55,7 @@ def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
     """Prefill `prompt` tokens, then decode the rest one token at a time through the cache."""
     recurrent = isinstance(model, recurfit.RecurrentForCausalLM)
     policy = kwargs.pop("policy", "all")
+    per_row = kwargs.pop("steps_per_row", False)
     cache = RecurrentCache(model.config, policy=policy) if recurrent else None
     extra = dict(kwargs) if recurrent else {}
     if not recurrent:
@@ -54,25 +64,26 @@ def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
         cache = DynamicCache(config=model.config)
     mask = torch.ones_like(ids)
     out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True, **extra)
-    logits, nll, predictions, steps = out.logits[:, -1], [], [], []
-    synchronize(ids.device)
-    start = time.perf_counter()
+    logits, nll, predictions, steps, seconds = out.logits[:, -1], [], [], [], []
     for t in range(prompt, ids.shape[1]):
         nll.append(torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="none"))
         predictions.append(logits.argmax(-1))
+        synchronize(ids.device)
+        start = time.perf_counter()
         out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True, **extra)
+        synchronize(ids.device)
+        seconds.append(time.perf_counter() - start)
         logits = out.logits[:, -1]
         if recurrent:
             steps.append(out.steps_per_token.float())
-    synchronize(ids.device)
-    seconds = time.perf_counter() - start
     memory = cache.memory_bytes() if recurrent else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)
     return {
         "nll": torch.stack(nll).mean().item(),
         "predictions": torch.stack(predictions),
-        "ms_per_token": 1e3 * seconds / (ids.shape[1] - prompt),
+        "ms_per_token": 1e3 * statistics.median(seconds),
         "memory_mib": memory / 2**20,
         "steps": torch.stack(steps).mean().item() if steps else None,
+        **({"steps_per_row": torch.stack(steps)} if per_row else {}),
     }
 
 
@@ -84,6 +95,12 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--depths", default="1,4,16,32")
     parser.add_argument("--exit-thresholds", default="1e-2,1e-3,1e-4")
+    parser.add_argument("--spec-depths", default="8,16,32", help="full recurrences for speculative decoding")
+    parser.add_argument("--draft-steps", type=int, default=2)
+    parser.add_argument("--lookahead", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16, help="batch for the adaptive-depth measurement")
+    parser.add_argument("--batch-threshold", default="1e-3", help="KL threshold for the batch measurement")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -119,14 +136,75 @@ def main() -> None:
         print(f"  {r:>2}  {a['nll']:7.3f}  {b['nll']:10.3f}  {agree:20.1%}")
 
     top = max(depths)
-    print(f"\n3. adaptive exit (KL between consecutive steps, at most r = {top}, min 2 steps)")
-    print("   threshold  mean steps/token  NLL     agreement with fixed r")
+    print(f"\n3. adaptive exit (KL between consecutive steps, at most r = {top}, min 2 steps), cold and warm s_0")
+    print("   threshold  start  mean steps/token  NLL     agreement with fixed r")
     for threshold in (float(t) for t in args.exit_thresholds.split(",")):
-        run = teacher_forced(model, ids, args.prompt, num_steps=top, exit_criterion="kl", exit_threshold=threshold)
-        agree = (run["predictions"] == full[top]["predictions"]).float().mean().item()
-        print(f"   {threshold:9.0e}  {run['steps']:16.1f}  {run['nll']:6.3f}  {agree:22.1%}")
+        for warm in (False, True):
+            rule = ExitRule("kl", threshold)
+            run = teacher_forced(model, ids, args.prompt, num_steps=top, exit_rule=rule, warm_start=warm)
+            agree = (run["predictions"] == full[top]["predictions"]).float().mean().item()
+            start = "warm" if warm else "cold"
+            print(f"   {threshold:9.0e}  {start:5}  {run['steps']:16.1f}  {run['nll']:6.3f}  {agree:22.1%}")
     for r in depths:
-        print(f"   fixed r={r:<3}{r:16.1f}  {full[r]['nll']:6.3f}")
+        print(f"   fixed r={r:<3}{r:23.1f}  {full[r]['nll']:6.3f}")
+
+    speculative(model, ids[:, : args.prompt], args)
+    batched_exit(model, tokenizer, args)
+
+
+def speculative(model, prompts, args) -> None:
+    """Free-running greedy decoding, plain against self-speculative, at each depth."""
+    print(f"\n4. self-speculative decoding: draft at r = {args.draft_steps}, lookahead {args.lookahead}, "
+          f"{prompts.shape[0]} sequences, {args.decode} new tokens")
+    print("   r   plain tokens/s  speculative tokens/s  speed-up  acceptance  identical output")
+    for r in (int(r) for r in args.spec_depths.split(",")):
+        kwargs = dict(max_new_tokens=args.decode, num_steps=r)
+        plain_s, spec_s = [], []
+        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+            start = time.perf_counter()
+            plain = model.generate(prompts, do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
+            plain_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            fast = speculative_generate(model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead,
+                                        **kwargs)  # fmt: skip
+            spec_s.append(time.perf_counter() - start)
+        tokens = prompts.shape[0] * args.decode
+        plain_rate, spec_rate = tokens / statistics.median(plain_s), tokens / statistics.median(spec_s)
+        same = "yes" if torch.equal(plain, fast.sequences) else "no"
+        print(f"  {r:>2}  {plain_rate:14.1f}  {spec_rate:20.1f}  {spec_rate / plain_rate:8.2f}  "
+              f"{fast.acceptance_rate:10.0%}  {same:>16}")
+
+
+def batched_exit(model, tokenizer, args) -> None:
+    """A batch whose rows exit at different depths: measured time per token against the predicted compute."""
+    r = max(int(d) for d in args.depths.split(","))
+    ids = passages(tokenizer, args.batch, args.prompt + args.decode, skip=args.sequences).to(args.device)
+    rule = ExitRule("kl", float(args.batch_threshold))
+    fixed, adaptive = [], []
+    for _ in range(args.repeats):
+        fixed.append(teacher_forced(model, ids, args.prompt, num_steps=r)["ms_per_token"])
+        run = teacher_forced(model, ids, args.prompt, num_steps=r, exit_rule=rule, steps_per_row=True)
+        adaptive.append(run["ms_per_token"])
+    P, R, C = model.config.shape
+    depths = run["steps_per_row"]  # (tokens, batch)
+    # Cost per token and row in decoder-layer units: prelude, coda and head once; the core at the row's own
+    # depth; the KL probe (coda and head) at each step the row ran. Against fixed r. Batch × deepest row is
+    # what a batch cost before settled rows were dropped.
+    head = model.lm_head.weight.numel() / sum(p.numel() for p in model.model.core[0].parameters())
+
+    def layers(steps):
+        return P + C + head + steps * (R + C + head)
+
+    fixed_layers = P + C + head + r * R
+    predicted = layers(depths.float().mean()) / fixed_layers
+    batch_max = layers(depths.max(-1).values.float().mean()) / fixed_layers
+    measured = statistics.median(adaptive) / statistics.median(fixed)
+    print(f"\n5. adaptive depth in a batch of {args.batch} (KL < {args.batch_threshold}, at most r = {r})")
+    print(f"   steps per token: mean {depths.float().mean():.1f}, per row from {depths.float().mean(0).min():.1f} to "
+          f"{depths.float().mean(0).max():.1f}; deepest row per token {depths.max(-1).values.float().mean():.1f}")
+    print(f"   ms/token fixed r={r}: {statistics.median(fixed):.1f}, adaptive: {statistics.median(adaptive):.1f}; "
+          f"measured ratio {measured:.2f}, predicted from the rows' depths {predicted:.2f} "
+          f"(measured / predicted {measured / predicted:.2f}); batch × deepest row would be {batch_max:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The loss sweep over test recurrence: one pass with a readout at each r, against a forward per r.
 
-    python benchmarks/loss_sweep.py [MODEL] [--steps 1,2,4,8,16,32] [--device cuda --dtype bfloat16]
+    python benchmarks/loss_sweep.py [MODEL] [--recurrence 1,2,4,8,16,32] [--device cuda --dtype bfloat16]
 
 Default model: the embedded SmolLM2 retrofitted to (4,8,4). Both ways score the same windows of English
 prose (embedded:prose) from the same s_0, so they must agree to rounding; the script checks that, then prints
@@ -38,14 +38,14 @@ def timed(function, device) -> tuple[float, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", help="a recurfit model folder (default: embedded SmolLM2, (4,8,4))")
-    parser.add_argument("--steps", default="1,2,4,8,16,32")
+    parser.add_argument("--recurrence", default="1,2,4,8,16,32", help="test-time recurrences r")
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    steps = [int(s) for s in args.steps.split(",")]
+    steps = [int(s) for s in args.recurrence.split(",")]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     model = load_model(args.model, dtype=torch.float32)

@@ -2,7 +2,8 @@
 
 The attention modules call `cache.update(k, v, layer_idx)`. Prelude and coda layers have one slot each,
 as in any decoder. Core layers run once per step, so `RecurrentCache` maps `(layer_idx, step)` to a slot.
-The model sets `cache.step` before each core step.
+The model calls `cache.begin_step(step, rows)` before each core step: `rows` are the batch rows the core
+runs on (adaptive depth drops the rows that stopped recurring), and the cache keeps every row's entries.
 
 Policies:
 - `"all"`: one slot per core layer per step. A token at step s attends to the earlier tokens' step-s keys:
@@ -33,7 +34,8 @@ POLICIES = CACHE_POLICIES
 
 
 class RecurrentCache(Cache):
-    def __init__(self, config: RecurrentConfig, policy: str = "all"):
+    def __init__(self, config: RecurrentConfig, policy: str = "all", rollback: bool = False):
+        """`rollback=True` keeps sliding-window layers' older entries until `truncate` (speculative decoding)."""
         if policy not in POLICIES:
             raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}.")
         self.policy = policy
@@ -42,13 +44,18 @@ class RecurrentCache(Cache):
         self.kinds = attention_types(text)
         self.sliding_window = getattr(text, "sliding_window", None)
         super().__init__(layers=[self._new_layer(i) for i in range(len(self.kinds))])
+        if rollback:
+            for layer in self.layers:
+                if isinstance(layer, DynamicSlidingWindowLayer):
+                    layer.activate_past_recording()  # copied into every step's slot with the layer
         self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
         self.slots: dict[tuple[int, int], int] = {}  # (core layer index, step >= 2) -> index in self.layers
         self.steps_stored = 1  # steps each core layer has a slot for
         self._before: dict[int, DynamicLayer] = {}  # slot -> its state before this forward
         self._written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> keys/values added this forward
         self._latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # core layer -> new tokens' latest keys
-        self.exited: torch.Tensor | None = None  # rows whose new token stopped recurring (adaptive depth)
+        self.rows: torch.LongTensor | None = None  # the batch rows this core step runs on (None: all)
+        self.final_state: torch.Tensor | None = None  # the last position's s_r after each forward (warm starts)
 
     def _new_layer(self, layer_idx: int) -> DynamicLayer:
         if self.kinds[layer_idx] == "sliding_attention" and self.sliding_window:
@@ -76,29 +83,35 @@ class RecurrentCache(Cache):
         """Called by the model before each forward: remember every slot's state before new tokens arrive."""
         self._before = {index: copy.copy(layer) for index, layer in enumerate(self.layers)}
         self._written, self._latest = {}, {}
-        self.exited = None
+        self.rows = None
         self.step = 0
+
+    def begin_step(self, step: int, rows: torch.LongTensor | None = None) -> None:
+        """Called by the model before core step `step` (1-based), which runs on `rows` of the batch (None: all)."""
+        self.step, self.rows = step, rows
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         index = self.slot(layer_idx, self.step)
         if self._is_core(layer_idx) and self.step > 1:
-            if self.exited is not None:
-                # Rows that stopped recurring keep their latest computed step here too (the latest-step rule).
-                previous_keys, previous_values = self._latest[layer_idx]
-                gone = self.exited.view(-1, 1, 1, 1)
-                key_states = torch.where(gone, previous_keys, key_states)
-                value_states = torch.where(gone, previous_values, value_states)
+            if self.rows is not None:
+                # Rows that stopped recurring keep their latest computed step here too (the latest-step rule):
+                # the running rows' new entries are scattered into the last step's, over the whole batch.
+                key_states = self._latest[layer_idx][0].index_copy(0, self.rows, key_states)
+                value_states = self._latest[layer_idx][1].index_copy(0, self.rows, value_states)
             if self.policy == "latest":
                 # Step s replaces the new tokens' step s-1 entries: restart from the slot before this forward.
                 self.layers[index] = copy.copy(self._before[index])
         if self._is_core(layer_idx):
             self._latest[layer_idx] = (key_states, value_states)
         self._written[index] = (key_states, value_states)
-        return self.layers[index].update(key_states, value_states, *args, **kwargs)
+        keys, values = self.layers[index].update(key_states, value_states, *args, **kwargs)
+        if self.rows is not None and self._is_core(layer_idx):
+            return keys[self.rows], values[self.rows]  # attention runs on the running rows only
+        return keys, values
 
     def end_core(self, steps_run: int) -> None:
         """After the core loop: give slots of steps that were not run the new tokens' latest step."""
-        self.step, self.exited = 0, None
+        self.step, self.rows = 0, None
         if self.policy == "latest":
             return
         for layer_idx in range(self.prelude, self.prelude + self.core):
@@ -108,15 +121,26 @@ class RecurrentCache(Cache):
         self.steps_stored = max(self.steps_stored, steps_run)
 
     @contextmanager
-    def probe(self):
-        """Run the coda for a look at intermediate logits (adaptive exit) without keeping what it caches."""
+    def probe(self, rows: torch.LongTensor | None = None):
+        """Run the coda on `rows` of the batch (None: all) for a look at intermediate logits (adaptive exit),
+        without keeping what it caches."""
         coda = range(self.prelude + self.core, len(self.kinds))
         saved = {index: copy.copy(self.layers[index]) for index in coda}
+        if rows is not None:
+            for index in coda:
+                self.layers[index].batch_select_indices(rows)  # on the copy in the cache; `saved` is restored
+        running, self.step, self.rows = (self.step, self.rows), 0, None
         try:
             yield
         finally:
+            self.step, self.rows = running
             for index, layer in saved.items():
                 self.layers[index] = layer
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens in every slot (roll back rejected draft tokens)."""
+        for layer in self.layers:
+            layer.crop(length - layer.get_seq_length())
 
     def step_slots(self, layer_idx: int) -> list[int]:
         """The slots of a core layer, step 1 first."""

@@ -264,11 +264,12 @@ def _generation_model(args):
 
 
 def _settings(args):
-    from .generate import GenerationSettings
+    from .generation import GenerationSettings
 
     return GenerationSettings(
-        steps=args.recurrence, exit=args.exit, min_steps=args.min_recurrence, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache,
+        recurrence=args.recurrence, exit=args.exit, min_steps=args.min_recurrence, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache, warm_start=args.warm_start,
+        draft_steps=args.draft_steps, lookahead=args.lookahead,
     )  # fmt: skip
 
 
@@ -278,15 +279,18 @@ def _report(generation) -> None:
     if generation.steps_per_token:
         steps = generation.steps_per_token
         depth = f", recurrences per token: mean {sum(steps) / len(steps):.1f} (min {min(steps)}, max {max(steps)})"
+    if generation.acceptance_rate is not None:
+        depth = f", {generation.acceptance_rate:.0%} of drafted tokens accepted"
     console.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
 
 
 def cmd_generate(args) -> None:
-    from .generate import generate_text, prompt_ids
+    from .generation import generate_text, prompt_ids
 
+    settings = _settings(args)  # bad settings fail before the model loads
     model, tokenizer = _generation_model(args)
     ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
-    generation = generate_text(model, tokenizer, ids, _settings(args), stream=args.stream)
+    generation = generate_text(model, tokenizer, ids, settings, stream=args.stream)
     if not args.stream:
         console.print(generation.text, highlight=False, markup=False)
     _report(generation)
@@ -295,10 +299,10 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     """A conversation; Ctrl-C stops the answer being written (the exchange is dropped), Ctrl-D or an empty line
     ends the chat."""
-    from .generate import generate_text, prompt_ids
+    from .generation import generate_text, prompt_ids
 
-    model, tokenizer = _generation_model(args)
     settings = _settings(args)
+    model, tokenizer = _generation_model(args)
     messages: list[dict] = []
     console.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
     while True:
@@ -566,8 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
         p.add_argument(
-            "-r", "--recurrence", "--steps", dest="recurrence", type=positive_int, action=DeprecatedAlias,
-            help="recurrences per token (default: the model's mean recurrence r̄; --steps is a deprecated alias)",
+            "-r", "--recurrence", "--steps", dest="recurrence", type=int, action=DeprecatedAlias,
+            help="recurrences per token, 1 to 1024 (default: the model's mean recurrence r̄; --steps: deprecated)",
         )  # fmt: skip
         p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --recurrence)")
         p.add_argument(
@@ -578,6 +582,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
         p.add_argument("--cache", choices=defaults.CACHE_POLICIES, default="all", help="KV-cache policy for the core")
+        p.add_argument(
+            "--warm-start", action="store_true", help="start each token's recurrence from the previous token's state"
+        )
+        p.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft at this recurrence (greedy)")
+        p.add_argument("--lookahead", type=int, default=4, help="with --draft-steps: tokens drafted per verification")
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 

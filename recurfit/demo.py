@@ -26,7 +26,7 @@ from .errors import RecurfitError
 from .evaluate.loss import load_examples, loss_sweep
 from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
-from .generate import GenerationSettings, generate_text
+from .generation import GenerationSettings, generate_text
 from .loading import load_model, load_tokenizer, resolve_placement
 from .surgery import check_parity, retrofit
 from .train import load_config, train
@@ -157,7 +157,7 @@ def _train_config(settings: DemoSettings, data: dict, out: Path, shape) -> dict:
 def _samples(model, tokenizer, depths: list[int], max_new_tokens: int) -> dict[int, str]:
     ids = tokenizer(QUESTION, return_tensors="pt").input_ids
     return {
-        r: generate_text(model, tokenizer, ids, GenerationSettings(steps=r, max_new_tokens=max_new_tokens)).text
+        r: generate_text(model, tokenizer, ids, GenerationSettings(recurrence=r, max_new_tokens=max_new_tokens)).text
         for r in depths
     }
 

@@ -20,15 +20,23 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .cache import RecurrentCache
 from .config import RecurrentConfig
-from .exit import ExitRule
 from .families import FAMILIES, attention_types
 from .sampling import parse_num_steps, sample_depth
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+@dataclass
+class RecurrentModelOutput(BaseModelOutputWithPast):
+    """The body's output: `last_hidden_state` (after the final norm) plus the depth run, as in
+    `RecurrentCausalLMOutput`."""
+
+    num_steps: tuple[int, int] | None = None
+    steps_per_token: torch.LongTensor | None = None
 
 
 @dataclass
@@ -181,45 +189,65 @@ class RecurrentModel(RecurrentPreTrainedModel):
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         past_key_values: RecurrentCache | None = None,
-        exit_rule: ExitRule | None = None,
-        readout=None,
+        exit_rule=None,
+        readout: nn.Module | None = None,
+        warm_start: bool = False,
         **kwargs,
-    ) -> tuple[torch.Tensor, tuple[int, int], tuple[torch.Tensor, ...] | None, torch.LongTensor]:
-        """Returns the final hidden states (after the norm), the `(n, k)` run, the per-step states, and the steps
-        each row's last position ran (fewer than n + k where `exit_rule` stopped it early).
+    ) -> RecurrentModelOutput:
+        """e = prelude(embed(x)); s_i = core(adapter(s_{i-1}, e)) for i = 1..r; hidden = norm(coda(s_r)).
 
-        With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new."""
+        With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new.
+        Decoding one token at a time, `exit_rule` (see `recurfit.generation.exit`) may stop rows early, reading
+        their next-token logits through `readout`; `warm_start` starts s_0 from the previous token's final state."""
         n, k = self.resolve_num_steps(num_steps)
         cache = past_key_values
         embedded, layer_kwargs = self._prepare(input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs)
         e = self._run(self.prelude, 0, embedded, **layer_kwargs)
-        state = self.initial_state(e) if initial_state is None else initial_state
+        decoding = cache is not None and embedded.shape[1] == 1
+        if initial_state is None and warm_start and decoding and cache.final_state is not None:
+            initial_state = cache.final_state  # continuous compute: carry the previous token's s_r forward
+        s0 = self.initial_state(e) if initial_state is None else initial_state
+        tracker = exit_rule.start(s0.shape[0], s0.device) if exit_rule is not None and decoding else None
         states = []
-        adaptive = exit_rule is not None and cache is not None and embedded.shape[1] == 1
-        done = torch.zeros(embedded.shape[0], dtype=torch.bool, device=embedded.device)
-        steps_per_row = torch.full_like(done, n + k, dtype=torch.long)
-        for step in range(n + k):
-            if cache is not None:
-                cache.step = step + 1
-            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= n):
-                new_state = self._core_step(state, e, layer_kwargs)
-            if adaptive:
-                # Rows that already stopped keep their state; the rest may stop now.
-                new_state = torch.where(done.view(-1, 1, 1), state, new_state)
-                probe = lambda s: readout(self._coda_probe(s, cache, layer_kwargs))  # noqa: E731
-                newly = exit_rule.converged(step + 1, state, new_state, probe) & ~done
-                steps_per_row[newly] = step + 1
-                done = done | newly
-                cache.exited = done
-            state = new_state
+        for state in self.recur(s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker,
+                                readout=readout):  # fmt: skip
             if output_hidden_states:
                 states.append(state)
-            if adaptive and done.all():
+        if cache is not None:
+            cache.final_state = state[:, -1:]
+        steps = tracker.steps if tracker is not None else torch.full(state.shape[:1], n + k, device=state.device)
+        return RecurrentModelOutput(
+            last_hidden_state=self._coda(state, layer_kwargs),
+            past_key_values=cache,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            num_steps=(n, k),
+            steps_per_token=steps,
+        )
+
+    def recur(self, state, e, layer_kwargs, steps, no_grad_steps=0, cache=None, tracker=None, readout=None):
+        """The recurrence: yields s_i = core(adapter(s_{i-1}, e)) for i = 1..steps.
+
+        The first `no_grad_steps` run without gradient (truncated backprop). The cache learns which step each
+        core layer is in; with an exit `tracker`, rows that settled keep their state and drop out of the
+        core's batch (and the loop ends once every row has)."""
+
+        def next_token_logits(state_of_rows, rows):  # the exit rule's look at the distribution (kl, argmax)
+            return readout(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
+
+        batch = state.shape[0]
+        for step in range(1, steps + 1):
+            rows = tracker.active if tracker is not None else None  # None: every row recurs
+            if cache is not None:
+                cache.begin_step(step, rows)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step > no_grad_steps):
+                previous, state = state, self._core_step(state, e, layer_kwargs, rows)
+            if tracker is not None:
+                tracker.check(step, previous, state, next_token_logits)
+            yield state
+            if tracker is not None and tracker.finished:
                 break
         if cache is not None:
-            cache.end_core(step + 1)
-        hidden = self._coda(state, layer_kwargs)
-        return hidden, (n, k), tuple(states) if output_hidden_states else None, steps_per_row
+            cache.end_core(step)
 
     @torch.no_grad()
     def readouts(
@@ -238,10 +266,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
         `forward(num_steps=r, initial_state=s_0)`'s."""
         embedded, layer_kwargs = self._prepare(input_ids, None, attention_mask, None, None, {})
         e = self._run(self.prelude, 0, embedded, **layer_kwargs)
-        state = self.initial_state(e, generator) if initial_state is None else initial_state
+        s0 = self.initial_state(e, generator) if initial_state is None else initial_state
         wanted = set(steps)
-        for step in range(1, max(wanted) + 1):
-            state = self._core_step(state, e, layer_kwargs)
+        for step, state in enumerate(self.recur(s0, e, layer_kwargs, max(wanted)), start=1):
             if step in wanted:
                 yield step, self._coda(state, layer_kwargs)
 
@@ -259,18 +286,22 @@ class RecurrentModel(RecurrentPreTrainedModel):
             kwargs = dict(kwargs, past_key_values=cache)
         return embedded, dict(inputs=inputs, position_ids=position_ids, **kwargs)
 
-    def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
-        """s_i = core(adapter(s_{i-1}, e))."""
+    def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict, rows=None) -> torch.Tensor:
+        """s_i = core(adapter(s_{i-1}, e)), computed for `rows` only when given (the others keep s_{i-1})."""
+        if rows is not None:
+            running = self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state)))
+            return state.index_copy(0, rows, running)
         return self._run(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
 
     def _coda(self, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
         P, R, _ = self.config.shape
         return self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
 
-    def _coda_probe(self, state, cache, layer_kwargs):
-        """The final hidden states if the recurrence stopped at `state` (nothing kept in the cache)."""
-        with cache.probe():
-            return self._coda(state, layer_kwargs)
+    def _coda_probe(self, state, cache, layer_kwargs, rows, batch: int):
+        """The final hidden states of `rows` of the batch (None: all) if the recurrence stopped at `state`, which
+        holds only those rows; nothing is kept in the cache."""
+        with cache.probe(rows):
+            return self._coda(state, layer_kwargs if rows is None else select_rows(layer_kwargs, rows, batch))
 
     def resolve_num_steps(self, num_steps) -> tuple[int, int]:
         """`num_steps` as `(n, k)`. Unset: a sampled depth in training, `config.mean_recurrence` otherwise."""
@@ -279,6 +310,19 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if self.training and torch.is_grad_enabled():
             return sample_depth(self.config.mean_recurrence, self.config.backprop_depth)
         return 0, self.config.mean_recurrence
+
+
+def select_rows(inputs, rows: torch.LongTensor, batch: int):
+    """`inputs` (a layer's keyword arguments: masks, rotary embeddings, position ids) for `rows` of a `batch` only:
+    every tensor whose first dimension is the batch is indexed; broadcast ones and the rest pass as they are.
+    (Rows are only ever dropped from a batch of two or more, so a broadcast dimension of 1 is never mistaken.)"""
+    if isinstance(inputs, dict):
+        return {key: select_rows(value, rows, batch) for key, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(select_rows(value, rows, batch) for value in inputs)
+    if isinstance(inputs, torch.Tensor) and inputs.dim() > 0 and inputs.shape[0] == batch > 1:
+        return inputs[rows]
+    return inputs
 
 
 def positions_from_mask(attention_mask: torch.Tensor | None, length: int, device, past: int = 0) -> torch.LongTensor:
@@ -295,10 +339,10 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: RecurrentConfig):
         super().__init__(config)
-        self._depth_log: list[torch.Tensor] | None = None  # filled while generate runs
         self.model = RecurrentModel(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
+
     @classmethod
     def from_state_dict(cls, config: RecurrentConfig, state: dict[str, torch.Tensor]) -> "RecurrentForCausalLM":
         """Build the model around `state`'s tensors (adopted, not copied; no random init first)."""
@@ -336,9 +380,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        exit_criterion: str | None = None,
-        exit_threshold: float | None = None,
-        min_steps: int = 2,
+        exit_rule=None,
+        warm_start: bool = False,
+        steps_log: list | None = None,
         **kwargs,
     ) -> RecurrentCausalLMOutput:
         r"""
@@ -349,9 +393,14 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             s_0; drawn from TruncNormal(0, config.state_init_std²) when unset.
         labels (`torch.LongTensor`, *optional*):
             Next-token targets, shifted inside (HF convention); positions where `attention_mask` is 0 are ignored.
-        exit_criterion (`str`, *optional*):
-            Adaptive depth when decoding with a cache: "kl", "state" or "argmax" (see `recurfit.exit`); each row
-            stops recurring once the criterion falls below `exit_threshold` (not before `min_steps`), at most r.
+        exit_rule (`recurfit.generation.ExitRule`, *optional*):
+            Adaptive depth when decoding with a cache: each row stops recurring once the rule says its new token
+            has settled (at most r steps), and the core runs only on the rows still recurring.
+        warm_start (`bool`, *optional*):
+            Decoding with a cache, start each new token's recurrence from the previous token's final state
+            instead of a fresh s_0 ("continuous compute").
+        steps_log (`list`, *optional*):
+            Receives each call's `steps_per_token` (`generate` passes one to report the depth of every token).
         """
         if past_key_values is None and use_cache and not self.training:
             past_key_values = RecurrentCache(self.config)
@@ -360,25 +409,23 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
                 f"recurfit models need a RecurrentCache (one slot per core layer per step), got "
                 f"{type(past_key_values).__name__}; pass recurfit.RecurrentCache(model.config) or use_cache=True."
             )
-        output_hidden_states = output_hidden_states or self.config.output_hidden_states
-        exit_rule = None
-        if exit_criterion is not None:
-            exit_rule = ExitRule(exit_criterion, min_steps=min_steps, **({} if exit_threshold is None else {"threshold": exit_threshold}))
-        hidden, steps, states, steps_per_row = self.model(
+        body = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             num_steps=num_steps,
             initial_state=initial_state,
-            output_hidden_states=output_hidden_states,
+            output_hidden_states=output_hidden_states or self.config.output_hidden_states,
             past_key_values=past_key_values,
             exit_rule=exit_rule,
             readout=self.lm_head,
+            warm_start=warm_start,
             **kwargs,
         )
-        if self._depth_log is not None:
-            self._depth_log.append(steps_per_row)
+        if steps_log is not None:
+            steps_log.append(body.steps_per_token)
+        hidden = body.last_hidden_state
         # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention).
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
@@ -388,18 +435,15 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
                 labels = labels.masked_fill(attention_mask == 0, -100)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return RecurrentCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=states, num_steps=steps,
-            steps_per_token=steps_per_row,
-        )
+            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=body.hidden_states,
+            num_steps=body.num_steps, steps_per_token=body.steps_per_token,
+        )  # fmt: skip
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus `steps_per_token` (batch × new tokens: the recurrences that produced
         each token) on the output when `return_dict_in_generate=True`."""
-        self._depth_log = []
-        try:
-            output = super().generate(*args, **kwargs)
-        finally:
-            log, self._depth_log = self._depth_log, None
+        log = kwargs.setdefault("steps_log", [])
+        output = super().generate(*args, **kwargs)
         if not isinstance(output, torch.Tensor) and log:
             output["steps_per_token"] = torch.stack(log, dim=1)
         return output

@@ -8,6 +8,8 @@ from conftest import VOCAB, tiny_parent
 
 import recurfit
 from recurfit.cache import RecurrentCache
+from recurfit.errors import RecurfitError
+from recurfit.generation import ExitRule
 
 
 def model_with_state(family: str = "llama", shape=(2, 2, 2)):
@@ -117,10 +119,11 @@ def test_a_foreign_cache_is_refused():
 # ---------------------------------------------------------------- adaptive depth
 
 
-def generate_adaptive(model, ids, mask, **kwargs):
+def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, **kwargs):
+    rule = ExitRule(criterion, min_steps=min_steps, **({} if threshold is None else {"threshold": threshold}))
     return model.generate(
         ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0,
-        return_dict_in_generate=True, **kwargs,
+        return_dict_in_generate=True, exit_rule=rule, **kwargs,
     )  # fmt: skip
 
 
@@ -129,11 +132,11 @@ def test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero(criterio
     model = model_with_state("llama")
     ids, mask = prompts()
     fixed = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0)
-    never = generate_adaptive(model, ids, mask, exit_criterion=criterion, exit_threshold=0.0) if criterion != "argmax" else (
-        generate_adaptive(model, ids, mask, exit_criterion=criterion, min_steps=13)
+    never = generate_adaptive(model, ids, mask, criterion, threshold=0.0) if criterion != "argmax" else (
+        generate_adaptive(model, ids, mask, criterion, min_steps=13)
     )
     assert torch.equal(never.sequences, fixed) and torch.all(never.steps_per_token == 12)
-    some = generate_adaptive(model, ids, mask, exit_criterion=criterion, exit_threshold=10.0, min_steps=3)
+    some = generate_adaptive(model, ids, mask, criterion, threshold=10.0, min_steps=3)
     assert some.steps_per_token.shape == (2, 6)
     assert torch.all(some.steps_per_token[:, 0] == 12)  # the prompt runs all its steps
     assert torch.all(some.steps_per_token[:, 1:] >= 3) and torch.all(some.steps_per_token <= 12)
@@ -143,7 +146,7 @@ def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
     """Stopping every row at step m must equal decoding with num_steps=m on the same cache."""
     model = model_with_state("mistral")
     ids, mask = prompts()
-    adaptive = generate_adaptive(model, ids, mask, exit_criterion="state", exit_threshold=1e9, min_steps=4)
+    adaptive = generate_adaptive(model, ids, mask, "state", threshold=1e9, min_steps=4)
     assert torch.all(adaptive.steps_per_token[:, 1:] == 4)
     cache = RecurrentCache(model.config)
     tokens, current_mask = ids, mask
@@ -160,7 +163,7 @@ def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
 def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
     model = model_with_state("qwen3")
     ids, mask = prompts()
-    kwargs = dict(exit_criterion="kl", exit_threshold=1e-3, min_steps=2)
+    kwargs = dict(criterion="kl", threshold=1e-3, min_steps=2)
     batched = generate_adaptive(model, ids, mask, **kwargs)
     assert len(set(batched.steps_per_token[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
     for row in range(2):
@@ -170,10 +173,14 @@ def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
         assert torch.equal(batched.steps_per_token[row], single.steps_per_token[0])
 
 
-def test_bad_exit_criterion_is_a_clear_error():
-    model = model_with_state("llama")
-    with pytest.raises(ValueError, match=r"exit_criterion must be one of \('kl', 'state', 'argmax'\)"):
-        model(prompts()[0], exit_criterion="entropy")
+@pytest.mark.parametrize(
+    "spec, message",
+    [("entropy", "CRITERION one of kl, state, argmax"), ("kl:x", "is not a number"), ("argmax:2.5", "not an integer"),
+     ("argmax:0", "patience must be >= 1")],
+)  # fmt: skip
+def test_bad_exit_spec_is_a_clear_error(spec, message):
+    with pytest.raises(RecurfitError, match=message):
+        ExitRule.parse(spec)
 
 
 def test_latest_policy_is_an_approximation_once_the_state_matters():

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from conftest import run_cli
 
 import recurfit
-import recurfit.generate
+import recurfit.generation
 from recurfit.cli import build_parser, console
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,9 +98,9 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(workspace, capsys,
         asked.append(tokenizer.decode(ids[0]).replace(" ", ""))  # a character tokenizer: "s e c o n d"
         if len(asked) == 1:
             raise KeyboardInterrupt
-        return SimpleNamespace(text="an answer", tokens=2, seconds=1.0, steps_per_token=[])
+        return SimpleNamespace(text="an answer", tokens=2, seconds=1.0, steps_per_token=[], acceptance_rate=None)
 
-    monkeypatch.setattr(recurfit.generate, "generate_text", generate_text)
+    monkeypatch.setattr(recurfit.generation, "generate_text", generate_text)
     code, text = run_cli(capsys, "chat", workspace / "parent")
     assert code == 0 and "stopped" in text and "2 tokens in 1.0 s" in text
     assert "secondquestion" in asked[1] and "firstquestion" not in asked[1]

@@ -8,7 +8,7 @@ import torch
 from conftest import run_cli
 from safetensors import safe_open
 
-import recurfit.generate
+import recurfit.generation
 from recurfit.cli import build_parser
 from recurfit.defaults import DTYPES as DTYPE_NAMES
 from recurfit.errors import RecurfitError
@@ -72,9 +72,9 @@ def test_inspect_load_and_generate_run_in_bfloat16_on_the_cpu(workspace, tmp_pat
     code, fp32 = run_cli(capsys, "inspect", workspace / "parent", "--load")
     assert "Loaded on cpu float32" in fp32
     seen = []
-    original = recurfit.generate.generate_text
+    original = recurfit.generation.generate_text
     monkeypatch.setattr(
-        recurfit.generate, "generate_text", lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k)
+        recurfit.generation, "generate_text", lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k)
     )
     code, text = run_cli(capsys, "generate", workspace / "parent", "--prompt", "the cat", "--max-new-tokens", "2",
                          "--dtype", "bfloat16")  # fmt: skip

@@ -1,10 +1,12 @@
 """The lm-eval model type `recurfit`: lm-eval's own HFLM, with the test recurrence as an argument.
 
     lm_eval --model recurfit --model_args pretrained=MODEL,num_steps=8 --tasks arc_easy
+    lm_eval --model recurfit --model_args pretrained=MODEL,num_steps=32,exit=kl:5e-4,state_init=previous ...
 
 Everything HFLM does (batching, right-padded log-likelihoods, left-padded generation, stop sequences, chat
 templates) is lm-eval's; this class only passes `num_steps` (and, on request, a zero initial state) to every
-forward and to `generate`. A fixed-depth model (the parent) works too: it is evaluated without `num_steps`.
+forward, and the decoding settings (adaptive `exit`, warm starts) to `generate`. A fixed-depth model (the
+parent) works too: it is evaluated without `num_steps`.
 
 `add_bos_token=True` (the paper authors' setting) means what it means to HFLM loading a tokenizer by name,
 `AutoTokenizer.from_pretrained(..., add_bos_token=True)`: every encoded prompt starts with the BOS token. HFLM
@@ -19,19 +21,26 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ..generation.exit import ExitRule
 from ..modeling import RecurrentForCausalLM
 
-STATE_INITS = ("random", "zeros")
+STATE_INITS = ("random", "zeros", "previous")
 
 
 @register_model("recurfit")
 class RecurfitLM(HFLM):
-    def __init__(self, pretrained, num_steps: int | None = None, state_init: str = "random", **kwargs):
+    def __init__(
+        self, pretrained, num_steps: int | None = None, state_init: str = "random", exit: str | None = None,
+        min_steps: int = 2, **kwargs,
+    ):  # fmt: skip
         """`num_steps`: test recurrence (default: the model's `mean_recurrence`). `state_init`: "random" draws
         s_0 as in training; "zeros" makes every request independent of what it is batched with (it sets the model's
-        `state_init_std` to 0)."""
+        `state_init_std` to 0); "previous" also starts each generated token's recurrence from the previous
+        token's final state (warm start). `exit`: adaptive depth for generated tokens, as on the CLI
+        ("kl:5e-4", "argmax:3"), no earlier than `min_steps`."""
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
+        self.exit_rule = ExitRule.parse(exit, min_steps=int(min_steps))
         if kwargs.get("add_bos_token") is not None and not isinstance(kwargs.get("tokenizer"), (str, type(None))):
             kwargs["tokenizer"] = with_bos(kwargs["tokenizer"], kwargs["add_bos_token"])
         kwargs.setdefault("backend", "causal")
@@ -39,7 +48,7 @@ class RecurfitLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         self.num_steps = None if num_steps is None else int(num_steps)
         self.state_init = state_init
-        if state_init == "zeros" and self.recurrent:
+        if state_init in ("zeros", "previous") and self.recurrent:
             self.model.config.state_init_std = 0.0  # s_0 = 0 in every forward, generate's included
 
     @property
@@ -47,14 +56,19 @@ class RecurfitLM(HFLM):
         return isinstance(self.model, RecurrentForCausalLM)
 
     def _depth_kwargs(self) -> dict:
-        return {"num_steps": self.num_steps or self.model.config.mean_recurrence} if self.recurrent else {}
+        return {"num_steps": self.num_steps} if self.recurrent else {}  # None: the model's mean recurrence
+
+    def _decoding_kwargs(self) -> dict:
+        if not self.recurrent:
+            return {}
+        return {**self._depth_kwargs(), "exit_rule": self.exit_rule, "warm_start": self.state_init == "previous"}
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
             return self.model(inps, **self._depth_kwargs()).logits
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._depth_kwargs())
+        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._decoding_kwargs())
 
     def _autocast(self):
         return torch.autocast(
@@ -62,7 +76,8 @@ class RecurfitLM(HFLM):
         )
 
     def get_model_info(self) -> dict:
-        return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init}
+        exit = None if self.exit_rule is None else f"{self.exit_rule}"
+        return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init, "exit": exit}
 
 
 def with_bos(tokenizer, add_bos_token: bool):

@@ -1,0 +1,130 @@
+"""Text generation for people: prompts through the chat template, streaming, depth and exit settings.
+
+The model side (the step-aware cache, the recurrence that drops settled rows, warm starts) lives in
+`recurfit.cache` and `recurfit.modeling`; this module turns settings into a `generate` call and reports what
+it cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import TextStreamer
+
+from ..cache import RecurrentCache
+from ..errors import RecurfitError
+from ..modeling import RecurrentForCausalLM
+from .exit import ExitRule
+from .speculative import speculative_generate
+
+# Test-time recurrences a user may ask for. The paper evaluates up to r = 64 (Huginn up to 128); beyond a few
+# hundred, each token costs hundreds of core passes and a typo (-r 100000) would look like a hang.
+MAX_RECURRENCE = 1024
+
+
+@dataclass
+class GenerationSettings:
+    recurrence: int | None = None  # r per token; None: the model's mean recurrence (the model fills it in)
+    exit: str | None = None  # "kl:5e-4", "state:0.01", "argmax:2"
+    min_steps: int = 2
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    cache_policy: str = "all"
+    warm_start: bool = False  # start each token's recurrence from the previous token's final state
+    draft_steps: int | None = None  # self-speculative decoding: draft at this recurrence, verify at `recurrence`
+    lookahead: int = 4  # tokens drafted per verification
+
+    def __post_init__(self):
+        if self.recurrence is not None and not 1 <= self.recurrence <= MAX_RECURRENCE:
+            raise RecurfitError(
+                f"--recurrence must be between 1 and {MAX_RECURRENCE}, got {self.recurrence}; "
+                "leave it out for the model's mean recurrence."
+            )
+        self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps)
+        if self.draft_steps is not None and (self.exit or self.warm_start or self.temperature > 0):
+            raise RecurfitError("--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "
+                                "--warm-start and --temperature.")  # fmt: skip
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: int
+    seconds: float
+    steps_per_token: list[int] | None  # recurrences per generated token (recurrent models)
+    acceptance_rate: float | None = None  # speculative decoding: the share of drafted tokens kept
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """Token ids of a conversation: the tokenizer's chat template when it has one, else plain text."""
+    if not any(m["content"].strip() for m in messages):
+        raise RecurfitError("The prompt is empty: pass the text to continue, e.g. --prompt \"Once upon a time\".")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    return tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt").input_ids
+
+
+def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool = False) -> Generation:
+    recurrent = isinstance(model, RecurrentForCausalLM)
+    if ids.shape[1] == 0:
+        raise RecurfitError("The prompt is empty: pass the text to continue.")
+    if settings.draft_steps is not None:
+        return _speculative_text(model, tokenizer, ids, settings, stream) if recurrent else _fixed_depth_refusal()
+    kwargs: dict = dict(
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.temperature > 0,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        attention_mask=torch.ones_like(ids),
+        return_dict_in_generate=True,
+    )
+    if settings.temperature > 0:
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
+    if recurrent:
+        kwargs.update(num_steps=settings.recurrence, exit_rule=settings.exit_rule, warm_start=settings.warm_start)
+        kwargs["past_key_values"] = RecurrentCache(model.config, policy=settings.cache_policy)
+    elif settings.exit or settings.warm_start:
+        _fixed_depth_refusal()
+    if stream:
+        kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        output = model.generate(ids.to(model.device), **kwargs)
+    seconds = time.perf_counter() - start
+    new = output.sequences[0, ids.shape[1] :]
+    steps = output.get("steps_per_token")
+    return Generation(
+        text=tokenizer.decode(new, skip_special_tokens=True).strip(),
+        tokens=len(new),
+        seconds=seconds,
+        steps_per_token=steps[0, : len(new)].tolist() if steps is not None else None,
+    )
+
+
+def _fixed_depth_refusal():
+    raise RecurfitError("--exit, --warm-start and --draft-steps need a recurrent model; this one has a fixed depth.")
+
+
+def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool) -> Generation:
+    """Greedy self-speculative decoding; with `stream`, the text is printed when it is complete (verification
+    may still roll drafted tokens back, so nothing can be shown earlier)."""
+    start = time.perf_counter()
+    output = speculative_generate(
+        model, ids.to(model.device), max_new_tokens=settings.max_new_tokens, num_steps=settings.recurrence,
+        draft_steps=settings.draft_steps, lookahead=settings.lookahead, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    new = output.sequences[0, ids.shape[1] :]
+    if tokenizer.eos_token_id is not None and (new == tokenizer.eos_token_id).any():
+        new = new[: int((new == tokenizer.eos_token_id).nonzero()[0]) + 1]
+    if stream:
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer.put(ids[0])
+        streamer.put(new.cpu())
+        streamer.end()
+    return Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), seconds, None,
+                      acceptance_rate=output.acceptance_rate)  # fmt: skip
