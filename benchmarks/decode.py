@@ -76,7 +76,9 @@ def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
         logits = out.logits[:, -1]
         if recurrent:
             steps.append(out.steps_per_token.float())
-    memory = cache.memory_bytes() if recurrent else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)
+    memory = (
+        cache.memory_bytes() if recurrent else sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    )
     return {
         "nll": torch.stack(nll).mean().item(),
         "predictions": torch.stack(predictions),
@@ -111,12 +113,16 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     ids = passages(tokenizer, args.sequences, args.prompt + args.decode).to(args.device)
     P, R, C = model.config.shape
-    print(f"{args.model or 'embedded SmolLM2 (4,8,4), untrained'}; {args.sequences} sequences, prefill {args.prompt}, "
-          f"decode {args.decode} tokens, CPU threads {torch.get_num_threads()}, torch {torch.__version__}\n")
+    print(
+        f"{args.model or 'embedded SmolLM2 (4,8,4), untrained'}; {args.sequences} sequences, prefill {args.prompt}, "
+        f"decode {args.decode} tokens, CPU threads {torch.get_num_threads()}, torch {torch.__version__}\n"
+    )
 
     base = teacher_forced(parent, ids, args.prompt)
     layers = parent.config.num_hidden_layers
-    print(f"1. speed   parent ({layers} layers): {base['ms_per_token']:.1f} ms/token, cache {base['memory_mib']:.1f} MiB")
+    print(
+        f"1. speed   parent ({layers} layers): {base['ms_per_token']:.1f} ms/token, cache {base['memory_mib']:.1f} MiB"
+    )
     print("   r   ms/token  ratio to parent  depth ratio  cache all (MiB)  cache latest (MiB)")
     depths = [int(r) for r in args.depths.split(",")]
     full = {}
@@ -125,8 +131,10 @@ def main() -> None:
         latest = teacher_forced(model, ids, args.prompt, num_steps=r, policy="latest")
         full[r]["latest"] = latest
         ratio = full[r]["ms_per_token"] / base["ms_per_token"]
-        print(f"  {r:>2}  {full[r]['ms_per_token']:8.1f}  {ratio:15.2f}  {(P + r * R + C) / layers:11.2f}  "
-              f"{full[r]['memory_mib']:15.1f}  {latest['memory_mib']:18.1f}")
+        print(
+            f"  {r:>2}  {full[r]['ms_per_token']:8.1f}  {ratio:15.2f}  {(P + r * R + C) / layers:11.2f}  "
+            f"{full[r]['memory_mib']:15.1f}  {latest['memory_mib']:18.1f}"
+        )
 
     print("\n2. memory policy: latest against all (teacher-forced)")
     print("   r   NLL all  NLL latest  next-token agreement")
@@ -154,8 +162,10 @@ def main() -> None:
 
 def speculative(model, prompts, args) -> None:
     """Free-running greedy decoding, plain against self-speculative, at each depth."""
-    print(f"\n4. self-speculative decoding: draft at r = {args.draft_steps}, lookahead {args.lookahead}, "
-          f"{prompts.shape[0]} sequences, {args.decode} new tokens")
+    print(
+        f"\n4. self-speculative decoding: draft at r = {args.draft_steps}, lookahead {args.lookahead}, "
+        f"{prompts.shape[0]} sequences, {args.decode} new tokens"
+    )
     print("   r   plain tokens/s  speculative tokens/s  speed-up  acceptance  identical output")
     for r in (int(r) for r in args.spec_depths.split(",")):
         kwargs = dict(max_new_tokens=args.decode, num_steps=r)
@@ -165,14 +175,17 @@ def speculative(model, prompts, args) -> None:
             plain = model.generate(prompts, do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
             plain_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            fast = speculative_generate(model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead,
-                                        **kwargs)  # fmt: skip
+            fast = speculative_generate(
+                model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead, **kwargs
+            )
             spec_s.append(time.perf_counter() - start)
         tokens = prompts.shape[0] * args.decode
         plain_rate, spec_rate = tokens / statistics.median(plain_s), tokens / statistics.median(spec_s)
         same = "yes" if torch.equal(plain, fast.sequences) else "no"
-        print(f"  {r:>2}  {plain_rate:14.1f}  {spec_rate:20.1f}  {spec_rate / plain_rate:8.2f}  "
-              f"{fast.acceptance_rate:10.0%}  {same:>16}")
+        print(
+            f"  {r:>2}  {plain_rate:14.1f}  {spec_rate:20.1f}  {spec_rate / plain_rate:8.2f}  "
+            f"{fast.acceptance_rate:10.0%}  {same:>16}"
+        )
 
 
 def batched_exit(model, tokenizer, args) -> None:
@@ -200,11 +213,15 @@ def batched_exit(model, tokenizer, args) -> None:
     batch_max = layers(depths.max(-1).values.float().mean()) / fixed_layers
     measured = statistics.median(adaptive) / statistics.median(fixed)
     print(f"\n5. adaptive depth in a batch of {args.batch} (KL < {args.batch_threshold}, at most r = {r})")
-    print(f"   steps per token: mean {depths.float().mean():.1f}, per row from {depths.float().mean(0).min():.1f} to "
-          f"{depths.float().mean(0).max():.1f}; deepest row per token {depths.max(-1).values.float().mean():.1f}")
-    print(f"   ms/token fixed r={r}: {statistics.median(fixed):.1f}, adaptive: {statistics.median(adaptive):.1f}; "
-          f"measured ratio {measured:.2f}, predicted from the rows' depths {predicted:.2f} "
-          f"(measured / predicted {measured / predicted:.2f}); batch × deepest row would be {batch_max:.2f}")
+    print(
+        f"   steps per token: mean {depths.float().mean():.1f}, per row from {depths.float().mean(0).min():.1f} to "
+        f"{depths.float().mean(0).max():.1f}; deepest row per token {depths.max(-1).values.float().mean():.1f}"
+    )
+    print(
+        f"   ms/token fixed r={r}: {statistics.median(fixed):.1f}, adaptive: {statistics.median(adaptive):.1f}; "
+        f"measured ratio {measured:.2f}, predicted from the rows' depths {predicted:.2f} "
+        f"(measured / predicted {measured / predicted:.2f}); batch × deepest row would be {batch_max:.2f}"
+    )
 
 
 if __name__ == "__main__":

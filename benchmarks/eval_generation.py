@@ -75,10 +75,21 @@ def main() -> None:
         each.generate(warm_up, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     records = {"retrofit": instrument(model), "parent": instrument(parent)}
     start = time.perf_counter()
-    task_sweep(model, tokenizer, tasks=["gsm8k_cot"], recurrences=[args.recurrence], name="retrofit", baseline=parent,
-               baseline_name="parent", limit=args.limit, max_new_tokens=args.max_new_tokens)  # fmt: skip
-    print(f"GSM8K, {args.limit} problems, at most {args.max_new_tokens} new tokens, batch 8, r = {args.recurrence}, "
-          f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; {time.perf_counter() - start:.0f} s")
+    task_sweep(
+        model,
+        tokenizer,
+        tasks=["gsm8k_cot"],
+        recurrences=[args.recurrence],
+        name="retrofit",
+        baseline=parent,
+        baseline_name="parent",
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+    )
+    print(
+        f"GSM8K, {args.limit} problems, at most {args.max_new_tokens} new tokens, batch 8, r = {args.recurrence}, "
+        f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}; {time.perf_counter() - start:.0f} s"
+    )
     P, R, C = model.config.shape
     depth = (P + args.recurrence * R + C) / parent.config.num_hidden_layers
     print("               s/problem  steps/batch  ms/step  prefill s  ms/step per row")
@@ -86,13 +97,21 @@ def main() -> None:
     for name, record in records.items():
         per_problem = sum(record["generate"]) / record["rows"]
         step = statistics.median(record["step"])
-        summary[name] = (per_problem, statistics.mean(record["steps_per_batch"]), step,
-                         statistics.median(record["prefill"]))  # fmt: skip
-        print(f"  {name:12} {per_problem:9.2f}  {summary[name][1]:11.1f}  {1e3 * step:7.1f}  "
-              f"{summary[name][3]:9.2f}  {1e3 * step / 8:15.1f}")
+        summary[name] = (
+            per_problem,
+            statistics.mean(record["steps_per_batch"]),
+            step,
+            statistics.median(record["prefill"]),
+        )
+        print(
+            f"  {name:12} {per_problem:9.2f}  {summary[name][1]:11.1f}  {1e3 * step:7.1f}  "
+            f"{summary[name][3]:9.2f}  {1e3 * step / 8:15.1f}"
+        )
     ratios = [a / b for a, b in zip(summary["retrofit"], summary["parent"])]
-    print(f"  ratio        {ratios[0]:9.2f}  {ratios[1]:11.2f}  {ratios[2]:7.2f}  {ratios[3]:9.2f}   "
-          f"effective depth ratio {depth:.2f}; ms/step over depth {ratios[2] / depth:.2f}")
+    print(
+        f"  ratio        {ratios[0]:9.2f}  {ratios[1]:11.2f}  {ratios[2]:7.2f}  {ratios[3]:9.2f}   "
+        f"effective depth ratio {depth:.2f}; ms/step over depth {ratios[2] / depth:.2f}"
+    )
 
 
 if __name__ == "__main__":

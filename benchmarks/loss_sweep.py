@@ -21,7 +21,9 @@ from recurfit.loading import load_model, load_tokenizer
 
 
 def separate_forwards(model, ids, mask, steps, s0) -> dict:
-    return {r: summed_nll(model(ids, attention_mask=mask, num_steps=r, initial_state=s0).logits, ids, mask) for r in steps}
+    return {
+        r: summed_nll(model(ids, attention_mask=mask, num_steps=r, initial_state=s0).logits, ids, mask) for r in steps
+    }
 
 
 def timed(function, device) -> tuple[float, dict]:
@@ -70,11 +72,16 @@ def main() -> None:
 
     P, R, C = model.config.shape
     predicted = (P + max(steps) * R + len(steps) * C) / sum(P + r * R + C for r in steps)
-    print(f"model {args.model or 'embedded SmolLM2 (4,8,4)'} on {device} {args.dtype}; r ∈ {steps}; "
-          f"{args.sequences} × {args.seq_len} tokens")  # fmt: skip
+    print(
+        f"model {args.model or 'embedded SmolLM2 (4,8,4)'} on {device} {args.dtype}; r ∈ {steps}; "
+        f"{args.sequences} × {args.seq_len} tokens"
+    )
     print(f"agreement: max |Δ summed NLL| = {worst:.2e} ({per_token:.1e} per token)")
     print(f"one pass: {best['one pass']:.2f} s   separate forwards: {best['separate']:.2f} s")
-    print(f"ratio one pass / separate: {best['one pass'] / best['separate']:.3f}   (layer-count prediction {predicted:.3f})")
+    print(
+        f"ratio one pass / separate: {best['one pass'] / best['separate']:.3f}   "
+        f"(layer-count prediction {predicted:.3f})"
+    )
 
 
 if __name__ == "__main__":

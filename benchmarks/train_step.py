@@ -30,9 +30,16 @@ from recurfit.sampling import sample_depth
 from recurfit.train.metrics import peak_flops
 
 TINYLLAMA = dict(  # TinyLlama-1.1B's public config; random weights, no download
-    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-    num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-)  # fmt: skip
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
 def parent_model(name: str) -> torch.nn.Module:
@@ -110,8 +117,10 @@ def main() -> None:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     ids = torch.randint(0, parent.config.vocab_size, (args.batch, args.seq_len), device=device)
     tokens = ids.numel()
-    print(f"parent {args.parent} ({parent.config.num_hidden_layers} layers), shape {shape}, {args.batch}×{args.seq_len} "
-          f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}")
+    print(
+        f"parent {args.parent} ({parent.config.num_hidden_layers} layers), shape {shape}, {args.batch}×{args.seq_len} "
+        f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}"
+    )
 
     # 1. step cost
     t_parent = step_seconds(parent, ids, None, autocast, args.repeats)
@@ -119,13 +128,19 @@ def main() -> None:
     counts_model, counts_parent = count_parameters(model), count_parameters(parent)
     predicted = training_flops_per_token(counts_model, (n, k)) / training_flops_per_token(counts_parent, (0, 1))
     head = 6 * parent.config.vocab_size * parent.config.hidden_size
-    predicted_head = (training_flops_per_token(counts_model, (n, k)) + head) / (training_flops_per_token(counts_parent, (0, 1)) + head)
+    predicted_head = (training_flops_per_token(counts_model, (n, k)) + head) / (
+        training_flops_per_token(counts_parent, (0, 1)) + head
+    )
     measured = t_model / t_parent
-    print(f"\nstep time: parent {t_parent * 1e3:.1f} ms, retrofit at (n,k)=({n},{k}) {t_model * 1e3:.1f} ms → "
-          f"measured ratio {measured:.3f}")
+    print(
+        f"\nstep time: parent {t_parent * 1e3:.1f} ms, retrofit at (n,k)=({n},{k}) {t_model * 1e3:.1f} ms → "
+        f"measured ratio {measured:.3f}"
+    )
     print(f"predicted FLOP ratio: {predicted:.3f} (non-embedding), {predicted_head:.3f} (with the LM head)")
-    print(f"cost over FLOPs: {measured / predicted:.3f} (non-embedding), {measured / predicted_head:.3f} (with head)  "
-          "— ≤ 1.1 means no overhead beyond FLOPs")
+    print(
+        f"cost over FLOPs: {measured / predicted:.3f} (non-embedding), {measured / predicted_head:.3f} (with head)  "
+        "— ≤ 1.1 means no overhead beyond FLOPs"
+    )
 
     # 2. memory at k = 4
     print("\nactivation memory at k=4:")

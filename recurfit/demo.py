@@ -81,9 +81,13 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     held_out = {"prose": 0.01, "math": max(0.01, 8 / settings.math_problems)}
     for name, source in (("prose", "embedded:prose"), ("math", f"embedded:math:{settings.math_problems}")):
         prepare(
-            tokenizer, [source], settings.seq_len, data[name], tokenizer_name=settings.model or "embedded",
+            tokenizer,
+            [source],
+            settings.seq_len,
+            data[name],
+            tokenizer_name=settings.model or "embedded",
             val_fraction=held_out[name],
-        )  # fmt: skip
+        )
 
     console.rule("[bold]3. Train the retrofit  4. Train the parent on the same tokens")
     for name, shape in (("recurrent", settings.shape), ("parent", None)):
@@ -97,18 +101,30 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     )
     report["loss"] = {
         name: loss_sweep(
-            model, load_examples(str(folder), limit=settings.loss_rows), recurrences=settings.loss_recurrences,
-            name="retrofit", baseline=trained_parent, baseline_name="same tokens",
-        )  # fmt: skip
+            model,
+            load_examples(str(folder), limit=settings.loss_rows),
+            recurrences=settings.loss_recurrences,
+            name="retrofit",
+            baseline=trained_parent,
+            baseline_name="same tokens",
+        )
         for name, folder in data.items()
     }
     report["gsm8k"], _ = task_sweep(
-        model, tokenizer, tasks=["gsm8k_cot"], recurrences=settings.gsm8k_recurrences, name="retrofit",
-        baseline=trained_parent, baseline_name="same tokens", limit=settings.gsm8k,
+        model,
+        tokenizer,
+        tasks=["gsm8k_cot"],
+        recurrences=settings.gsm8k_recurrences,
+        name="retrofit",
+        baseline=trained_parent,
+        baseline_name="same tokens",
+        limit=settings.gsm8k,
         max_new_tokens=settings.max_new_tokens,
-    )  # fmt: skip
+    )
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
-    report["flops"] = {name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")}
+    report["flops"] = {
+        name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")
+    }
     report["inference_flops"] = {r: inference_flops_per_token(model, r) for r in (1, settings.mean_recurrence)}
 
     figures = out / "figures"
@@ -143,9 +159,11 @@ def _train_config(settings: DemoSettings, data: dict, out: Path, shape) -> dict:
             "validation": [str(data["prose"]), str(data["math"])],
         },
         "depth": {
-            "mean_recurrence": settings.mean_recurrence, "backprop_depth": settings.backprop_depth,
-            "curriculum": "1-sqrt", "curriculum_fraction": 0.75,
-        },  # fmt: skip
+            "mean_recurrence": settings.mean_recurrence,
+            "backprop_depth": settings.backprop_depth,
+            "curriculum": "1-sqrt",
+            "curriculum_fraction": 0.75,
+        },
         "optimizer": {"name": "muon", "warmup": 0.1, "decay": 0.2, "decay_shape": "linear", "min_lr_ratio": 0.0},
         "batch": {"micro": min(2, settings.batch), "global": settings.batch},
         "steps": settings.steps,
@@ -180,7 +198,8 @@ def render_report(report: dict) -> str:
         "paid for at each recurrence; this shape keeps most of the parent while a recurrence stays cheap.",
         "",
         "Parity of the fresh retrofit with the parent minus its dropped layers (max |Δlogit|, left-padded batch): "
-        + ", ".join(f"r={r}: {d:.1e}" for r, d in report["parity"]["diffs"].items()) + ".",
+        + ", ".join(f"r={r}: {d:.1e}" for r, d in report["parity"]["diffs"].items())
+        + ".",
         "",
         "## 2-4. Training",
         "",
@@ -190,11 +209,13 @@ def render_report(report: dict) -> str:
         f"steps), truncated backprop through {settings.backprop_depth} steps, Muon. The parent trains on the "
         "same tokens in the same order.",
         "",
-        "| model | final training loss | training FLOPs (drawn depths) | FLOPs (paper's rule) | inference GFLOPs/token |",
+        "| model | final training loss | training FLOPs (drawn depths) | FLOPs (paper's rule) "
+        "| inference GFLOPs/token |",
         "|---|---|---|---|---|",
         f"| retrofit | {flops['recurrent'].get('loss', float('nan')):.3f} | {flops['recurrent'].get('flops', 0):.3e} | "
         f"{flops['recurrent'].get('flops_paper', 0):.3e} | "
-        + " / ".join(f"{v / 1e9:.2f} (r={r})" for r, v in report["inference_flops"].items()) + " |",
+        + " / ".join(f"{v / 1e9:.2f} (r={r})" for r, v in report["inference_flops"].items())
+        + " |",
         f"| parent | {flops['parent'].get('loss', float('nan')):.3f} | {flops['parent'].get('flops', 0):.3e} | "
         f"{flops['parent'].get('flops_paper', 0):.3e} | |",
         "",
@@ -204,7 +225,13 @@ def render_report(report: dict) -> str:
         "",
     ]
     for name, sweep in report["loss"].items():
-        lines += [f"**{name}** ({sweep.details['data']}):", "", sweep.markdown(), f"![{name}](figures/loss_{name}.png)", ""]
+        lines += [
+            f"**{name}** ({sweep.details['data']}):",
+            "",
+            sweep.markdown(),
+            f"![{name}](figures/loss_{name}.png)",
+            "",
+        ]
     lines += [
         f"## GSM8K (the first {settings.gsm8k} test problems, 1-shot chain of thought, flexible-extract)",
         "",

@@ -49,6 +49,7 @@ def scaled_init_(model: nn.Module, generator: torch.Generator | None = None) -> 
 
 
 def _zero_centred_norm(model: nn.Module) -> bool:
-    return getattr(model.config, "model_type", "") == "gemma" or getattr(
-        getattr(model.config, "text_config", None), "model_type", ""
-    ) == "gemma"
+    return (
+        getattr(model.config, "model_type", "") == "gemma"
+        or getattr(getattr(model.config, "text_config", None), "model_type", "") == "gemma"
+    )

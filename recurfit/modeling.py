@@ -209,8 +209,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
         s0 = self.initial_state(e) if initial_state is None else initial_state
         tracker = exit_rule.start(s0.shape[0], s0.device) if exit_rule is not None and decoding else None
         states = []
-        for state in self.recur(s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker,
-                                readout=readout):  # fmt: skip
+        for state in self.recur(
+            s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker, readout=readout
+        ):
             if output_hidden_states:
                 states.append(state)
         if cache is not None:
@@ -272,7 +273,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
             if step in wanted:
                 yield step, self._coda(state, layer_kwargs)
 
-    def _prepare(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs) -> tuple[torch.Tensor, dict]:
+    def _prepare(
+        self, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs
+    ) -> tuple[torch.Tensor, dict]:
         """The embedded tokens, and what every layer receives: masks, rotary embeddings, positions, the cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
@@ -344,7 +347,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_state_dict(cls, config: RecurrentConfig, state: dict[str, torch.Tensor]) -> "RecurrentForCausalLM":
+    def from_state_dict(cls, config: RecurrentConfig, state: dict[str, torch.Tensor]) -> RecurrentForCausalLM:
         """Build the model around `state`'s tensors (adopted, not copied; no random init first)."""
         with torch.device("meta"):
             model = cls(config)
@@ -435,9 +438,13 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
                 labels = labels.masked_fill(attention_mask == 0, -100)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return RecurrentCausalLMOutput(
-            loss=loss, logits=logits, past_key_values=past_key_values, hidden_states=body.hidden_states,
-            num_steps=body.num_steps, steps_per_token=body.steps_per_token,
-        )  # fmt: skip
+            loss=loss,
+            logits=logits,
+            past_key_values=past_key_values,
+            hidden_states=body.hidden_states,
+            num_steps=body.num_steps,
+            steps_per_token=body.steps_per_token,
+        )
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus `steps_per_token` (batch × new tokens: the recurrences that produced

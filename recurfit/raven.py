@@ -114,7 +114,10 @@ def convert_state(state: dict[str, torch.Tensor], config: RecurrentConfig, famil
                 dst + "mlp.up_proj.weight": up,
                 dst + "mlp.down_proj.weight": state[src + "mlp.proj.weight"],
             }
-            out |= {dst + f"{name}.weight": state[src + f"{theirs_norm}.weight"] for theirs_norm, name in NORMS[family].items()}
+            out |= {
+                dst + f"{name}.weight": state[src + f"{theirs_norm}.weight"]
+                for theirs_norm, name in NORMS[family].items()
+            }
             if family == "olmo2":
                 out[dst + "self_attn.q_norm.weight"] = state[src + "attn.q_norm.weight"]
                 out[dst + "self_attn.k_norm.weight"] = state[src + "attn.k_norm.weight"]

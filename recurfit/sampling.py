@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 from .defaults import CURRICULA
 
 # `num_steps` as users write it: r (all steps), or (n, k): n steps without gradient, then k with.
-NumSteps = Union[int, tuple[int, int]]
+NumSteps = int | tuple[int, int]
 
 
 def parse_num_steps(num_steps) -> tuple[int, int]:
@@ -50,8 +49,6 @@ def sample_depth(
     tau = torch.exp(mu + sigma * torch.randn((), generator=generator, dtype=torch.float64))
     total = int(torch.poisson(tau, generator=generator).item()) + 1
     return max(total - s, 0), min(s, total)
-
-
 
 
 @dataclass(frozen=True)

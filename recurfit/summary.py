@@ -48,8 +48,15 @@ def flops_table(model, steps: Sequence[int]) -> Table:
     """Per test recurrence r: effective parameters and forward FLOPs per token; training FLOPs at (r - k, k)."""
     recurrent = isinstance(model, RecurrentForCausalLM)
     depth = model.config.backprop_depth if recurrent else 0
-    table = Table(title="Compute per token (non-embedding; attention over the context not included)", title_justify="left")
-    for column in ("r", "effective params", "inference GFLOPs", f"training GFLOPs (k ≤ {depth})" if recurrent else "training GFLOPs"):
+    table = Table(
+        title="Compute per token (non-embedding; attention over the context not included)", title_justify="left"
+    )
+    for column in (
+        "r",
+        "effective params",
+        "inference GFLOPs",
+        f"training GFLOPs (k ≤ {depth})" if recurrent else "training GFLOPs",
+    ):
         table.add_column(column, justify="right")
     for r in steps if recurrent else [1]:
         k = min(depth, r)

@@ -10,7 +10,6 @@ Works on a parent on the meta device too (plan shapes and FLOPs from a config al
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .config import RecurrentConfig
-from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_SHAPE, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
+from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
 from .errors import RecurfitError
 from .families import config_for_layers, family_of
 from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
@@ -68,7 +67,8 @@ class LayerSelection:
             outside = [i for i in indices if not 0 <= i < num_layers]
             if outside:
                 raise ValueError(
-                    f"{name} indices {outside} are out of range: the parent has {num_layers} layers (0..{num_layers - 1})."
+                    f"{name} indices {outside} are out of range: "
+                    f"the parent has {num_layers} layers (0..{num_layers - 1})."
                 )
             if any(b <= a for a, b in zip(indices, indices[1:])):
                 raise ValueError(
@@ -92,7 +92,9 @@ class LayerSelection:
     def paper_rule(cls, shape: Sequence[int], num_layers: int):
         """Prelude = first P layers, coda = last C, core = the R layers just before the coda (the paper's §3)."""
         P, R, C = _check_shape(shape, num_layers)
-        return cls(tuple(range(P)), tuple(range(num_layers - C - R, num_layers - C)), tuple(range(num_layers - C, num_layers)))
+        return cls(
+            tuple(range(P)), tuple(range(num_layers - C - R, num_layers - C)), tuple(range(num_layers - C, num_layers))
+        )
 
     @classmethod
     def from_scores(cls, shape: Sequence[int], scores: Sequence[float]):
@@ -221,7 +223,9 @@ def _select_layers(parent, num_layers, shape, prelude, core, coda, select, calib
         raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}.")
     if indices_given:
         if select != "paper":
-            raise ValueError(f"select={select!r} chooses layers from a shape; it cannot be combined with explicit indices.")
+            raise ValueError(
+                f"select={select!r} chooses layers from a shape; it cannot be combined with explicit indices."
+            )
         return LayerSelection.explicit(prelude or [], core or [], coda or [], num_layers)
     if shape is None:
         raise ValueError("Give shape=(P, R, C), e.g. (4, 8, 4), or explicit prelude/core/coda layer indices.")
@@ -316,7 +320,10 @@ def parity(parent: PreTrainedModel, model: RecurrentForCausalLM, input_ids, atte
         expected = reference(input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
     expected = expected.logits.float()
     return {
-        r: (model(input_ids, attention_mask=attention_mask, num_steps=r).logits.float() - expected)[valid].abs().max().item()
+        r: (model(input_ids, attention_mask=attention_mask, num_steps=r).logits.float() - expected)[valid]
+        .abs()
+        .max()
+        .item()
         for r in steps
     }
 
@@ -353,5 +360,7 @@ def parity_batch(tokenizer, vocab_size: int) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def check_parity(parent: PreTrainedModel, model: RecurrentForCausalLM, tokenizer=None, steps=(1, 32)) -> ParityCheck:
     """`parity` on `parity_batch`: what `recurfit retrofit` and the demo report right after surgery."""
-    batch = {name: tensor.to(model.device) for name, tensor in parity_batch(tokenizer, parent.config.vocab_size).items()}
+    batch = {
+        name: tensor.to(model.device) for name, tensor in parity_batch(tokenizer, parent.config.vocab_size).items()
+    }
     return ParityCheck(parity(parent, model, **batch, steps=steps), rows=len(batch["input_ids"]))

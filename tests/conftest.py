@@ -11,8 +11,15 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 VOCAB = 97
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=128, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
 )
 # Sliding windows shorter than the test sequences, so that the per-layer masks matter.
 FAMILY_KWARGS = {
@@ -28,7 +35,9 @@ FAMILIES = list(FAMILY_KWARGS)
 
 
 def tiny_parent(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:
-    config = CONFIG_MAPPING[model_type](num_hidden_layers=num_layers, **{**COMMON, **FAMILY_KWARGS[model_type], **overrides})
+    config = CONFIG_MAPPING[model_type](
+        num_hidden_layers=num_layers, **{**COMMON, **FAMILY_KWARGS[model_type], **overrides}
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     # Random init leaves norms at 1 and some weights tiny; perturb everything so no layer is a no-op.

@@ -11,12 +11,42 @@ import recurfit
 
 # Public configs of the paper's parents.
 PARENTS = {
-    "tinyllama": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                                num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False)),
-    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)),
-    "olmo-2-0425-1b": ("olmo2", dict(vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                     num_attention_heads=16, num_key_value_heads=16, tie_word_embeddings=False)),
+    "tinyllama": (
+        "llama",
+        dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "olmo-2-0425-1b": (
+        "olmo2",
+        dict(
+            vocab_size=100352,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 

@@ -34,7 +34,9 @@ def test_incremental_decoding_equals_the_full_forward(family, r):
         cache = RecurrentCache(model.config)
         pieces = [model(ids[:, :8], attention_mask=mask[:, :8], num_steps=r, past_key_values=cache).logits]
         for t in range(8, 12):
-            pieces.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], num_steps=r, past_key_values=cache).logits)
+            pieces.append(
+                model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], num_steps=r, past_key_values=cache).logits
+            )
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], atol=1e-5, rtol=1e-5)
     assert len(cache.layers) == 6 + 2 * (r - 1) and cache.get_seq_length() == 12
@@ -68,7 +70,9 @@ def test_beam_search_and_sampling_use_the_cache():
     torch.manual_seed(1)
     a = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_steps=2, pad_token_id=0)
     torch.manual_seed(1)
-    b = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_steps=2, pad_token_id=0, use_cache=False)
+    b = model.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_steps=2, pad_token_id=0, use_cache=False
+    )
     assert torch.equal(a, b)
 
 
@@ -105,7 +109,9 @@ def test_latest_policy_bounds_memory():
     assert len(caches["latest"].layers) == P + R + C
     # On the prefill itself nothing is approximated: the last step's keys are in both.
     for layer in range(P, P + R):
-        torch.testing.assert_close(caches["latest"].layers[layer].keys, caches["all"].layers[caches["all"].slot(layer, 8)].keys)
+        torch.testing.assert_close(
+            caches["latest"].layers[layer].keys, caches["all"].layers[caches["all"].slot(layer, 8)].keys
+        )
 
 
 def test_a_foreign_cache_is_refused():
@@ -122,9 +128,16 @@ def test_a_foreign_cache_is_refused():
 def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, **kwargs):
     rule = ExitRule(criterion, min_steps=min_steps, **({} if threshold is None else {"threshold": threshold}))
     return model.generate(
-        ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0,
-        return_dict_in_generate=True, exit_rule=rule, **kwargs,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=12,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        exit_rule=rule,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("criterion", ["kl", "state", "argmax"])
@@ -132,8 +145,10 @@ def test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero(criterio
     model = model_with_state("llama")
     ids, mask = prompts()
     fixed = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0)
-    never = generate_adaptive(model, ids, mask, criterion, threshold=0.0) if criterion != "argmax" else (
-        generate_adaptive(model, ids, mask, criterion, min_steps=13)
+    never = (
+        generate_adaptive(model, ids, mask, criterion, threshold=0.0)
+        if criterion != "argmax"
+        else (generate_adaptive(model, ids, mask, criterion, min_steps=13))
     )
     assert torch.equal(never.sequences, fixed) and torch.all(never.steps_per_token == 12)
     some = generate_adaptive(model, ids, mask, criterion, threshold=10.0, min_steps=3)
@@ -175,9 +190,13 @@ def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
 
 @pytest.mark.parametrize(
     "spec, message",
-    [("entropy", "CRITERION one of kl, state, argmax"), ("kl:x", "is not a number"), ("argmax:2.5", "not an integer"),
-     ("argmax:0", "patience must be >= 1")],
-)  # fmt: skip
+    [
+        ("entropy", "CRITERION one of kl, state, argmax"),
+        ("kl:x", "is not a number"),
+        ("argmax:2.5", "not an integer"),
+        ("argmax:0", "patience must be >= 1"),
+    ],
+)
 def test_bad_exit_spec_is_a_clear_error(spec, message):
     with pytest.raises(RecurfitError, match=message):
         ExitRule.parse(spec)

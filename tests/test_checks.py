@@ -27,6 +27,8 @@ def test_an_unknown_task_is_refused_before_the_model_is_loaded(tmp_path, capsys)
 
 
 def test_offline_task_names_are_accepted_with_or_without_the_suffix():
-    assert check_tasks(["arc_easy_offline", "mmlu_anatomy"]) == check_tasks(["arc_easy", "mmlu_anatomy_offline"]) == [
-        "arc_easy_offline", "mmlu_anatomy_offline"
-    ]  # fmt: skip
+    assert (
+        check_tasks(["arc_easy_offline", "mmlu_anatomy"])
+        == check_tasks(["arc_easy", "mmlu_anatomy_offline"])
+        == ["arc_easy_offline", "mmlu_anatomy_offline"]
+    )

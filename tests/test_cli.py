@@ -35,9 +35,15 @@ def test_retrofit_writes_a_loadable_model_equal_to_the_python_api(parent_dir, tm
 
 def test_explicit_indices_and_ranges(parent_dir, tmp_path, capsys):
     out = tmp_path / "rec"
-    code, _ = run(capsys, "retrofit", "--model", parent_dir, "--prelude", "0", "--core", "2-4", "--coda", "5", "--out", out)
+    code, _ = run(
+        capsys, "retrofit", "--model", parent_dir, "--prelude", "0", "--core", "2-4", "--coda", "5", "--out", out
+    )
     assert code == 0
-    assert AutoModelForCausalLM.from_pretrained(out).config.source_layers == {"prelude": [0], "core": [2, 3, 4], "coda": [5]}
+    assert AutoModelForCausalLM.from_pretrained(out).config.source_layers == {
+        "prelude": [0],
+        "core": [2, 3, 4],
+        "coda": [5],
+    }
 
 
 def test_existing_output_is_never_overwritten_without_force(parent_dir, tmp_path, capsys):
@@ -73,7 +79,9 @@ def test_missing_folder_and_unknown_family_are_clear_errors(tmp_path, capsys):
     code, text = run(capsys, "retrofit", "--model", tmp_path / "nope", "--out", tmp_path / "o")
     assert code == 2 and "No such model folder" in text
     gpt2 = tmp_path / "gpt2"
-    AutoModelForCausalLM.from_config(CONFIG_MAPPING["gpt2"](n_layer=2, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(gpt2)
+    AutoModelForCausalLM.from_config(
+        CONFIG_MAPPING["gpt2"](n_layer=2, n_embd=32, n_head=2, vocab_size=50)
+    ).save_pretrained(gpt2)
     code, text = run(capsys, "retrofit", "--model", gpt2, "--shape", "0,1,1", "--out", tmp_path / "o")
     assert code == 2 and "supported families are llama" in text
     assert not (tmp_path / "o").exists()
@@ -97,18 +105,33 @@ def test_console_script_reports_an_unreachable_hub_id_without_a_traceback(tmp_pa
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RECURFIT_CACHE": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, "-m", "recurfit", "inspect", "someone/not-a-local-model"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 2
-    assert "Cannot load 'someone/not-a-local-model'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert (
+        "Cannot load 'someone/not-a-local-model'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    )
 
 
 def test_data_prepare_and_train_from_the_command_line(workspace, tmp_path, capsys):
     from conftest import write_documents
 
     write_documents(tmp_path / "docs.jsonl", 60)
-    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "docs.jsonl",
-            "--seq-len", "16", "--val-fraction", "0.2"]  # fmt: skip
+    args = [
+        "data",
+        "prepare",
+        "--tokenizer",
+        workspace / "parent",
+        "--source",
+        tmp_path / "docs.jsonl",
+        "--seq-len",
+        "16",
+        "--val-fraction",
+        "0.2",
+    ]
     code, text = run(capsys, *args, "--out", tmp_path / "data")
     assert code == 0 and "training rows" in text
     code, text = run(capsys, *args, "--out", tmp_path / "data")
@@ -118,14 +141,25 @@ def test_data_prepare_and_train_from_the_command_line(workspace, tmp_path, capsy
     config.write_text(
         f"out: {tmp_path / 'run'}\nmodel: {{path: {workspace / 'parent'}, shape: [2, 2, 2]}}\n"
         f"data: {{phases: [{{sources: [{tmp_path / 'data'}]}}]}}\n"
-        "depth: {mean_recurrence: 2, backprop_depth: 1}\nbatch: {micro: 2, global: 4}\nsteps: 3\nlog: {progress: false}\n"
+        "depth: {mean_recurrence: 2, backprop_depth: 1}\nbatch: {micro: 2, global: 4}\nsteps: 3\n"
+        "log: {progress: false}\n"
     )
     code, text = run(capsys, "train", config, "optimizer.name=adamw")
     assert code == 0 and "Trained 3 steps" in text and (tmp_path / "run" / "final" / "config.json").is_file()
 
 
 def test_data_and_train_errors_exit_2_and_write_nothing(workspace, tmp_path, capsys):
-    code, text = run(capsys, "data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "nope.jsonl", "--out", tmp_path / "d")
+    code, text = run(
+        capsys,
+        "data",
+        "prepare",
+        "--tokenizer",
+        workspace / "parent",
+        "--source",
+        tmp_path / "nope.jsonl",
+        "--out",
+        tmp_path / "d",
+    )
     assert code == 2 and "is not a file, a folder" in text and not (tmp_path / "d").exists()
     assert list(tmp_path.iterdir()) == []  # not even a staging folder
     code, text = run(capsys, "train", tmp_path / "missing.yaml")
@@ -138,10 +172,24 @@ def test_data_and_train_errors_exit_2_and_write_nothing(workspace, tmp_path, cap
 def test_generate_streams_and_reports_depth(workspace, tmp_path, capsys):
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
     assert code == 0
-    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "3", "--max-new-tokens", "5", "--stream")
+    code, text = run(
+        capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "3", "--max-new-tokens", "5", "--stream"
+    )
     assert code == 0 and "5 tokens in" in text and "mean 3.0 (min 3, max 3)" in text
     assert "--steps is deprecated; use --recurrence" in text  # the old name still works, and says so
-    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "-r", "6", "--exit", "state:1e9", "--max-new-tokens", "4")
+    code, text = run(
+        capsys,
+        "generate",
+        tmp_path / "rec",
+        "--prompt",
+        "the cat",
+        "-r",
+        "6",
+        "--exit",
+        "state:1e9",
+        "--max-new-tokens",
+        "4",
+    )
     assert code == 0 and "(min 2, max 6)" in text  # the prompt runs 6 steps, each new token exits at min-steps 2
     code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "x", "--exit", "entropy:1")
     assert code == 2 and "--exit takes CRITERION" in text

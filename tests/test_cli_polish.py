@@ -21,8 +21,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def recurfit_command(*args, **kwargs) -> subprocess.CompletedProcess:
     """`python -m recurfit ARGS` as a user runs it, with stdout piped."""
-    return subprocess.run([sys.executable, "-m", "recurfit", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, check=False, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "recurfit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        **kwargs,
+    )
 
 
 def subparsers(parser, name="recurfit"):
@@ -36,10 +42,18 @@ def subparsers(parser, name="recurfit"):
 def test_version_and_help_answer_without_importing_torch():
     done = recurfit_command("--version")
     assert done.returncode == 0 and done.stdout.strip() == f"recurfit {recurfit.__version__}"
-    code = "\n".join([
-        "import sys", "sys.argv = ['recurfit', 'eval', 'tasks', '--help']", "from recurfit.cli import main",
-        "try:", "    main()", "except SystemExit:", "    pass", "print('torch loaded:', 'torch' in sys.modules)",
-    ])  # fmt: skip
+    code = "\n".join(
+        [
+            "import sys",
+            "sys.argv = ['recurfit', 'eval', 'tasks', '--help']",
+            "from recurfit.cli import main",
+            "try:",
+            "    main()",
+            "except SystemExit:",
+            "    pass",
+            "print('torch loaded:', 'torch' in sys.modules)",
+        ]
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
     assert "--tasks" in done.stdout and "torch loaded: False" in done.stdout, done.stderr
     start = time.perf_counter()

@@ -18,7 +18,9 @@ from recurfit.errors import RecurfitError
 def test_rows_are_the_documents_joined_by_eos(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 50)
-    result = prepare(tokenizer, [str(tmp_path / "docs.jsonl")], 16, tmp_path / "store", val_fraction=0, show_progress=False)
+    result = prepare(
+        tokenizer, [str(tmp_path / "docs.jsonl")], 16, tmp_path / "store", val_fraction=0, show_progress=False
+    )
     store = TokenStore(tmp_path / "store")
     stream = []
     for line in (tmp_path / "docs.jsonl").read_text().splitlines():
@@ -55,7 +57,14 @@ def test_validation_split_follows_the_text_not_the_order(tmp_path):
     assert 20 < len(held_out) < 60
     val_tokens = sum(len(tokenizer(text, add_special_tokens=False).input_ids) + 1 for text in held_out)
     for name in "ab":
-        meta = prepare(tokenizer, [str(tmp_path / f"{name}.jsonl")], 8, tmp_path / name.upper(), val_fraction=0.2, show_progress=False).meta
+        meta = prepare(
+            tokenizer,
+            [str(tmp_path / f"{name}.jsonl")],
+            8,
+            tmp_path / name.upper(),
+            val_fraction=0.2,
+            show_progress=False,
+        ).meta
         assert meta["rows"]["val"] == val_tokens // 9  # the same documents held out, whatever the order
 
 
@@ -135,7 +144,10 @@ def test_ranks_split_the_same_global_batches(workspace):
 
 
 def test_stream_resumes_exactly(workspace):
-    phases = [Phase({str(workspace / "prose"): 1}, tokens=32 * 20), Phase({str(workspace / "prose"): 1, str(workspace / "math"): 2})]
+    phases = [
+        Phase({str(workspace / "prose"): 1}, tokens=32 * 20),
+        Phase({str(workspace / "prose"): 1, str(workspace / "math"): 2}),
+    ]
     reference = RowStream(phases, seed=2)
     batches = [reference.next_batch(6) for _ in range(10)]
     first = RowStream(phases, seed=2)
@@ -163,8 +175,11 @@ def test_every_store_gets_a_validation_row_or_prepare_says_how(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 40)
     source = [str(tmp_path / "docs.jsonl")]
-    with pytest.raises(RecurfitError, match=r"store: the held-out share \(--val-fraction 0.01\) of 40 documents .*"
-                       r"less than one validation row of 17; pass --val-fraction 0.08 or more"):  # fmt: skip
+    with pytest.raises(
+        RecurfitError,
+        match=r"store: the held-out share \(--val-fraction 0.01\) of 40 documents .*"
+        r"less than one validation row of 17; pass --val-fraction 0.08 or more",
+    ):
         prepare(tokenizer, source, 16, tmp_path / "store", show_progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-written
     result = prepare(tokenizer, source, 16, tmp_path / "store", val_fraction=0.08, show_progress=False)

@@ -10,10 +10,21 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     from rich.console import Console
 
     settings = DemoSettings(
-        out=tmp_path / "demo", model=str(workspace / "parent"), shape=(2, 2, 2), steps=4, heal_steps=1, seq_len=32,
-        mean_recurrence=2, backprop_depth=1, math_problems=40, loss_recurrences=[1, 2, 4], loss_rows=2, gsm8k=2,
-        gsm8k_recurrences=[1, 2], max_new_tokens=4,
-    )  # fmt: skip
+        out=tmp_path / "demo",
+        model=str(workspace / "parent"),
+        shape=(2, 2, 2),
+        steps=4,
+        heal_steps=1,
+        seq_len=32,
+        mean_recurrence=2,
+        backprop_depth=1,
+        math_problems=40,
+        loss_recurrences=[1, 2, 4],
+        loss_rows=2,
+        gsm8k=2,
+        gsm8k_recurrences=[1, 2],
+        max_new_tokens=4,
+    )
     console = Console(quiet=True)
     report = run_demo(settings, console).read_text()
     for heading in ("## 1. Retrofit", "## 2-4. Training", "## 5. Validation loss", "## GSM8K", "## Sample generations"):

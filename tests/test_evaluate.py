@@ -8,6 +8,7 @@ from conftest import char_tokenizer, run_cli, tiny_parent, token_batch
 from lm_eval.api.instance import Instance
 
 import recurfit
+from recurfit.errors import RecurfitError
 from recurfit.evaluate.loss import Examples, _windows, batches, evaluate_loss, summed_nll, sweep_nll
 from recurfit.evaluate.results import Row, Sweep
 from recurfit.evaluate.suite import (
@@ -23,7 +24,6 @@ from recurfit.evaluate.suite import (
     task_manager,
 )
 from recurfit.evaluate.tasks.offline import last_boxed, math_results, minerva_answer
-from recurfit.errors import RecurfitError
 
 
 def recurrent(family="llama", **kwargs):
@@ -78,8 +78,10 @@ def test_padded_batches_give_each_sequence_its_loss_alone(parent):
     # Padding is neither attended to nor scored: the same ids padded with other tokens change nothing.
     ids, mask = next(batches(examples, 4))
     noisy = torch.where(mask.bool(), ids, torch.randint_like(ids, 1, 97))
-    torch.testing.assert_close(sweep_nll(model, ids, mask, steps)[steps[0] if not parent else None],
-                               sweep_nll(model, noisy, mask, steps)[steps[0] if not parent else None])
+    torch.testing.assert_close(
+        sweep_nll(model, ids, mask, steps)[steps[0] if not parent else None],
+        sweep_nll(model, noisy, mask, steps)[steps[0] if not parent else None],
+    )
 
 
 def test_windows_predict_every_token_after_the_first_exactly_once():
@@ -129,13 +131,17 @@ def test_lm_eval_loglikelihoods_batched_equal_unbatched_and_depend_on_r(lm_pair)
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
     shallow = lm_pair(4)
     shallow.num_steps = 1
-    assert any(abs(a[0] - b[0]) > 1e-3 for a, b in zip(shallow.loglikelihood(_requests("loglikelihood", pairs)), batched))
+    assert any(
+        abs(a[0] - b[0]) > 1e-3 for a, b in zip(shallow.loglikelihood(_requests("loglikelihood", pairs)), batched)
+    )
 
 
 def test_lm_eval_generation_batched_equals_unbatched(lm_pair):
-    prompts = [("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
-               ("a big red tree and then", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
-               ("x", {"until": ["."], "max_gen_toks": 6, "do_sample": False})]  # fmt: skip
+    prompts = [
+        ("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+        ("a big red tree and then", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+        ("x", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+    ]
     batched = lm_pair(3).generate_until(_requests("generate_until", prompts))
     alone = lm_pair(1).generate_until(_requests("generate_until", prompts))
     assert batched == alone and all(isinstance(text, str) for text in batched)
@@ -146,7 +152,7 @@ def test_lm_eval_runs_a_fixed_depth_parent_without_num_steps():
 
     lm = RecurfitLM(pretrained=tiny_parent("llama"), tokenizer=char_tokenizer(), batch_size=2, num_steps=4)
     assert not lm.recurrent
-    (logprob, _), = lm.loglikelihood(_requests("loglikelihood", [("the cat", " sat")]))
+    ((logprob, _),) = lm.loglikelihood(_requests("loglikelihood", [("the cat", " sat")]))
     assert logprob < 0
 
 
@@ -176,9 +182,14 @@ def test_add_bos_token_prepends_bos_as_hflm_does_with_a_tokenizer_it_loads_by_na
 def test_offline_task_names_resolve_and_unknown_ones_fail_with_a_suggestion():
     manager = task_manager("offline")
     assert {"arc_challenge", "gsm8k_cot", "minerva_math", "mmlu"} <= set(offline_tasks())
-    assert resolve_tasks(["arc_challenge", "gsm8k_cot"], "offline", manager) == ["arc_challenge_offline", "gsm8k_cot_offline"]
+    assert resolve_tasks(["arc_challenge", "gsm8k_cot"], "offline", manager) == [
+        "arc_challenge_offline",
+        "gsm8k_cot_offline",
+    ]
     assert resolve_tasks(["mmlu_anatomy", "minerva_math_algebra"], "offline", manager) == [
-        "mmlu_anatomy_offline", "minerva_math_algebra_offline"]  # fmt: skip
+        "mmlu_anatomy_offline",
+        "minerva_math_algebra_offline",
+    ]
     assert len(resolve_tasks(["paper"], "offline", manager)) == 9
     with pytest.raises(RecurfitError, match="did you mean 'arc_challenge'"):
         resolve_tasks(["arc_challenge", "arc_chalenge"], "offline", manager)
@@ -189,7 +200,7 @@ def test_hub_names_are_lm_evals_but_gsm8k_cot_is_the_authors_variant_and_runs_ge
     names = resolve_tasks(["paper"], "hub", manager)
     assert names == [*PAPER_SUITE[:7], "gsm8k_cot_sean", "minerva_math"]
     assert [task_label(name) for name in names] == list(PAPER_SUITE)
-    for data, tasks in (("hub", names), ("offline", resolve_tasks(["paper"], "offline", task_manager("offline")))):
+    for _data, tasks in (("hub", names), ("offline", resolve_tasks(["paper"], "offline", task_manager("offline")))):
         runs = plan_runs(tasks)
         assert runs == {RunSettings(num_fewshot=0): tasks[:7], RunSettings(num_fewshot=1, max_length=1024): tasks[7:]}
     assert plan_runs(["lambada_openai"]) == {RunSettings(): ["lambada_openai"]}  # not the paper's: lm-eval's defaults
@@ -202,8 +213,10 @@ def test_table_columns_put_the_papers_metric_first_and_keep_the_others():
     assert task_columns("arc_easy_offline", results) == {"arc_easy (acc_norm)": 0.25, "arc_easy (acc)": 0.5}
     assert list(task_columns("winogrande_offline", {"acc,none": 0.5})) == ["winogrande (acc)"]
     gsm8k = {"exact_match,strict-match": 0.1, "exact_match,flexible-extract": 0.2}
-    assert task_columns("gsm8k_cot_sean", gsm8k) == {"gsm8k_cot (exact_match, flexible-extract)": 0.2,
-                                                     "gsm8k_cot (exact_match, strict-match)": 0.1}  # fmt: skip
+    assert task_columns("gsm8k_cot_sean", gsm8k) == {
+        "gsm8k_cot (exact_match, flexible-extract)": 0.2,
+        "gsm8k_cot (exact_match, strict-match)": 0.1,
+    }
     math = {"exact_match,none": 0.1, "math_verify,none": 0.2}  # lm-eval's own minerva_math (--data hub)
     assert list(task_columns("minerva_math", math)) == ["minerva_math (math_verify)", "minerva_math (exact_match)"]
     with pytest.raises(RecurfitError, match="No known metric"):
@@ -215,9 +228,18 @@ def test_every_offline_task_loads_its_bundled_data_and_chance_follows_the_groups
     names = resolve_tasks([*offline_tasks()], "offline", manager)
     loaded = manager.load(names)
     sizes = {name: sum(len(task.eval_docs) for task in _leaves(name, loaded)) for name in names}
-    assert sizes == {"arc_easy_offline": 2376, "arc_challenge_offline": 1172, "openbookqa_offline": 500,
-                     "hellaswag_offline": 10042, "piqa_offline": 1838, "winogrande_offline": 1267, "mmlu_offline": 14042,
-                     "gsm8k_cot_offline": 1319, "minerva_math_offline": 5000, "minerva_math500_offline": 500}  # fmt: skip
+    assert sizes == {
+        "arc_easy_offline": 2376,
+        "arc_challenge_offline": 1172,
+        "openbookqa_offline": 500,
+        "hellaswag_offline": 10042,
+        "piqa_offline": 1838,
+        "winogrande_offline": 1267,
+        "mmlu_offline": 14042,
+        "gsm8k_cot_offline": 1319,
+        "minerva_math_offline": 5000,
+        "minerva_math500_offline": 500,
+    }
     assert len(_leaves("mmlu_offline", loaded)) == 57 and len(_leaves("minerva_math_offline", loaded)) == 7
     assert chance_level(_leaves("mmlu_offline", loaded), 2) == pytest.approx(0.25)
     assert chance_level(_leaves("piqa_offline", loaded), 3) == pytest.approx(0.5)
@@ -229,7 +251,10 @@ def test_answer_extraction_helpers():
     assert last_boxed("no box") is None and minerva_answer("x = 3") is None
     assert minerva_answer("Final Answer: The final answer is $[2,5)$. I hope it is correct.") == "$[2,5)$"
     doc = {"solution": "So $x = \\boxed{\\frac{1}{2}}$."}
-    assert math_results(doc, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {"math_verify": 1, "stated_answer": 1}
+    assert math_results(doc, ["Final Answer: The final answer is $0.5$. I hope it is correct."]) == {
+        "math_verify": 1,
+        "stated_answer": 1,
+    }
 
 
 # ---------------------------------------------------------------- command line
@@ -249,8 +274,20 @@ def saved(tmp_path_factory):
 
 def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, workspace, tmp_path, capsys):
     out = tmp_path / "loss"
-    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--recurrence", "1,2,4",
-                         "--baseline", saved / "parent", "--out", out)  # fmt: skip
+    code, text = run_cli(
+        capsys,
+        "eval",
+        "loss",
+        saved / "model",
+        "--data",
+        workspace / "prose",
+        "--recurrence",
+        "1,2,4",
+        "--baseline",
+        saved / "parent",
+        "--out",
+        out,
+    )
     assert code == 0, text
     figures = {f"{name}.{suffix}" for name in ("recurrence", "flops") for suffix in ("png", "pdf", "svg")}
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", *figures}
@@ -269,18 +306,40 @@ def test_eval_loss_of_a_fixed_depth_model_is_one_row_and_bad_data_is_an_error(sa
     assert code == 0
     sweep = Sweep.load(tmp_path / "p" / "results.json")
     assert len(sweep.rows) == 1 and sweep.rows[0].steps is None
-    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", tmp_path / "nothing.jsonl", "--out", tmp_path / "x")
+    code, text = run_cli(
+        capsys, "eval", "loss", saved / "model", "--data", tmp_path / "nothing.jsonl", "--out", tmp_path / "x"
+    )
     assert code == 2 and "nothing.jsonl" in text and not (tmp_path / "x").exists()
 
 
 def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path, capsys):
     out = tmp_path / "tasks"
-    code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "arc_challenge,gsm8k_cot", "--recurrence", "1,2",
-                         "--limit", "2", "--max-new-tokens", "4", "--baseline", saved / "parent", "--out", out)  # fmt: skip
+    code, text = run_cli(
+        capsys,
+        "eval",
+        "tasks",
+        saved / "model",
+        "--tasks",
+        "arc_challenge,gsm8k_cot",
+        "--recurrence",
+        "1,2",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--baseline",
+        saved / "parent",
+        "--out",
+        out,
+    )
     assert code == 0, text
     sweep = Sweep.load(out / "results.json")
-    assert sweep.metrics == ["arc_challenge (acc_norm)", "arc_challenge (acc)", "gsm8k_cot (exact_match, flexible-extract)",
-                             "gsm8k_cot (exact_match, strict-match)"]  # fmt: skip
+    assert sweep.metrics == [
+        "arc_challenge (acc_norm)",
+        "arc_challenge (acc)",
+        "gsm8k_cot (exact_match, flexible-extract)",
+        "gsm8k_cot (exact_match, strict-match)",
+    ]
     assert sweep.details["headline"] == ["arc_challenge (acc_norm)", "gsm8k_cot (exact_match, flexible-extract)"]
     assert sweep.details["model_args"] == {"add_bos_token": True}
     assert [row.label for row in sweep.rows] == ["r=1", "r=2"]
@@ -292,15 +351,34 @@ def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path,
 
 
 def test_plot_overlays_results_and_training_runs(saved, workspace, tmp_path, capsys):
-    run_cli(capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--steps", "1,2", "--out", tmp_path / "a")
+    run_cli(
+        capsys,
+        "eval",
+        "loss",
+        saved / "model",
+        "--data",
+        workspace / "prose",
+        "--steps",
+        "1,2",
+        "--out",
+        tmp_path / "a",
+    )
     run_cli(capsys, "eval", "loss", saved / "parent", "--data", workspace / "prose", "--out", tmp_path / "b")
     log = tmp_path / "run" / "log.jsonl"
     log.parent.mkdir()
-    log.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9}, {"kind": "train", "step": 2, "loss": 4.0, "flops": 2e9},
-        {"kind": "eval", "step": 2, "prose/loss@1": 4.5, "prose/loss@4": 4.2},
-    ]))  # fmt: skip
-    code, text = run_cli(capsys, "plot", tmp_path / "a", tmp_path / "b" / "results.json", tmp_path / "run", "--out", tmp_path / "figs")
+    log.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9},
+                {"kind": "train", "step": 2, "loss": 4.0, "flops": 2e9},
+                {"kind": "eval", "step": 2, "prose/loss@1": 4.5, "prose/loss@4": 4.2},
+            ]
+        )
+    )
+    code, text = run_cli(
+        capsys, "plot", tmp_path / "a", tmp_path / "b" / "results.json", tmp_path / "run", "--out", tmp_path / "figs"
+    )
     assert code == 0, text
     assert {p.name for p in (tmp_path / "figs").iterdir()} == {
         f"{name}.{suffix}" for name in ("loss_recurrence", "loss_flops", "training") for suffix in ("png", "pdf", "svg")
@@ -313,14 +391,28 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
     from recurfit.evaluate import plots
 
     parent = Row("parent (p)", {"loss": 3.0}, flops_per_token=10**8)
-    sweeps = [Sweep("loss", name, ["loss"], [Row("r=1", {"loss": loss}, 1, 1, 10**8)], parent) for name, loss in
-              [("a", 4.0), ("b", 5.0)]]  # fmt: skip
+    sweeps = [
+        Sweep("loss", name, ["loss"], [Row("r=1", {"loss": loss}, 1, 1, 10**8)], parent)
+        for name, loss in [("a", 4.0), ("b", 5.0)]
+    ]
     log = tmp_path / "run" / "log.jsonl"
     log.parent.mkdir()
-    log.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9},
-        {"kind": "eval", "step": 1, "prose/loss@1": 4.5, "prose/loss@4": 4.2, "math/loss@1": 3.5, "math/loss@4": 3.2},
-    ]))  # fmt: skip
+    log.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"kind": "train", "step": 1, "loss": 5.0, "flops": 1e9},
+                {
+                    "kind": "eval",
+                    "step": 1,
+                    "prose/loss@1": 4.5,
+                    "prose/loss@4": 4.2,
+                    "math/loss@1": 3.5,
+                    "math/loss@4": 3.2,
+                },
+            ]
+        )
+    )
     figures = []
     monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure) or path)
     plots.plot_recurrence(sweeps, tmp_path / "r.png")
@@ -335,9 +427,20 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
 
 def test_lm_eval_command_line_runs_the_registered_model(saved, tmp_path, capsys):
     out = tmp_path / "lm"
-    code, text = run_cli(capsys, "lm-eval", "--model", "recurfit", "--model_args",
-                         f"pretrained={saved / 'model'},num_steps=2", "--tasks", "arc_easy_offline",
-                         "--limit", "2", "--output_path", out)  # fmt: skip
+    code, text = run_cli(
+        capsys,
+        "lm-eval",
+        "--model",
+        "recurfit",
+        "--model_args",
+        f"pretrained={saved / 'model'},num_steps=2",
+        "--tasks",
+        "arc_easy_offline",
+        "--limit",
+        "2",
+        "--output_path",
+        out,
+    )
     assert code == 0, text
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     assert "arc_easy_offline" in results["results"] and results["config"]["model"] == "recurfit"

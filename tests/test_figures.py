@@ -16,16 +16,19 @@ DEPTHS = (1, 2, 4, 8, 16, 32)
 
 
 def loss_sweep(name: str, offset: float) -> Sweep:
-    rows = [Row(f"r={r}", {"loss": offset + 2 / r, "perplexity": 0.0}, r, 56_000_000 * r, 112_000_000 * r)
-            for r in DEPTHS]  # fmt: skip
+    rows = [
+        Row(f"r={r}", {"loss": offset + 2 / r, "perplexity": 0.0}, r, 56_000_000 * r, 112_000_000 * r) for r in DEPTHS
+    ]
     parent = Row("parent (embedded)", {"loss": 3.3, "perplexity": 27.0}, None, 106_000_000, 212_000_000)
     return Sweep("loss", name, ["loss", "perplexity"], rows, parent, None, {"data": "data/prose (val split)"})
 
 
 def task_sweep() -> Sweep:
     columns = ["arc_challenge (acc_norm)", "gsm8k_cot (exact_match, flexible-extract)"]
-    rows = [Row(f"r={r}", {columns[0]: 0.25 + 0.05 * i, columns[1]: 0.0}, r, 56_000_000 * r, 112_000_000 * r)
-            for i, r in enumerate((1, 4, 16))]  # fmt: skip
+    rows = [
+        Row(f"r={r}", {columns[0]: 0.25 + 0.05 * i, columns[1]: 0.0}, r, 56_000_000 * r, 112_000_000 * r)
+        for i, r in enumerate((1, 4, 16))
+    ]
     parent = Row("parent (embedded)", {columns[0]: 0.5, columns[1]: 0.0}, None, 106_000_000, 212_000_000)
     chance = Row("random chance", {columns[0]: 0.25, columns[1]: 0.0})
     details = {"headline": columns, "documents": {columns[0]: 16, columns[1]: 16}}

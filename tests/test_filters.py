@@ -55,11 +55,15 @@ def test_reasoning_rows_are_dropped_others_kept_and_tags_stripped_exactly(tmp_pa
         "emptied": 0,
         "no_generator": 1,
         "dropped_by_generator": {
-            "DeepSeek-R1": 1, "DeepSeek-R1-0528": 1, "deepseek-ai/DeepSeek-R1-Zero": 1, "QwQ-32B": 1,
-            "Qwen3-235B-A22B-Thinking-2507": 1, "gpt-oss-120b": 1,
+            "DeepSeek-R1": 1,
+            "DeepSeek-R1-0528": 1,
+            "deepseek-ai/DeepSeek-R1-Zero": 1,
+            "QwQ-32B": 1,
+            "Qwen3-235B-A22B-Thinking-2507": 1,
+            "gpt-oss-120b": 1,
         },
         "generators": {generator: 1 for generator, _, _ in ROWS if generator},
-    }  # fmt: skip
+    }
     # Without the filter the same file gives every text untouched.
     assert list(iter_documents(str(tmp_path / "sft.jsonl"))) == [text for _, text, _ in ROWS]
 
@@ -97,7 +101,10 @@ def test_parquet_struct_json_and_list_generator_fields(tmp_path):
     for name, field in (("struct", "metadata.models_used"), ("json", "metadata.models_used"), ("list", "generator")):
         stats = FilterStats()
         path = str(tmp_path / f"{name}.parquet")
-        assert list(iter_documents(path, row_filter=make_filter("nemotron-sft"), stats=stats)) == ["q1\na1", "kept plain"]
+        assert list(iter_documents(path, row_filter=make_filter("nemotron-sft"), stats=stats)) == [
+            "q1\na1",
+            "kept plain",
+        ]
         assert (stats.generator_field, stats.rows, stats.dropped, stats.kept) == (field, 3, 1, 2)
         assert dict(stats.dropped_by_generator) == {"DeepSeek-R1": 1}
 
@@ -109,7 +116,8 @@ def test_prepare_records_the_counts_and_packs_only_kept_rows(tmp_path):
     tokenizer = char_tokenizer()
     write_jsonl(tmp_path / "a.jsonl", ROWS[:6])  # all dropped
     pq.write_table(
-        pa.table({"text": [t for _, t, _ in ROWS[6:]], "generator": [g for g, _, _ in ROWS[6:]]}), tmp_path / "b.parquet"
+        pa.table({"text": [t for _, t, _ in ROWS[6:]], "generator": [g for g, _, _ in ROWS[6:]]}),
+        tmp_path / "b.parquet",
     )
     sources = [str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")]
     settings = dict(val_fraction=0, show_progress=False)
@@ -195,9 +203,22 @@ def test_data_prepare_with_the_filter_from_the_command_line(workspace, tmp_path,
         pa.table({"text": [t for _, t, _ in ROWS], "metadata": [{"models_used": g} for g, _, _ in ROWS]}),
         tmp_path / "math.parquet",
     )
-    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "general.jsonl",
-            "--source", tmp_path / "math.parquet", "--seq-len", "8", "--filter", "nemotron-sft",
-            "--val-fraction", "0"]  # fmt: skip
+    args = [
+        "data",
+        "prepare",
+        "--tokenizer",
+        workspace / "parent",
+        "--source",
+        tmp_path / "general.jsonl",
+        "--source",
+        tmp_path / "math.parquet",
+        "--seq-len",
+        "8",
+        "--filter",
+        "nemotron-sft",
+        "--val-fraction",
+        "0",
+    ]
     code, text = run(capsys, *args, "--out", tmp_path / "data")
     assert code == 0, text
     assert "nemotron-sft filter: 22 rows read, 12 dropped as written by reasoning models (DeepSeek-R1: 2," in text
@@ -208,11 +229,31 @@ def test_data_prepare_with_the_filter_from_the_command_line(workspace, tmp_path,
     assert code == 0 and "nothing to do" in text and "12 dropped" in text
 
     (tmp_path / "plain.jsonl").write_text('{"text": "no generator here"}\n')
-    code, text = run(capsys, "data", "prepare", "--tokenizer", workspace / "parent", "--source", tmp_path / "plain.jsonl",
-                     "--filter", "nemotron-sft", "--out", tmp_path / "bad")  # fmt: skip
+    code, text = run(
+        capsys,
+        "data",
+        "prepare",
+        "--tokenizer",
+        workspace / "parent",
+        "--source",
+        tmp_path / "plain.jsonl",
+        "--filter",
+        "nemotron-sft",
+        "--out",
+        tmp_path / "bad",
+    )
     assert code == 2 and "plain.jsonl:1 has none of the fields 'generator'" in text and "--generator-field" in text
     assert "Traceback" not in text and not (tmp_path / "bad").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
-    code, text = run(capsys, "data", "prepare", "--source", tmp_path / "plain.jsonl", "--exclude-generator", "x",
-                     "--out", tmp_path / "bad")  # fmt: skip
+    code, text = run(
+        capsys,
+        "data",
+        "prepare",
+        "--source",
+        tmp_path / "plain.jsonl",
+        "--exclude-generator",
+        "x",
+        "--out",
+        tmp_path / "bad",
+    )
     assert code == 2 and "only apply with --filter" in text

@@ -73,8 +73,9 @@ def test_auto_model_returns_a_model_output_with_the_depth_run(tmp_path):
 def core_rows(model) -> list[int]:
     """Records the batch size of every call to the first core layer."""
     calls: list[int] = []
-    model.model.core[0].register_forward_pre_hook(lambda module, args, kwargs: calls.append(args[0].shape[0]),
-                                                  with_kwargs=True)  # fmt: skip
+    model.model.core[0].register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(args[0].shape[0]), with_kwargs=True
+    )
     return calls
 
 
@@ -84,8 +85,16 @@ def test_adaptive_batch_runs_the_core_only_on_rows_still_recurring():
     ids, mask = prompts(batch=3)
     calls = core_rows(model)
     rule = ExitRule("kl", threshold=1e-3, min_steps=2)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0,
-                         return_dict_in_generate=True, exit_rule=rule)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=12,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        exit_rule=rule,
+    )
     depths = out.steps_per_token
     assert len(set(depths[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
     assert sum(calls) == depths.sum().item()  # prefill: 3 rows × 12 steps, then each row its own depth
@@ -96,8 +105,14 @@ def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
     model = model_with_state("mistral")  # sliding windows shorter than the sequence
     ids, mask = prompts(batch=3, length=9)
     mask[2, :2] = 0
-    kwargs = dict(max_new_tokens=6, do_sample=False, num_steps=10, pad_token_id=0, return_dict_in_generate=True,
-                  exit_rule=ExitRule("argmax", patience=1, min_steps=2))  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=10,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        exit_rule=ExitRule("argmax", patience=1, min_steps=2),
+    )
     batched = model.generate(ids, attention_mask=mask, **kwargs)
     assert len(set(batched.steps_per_token[:, 1:].flatten().tolist())) > 1
     for row in range(3):
@@ -113,8 +128,9 @@ def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
 def test_warm_start_starts_each_token_from_the_previous_final_state():
     model = model_with_state("llama")
     ids = prompts(batch=1)[0]
-    kwargs = dict(max_new_tokens=4, do_sample=False, num_steps=3, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=True)  # fmt: skip
+    kwargs = dict(
+        max_new_tokens=4, do_sample=False, num_steps=3, pad_token_id=0, return_dict_in_generate=True, output_logits=True
+    )
     warm, cold = model.generate(ids, warm_start=True, **kwargs), model.generate(ids, **kwargs)
     cache, logits = RecurrentCache(model.config), []
     with torch.no_grad():
@@ -135,11 +151,29 @@ def test_warm_start_runs_in_the_cli_and_lm_eval(workspace, tmp_path, capsys):
 
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
     assert code == 0
-    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--recurrence", "4", "--warm-start",
-                     "--exit", "argmax:1", "--max-new-tokens", "4")  # fmt: skip
+    code, text = run(
+        capsys,
+        "generate",
+        tmp_path / "rec",
+        "--prompt",
+        "the cat",
+        "--recurrence",
+        "4",
+        "--warm-start",
+        "--exit",
+        "argmax:1",
+        "--max-new-tokens",
+        "4",
+    )
     assert code == 0 and "4 tokens in" in text
-    lm = RecurfitLM(pretrained=model_with_state(), tokenizer=char_tokenizer(), batch_size=2, num_steps=3,
-                    state_init="previous", exit="argmax:2")  # fmt: skip
+    lm = RecurfitLM(
+        pretrained=model_with_state(),
+        tokenizer=char_tokenizer(),
+        batch_size=2,
+        num_steps=3,
+        state_init="previous",
+        exit="argmax:2",
+    )
     request = Instance("generate_until", doc={}, arguments=("the cat", {"until": ["."], "max_gen_toks": 5}), idx=0)
     assert isinstance(lm.generate_until([request])[0], str)
     assert lm.exit_rule == ExitRule("argmax", patience=2) and lm.get_model_info()["state_init"] == "previous"
@@ -173,8 +207,9 @@ def test_speculative_greedy_equals_plain_greedy_at_the_full_recurrence(family):
     with torch.no_grad():
         model.model.adapter.weight[:, :64] *= 0.3  # a state that settles: shallow drafts are sometimes right
     ids, mask = prompts(length=9)  # the drafts run past the sliding windows (5), which the rollback must handle
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=6, pad_token_id=0,
-                           eos_token_id=None)  # fmt: skip
+    plain = model.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=6, pad_token_id=0, eos_token_id=None
+    )
     fast = speculative_generate(model, ids, mask, max_new_tokens=10, num_steps=6, draft_steps=1, lookahead=3)
     assert torch.equal(fast.sequences, plain)
     assert 0 < fast.acceptance_rate < 1  # some drafts kept, some rolled back: both paths ran
@@ -188,8 +223,9 @@ def test_speculative_decoding_stops_rows_at_eos_as_generate_does():
     kwargs = dict(max_new_tokens=10, do_sample=False, num_steps=6, pad_token_id=0)
     eos = int(model.generate(ids, attention_mask=mask, eos_token_id=None, **kwargs)[0, -7])  # row 0's 4th new token
     plain = model.generate(ids, attention_mask=mask, eos_token_id=eos, **kwargs)
-    fast = speculative_generate(model, ids, mask, max_new_tokens=10, num_steps=6, draft_steps=1, lookahead=4,
-                                eos_token_id=eos)  # fmt: skip
+    fast = speculative_generate(
+        model, ids, mask, max_new_tokens=10, num_steps=6, draft_steps=1, lookahead=4, eos_token_id=eos
+    )
     assert torch.equal(fast.sequences[:, : plain.shape[1]], plain) and (plain[0, -6:] == 0).all()
 
 
@@ -199,19 +235,35 @@ def test_speculative_accept_ratio_keeps_more_drafts():
     model = model_with_state("llama")
     ids, mask = prompts(length=9)
     exact = speculative_generate(model, ids, mask, max_new_tokens=12, num_steps=6, draft_steps=1, lookahead=4)
-    loose = speculative_generate(model, ids, mask, max_new_tokens=12, num_steps=6, draft_steps=1, lookahead=4,
-                                 accept_ratio=1e-6)  # fmt: skip
+    loose = speculative_generate(
+        model, ids, mask, max_new_tokens=12, num_steps=6, draft_steps=1, lookahead=4, accept_ratio=1e-6
+    )
     assert loose.acceptance_rate == 1.0 > exact.acceptance_rate
 
 
 def test_generate_command_decodes_speculatively(workspace, tmp_path, capsys):
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
-    code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--recurrence", "4", "--draft-steps", "1",
-                     "--lookahead", "3", "--max-new-tokens", "6")  # fmt: skip
+    code, text = run(
+        capsys,
+        "generate",
+        tmp_path / "rec",
+        "--prompt",
+        "the cat",
+        "--recurrence",
+        "4",
+        "--draft-steps",
+        "1",
+        "--lookahead",
+        "3",
+        "--max-new-tokens",
+        "6",
+    )
     assert code == 0 and "of drafted tokens accepted" in text
     model, ids = model_with_state(), torch.tensor([[5, 6, 7, 8]])
     plain = generate_text(model, char_tokenizer(), ids, GenerationSettings(recurrence=4, max_new_tokens=8))
-    fast = generate_text(model, char_tokenizer(), ids, GenerationSettings(recurrence=4, max_new_tokens=8, draft_steps=2))
+    fast = generate_text(
+        model, char_tokenizer(), ids, GenerationSettings(recurrence=4, max_new_tokens=8, draft_steps=2)
+    )
     assert fast.text == plain.text and fast.tokens == plain.tokens and 0 <= fast.acceptance_rate <= 1
     code, text = run(capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--draft-steps", "1", "--exit", "kl")
     assert code == 2 and "--draft-steps (speculative decoding) is greedy" in text

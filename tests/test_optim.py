@@ -172,8 +172,13 @@ def test_the_trainers_schedulers_and_logged_lrs_follow_the_schedule(tmp_path, wo
         "data": {"phases": [{"sources": [str(workspace / "prose")]}]},
         "depth": {"mean_recurrence": 2, "backprop_depth": 1},
         "optimizer": {
-            "muon_lr": 0.02, "lr": 0.004, "warmup": 2, "decay": 0.5, "decay_shape": "1-sqrt", "min_lr_ratio": 0.1,
-        },  # fmt: skip
+            "muon_lr": 0.02,
+            "lr": 0.004,
+            "warmup": 2,
+            "decay": 0.5,
+            "decay_shape": "1-sqrt",
+            "min_lr_ratio": 0.1,
+        },
         "batch": {"micro": 2, "global": 2},
         "steps": 8,
         "checkpoint": {"every": 0},

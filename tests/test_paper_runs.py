@@ -36,9 +36,10 @@ def test_a_chained_run_starts_from_the_previous_runs_final_weights(tmp_path, wor
     first = load_config(None, [], base=small_run(workspace, tmp_path / "phase1"))
     train(first)
     second = load_config(
-        None, ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'phase1'}"],
+        None,
+        ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'phase1'}"],
         base=small_run(workspace, tmp_path / "phase2"),
-    )  # fmt: skip
+    )
     trainer = Trainer(second)
 
     saved = load_file(str(tmp_path / "phase1" / "final" / "model.safetensors"))
@@ -53,9 +54,10 @@ def test_a_chained_run_starts_from_the_previous_runs_final_weights(tmp_path, wor
 
 def test_a_chained_run_whose_parent_run_is_missing_fails_before_any_compute(tmp_path, workspace):
     config = load_config(
-        None, ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'never-ran'}"],
+        None,
+        ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'never-ran'}"],
         base=small_run(workspace, tmp_path / "phase2"),
-    )  # fmt: skip
+    )
     with pytest.raises(RecurfitError, match=r"model.init_from: .*never-ran holds no finished run"):
         Trainer(config)
     assert not (tmp_path / "phase2").exists()
@@ -129,8 +131,11 @@ def test_shortgpt_pruning_keeps_the_highest_influence_layers_and_computes_the_pr
 def test_a_shortgpt_baseline_from_a_config(tmp_path, workspace):
     config = small_run(workspace, tmp_path / "run")
     config["model"] = {
-        "path": str(workspace / "parent"), "prune_to": 4, "select": "shortgpt", "calibration": str(workspace / "prose"),
-    }  # fmt: skip
+        "path": str(workspace / "parent"),
+        "prune_to": 4,
+        "select": "shortgpt",
+        "calibration": str(workspace / "prose"),
+    }
     loaded = load_config(None, [], base=config)
     model = build_model(loaded.model, loaded.depth, 0)
     assert model.config.num_hidden_layers == 4 and not hasattr(model.config, "num_core_layers")
@@ -192,10 +197,17 @@ def test_curricula_follow_the_authors_scheduler(tmp_path, workspace):
         return values
 
     config = load_config(
-        None, ["depth.mean_recurrence=32", "depth.backprop_depth=8", "depth.curriculum=linear",
-               "depth.curriculum_fraction=0.25", "depth.backprop_curriculum=linear", "depth.backprop_curriculum_fraction=0.1"],
+        None,
+        [
+            "depth.mean_recurrence=32",
+            "depth.backprop_depth=8",
+            "depth.curriculum=linear",
+            "depth.curriculum_fraction=0.25",
+            "depth.backprop_curriculum=linear",
+            "depth.backprop_curriculum_fraction=0.1",
+        ],
         base=small_run(workspace, tmp_path / "run", steps=200),
-    )  # fmt: skip
+    )
     schedule = depth_schedule(config)
     mean = [max(1, math.ceil(v)) for v in authors(32, 0.25, 200, 0.0)]
     # Their backprop scheduler starts at 1/k̄ of k̄ and is stepped once before the first training step.

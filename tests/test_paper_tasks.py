@@ -22,8 +22,18 @@ AUTHORS_GSM8K_TEXT = "Q: {{question}}\nA: Let's think step by step."
 def offline():
     """recurfit's offline tasks, loaded once: {lm-eval name: task}."""
     manager = task_manager("offline")
-    names = ["arc_easy_offline", "arc_challenge_offline", "openbookqa_offline", "hellaswag_offline", "piqa_offline",
-             "winogrande_offline", "mmlu_offline", "gsm8k_cot_offline", "minerva_math_offline", "minerva_math500_offline"]  # fmt: skip
+    names = [
+        "arc_easy_offline",
+        "arc_challenge_offline",
+        "openbookqa_offline",
+        "hellaswag_offline",
+        "piqa_offline",
+        "winogrande_offline",
+        "mmlu_offline",
+        "gsm8k_cot_offline",
+        "minerva_math_offline",
+        "minerva_math500_offline",
+    ]
     return manager.load(names)["tasks"]
 
 
@@ -33,8 +43,12 @@ def lm_eval_task(config: dict, documents: dict[str, list[dict]]) -> Configurable
     same rows."""
     splits = {config.get(key) for key in ("training_split", "validation_split", "test_split", "fewshot_split")} - {None}
     documents = {split: documents.get(split, next(iter(documents.values()))) for split in splits | set(documents)}
-    config = {**config, "custom_dataset": lambda **_: datasets.DatasetDict(
-        {split: datasets.Dataset.from_list(rows) for split, rows in documents.items()})}  # fmt: skip
+    config = {
+        **config,
+        "custom_dataset": lambda **_: datasets.DatasetDict(
+            {split: datasets.Dataset.from_list(rows) for split, rows in documents.items()}
+        ),
+    }
     config.pop("dataset_kwargs", None)
     return ConfigurableTask(config=config)
 
@@ -62,7 +76,9 @@ def raw_rows(task, count: int, drop: tuple[str, ...] = ()) -> list[dict]:
 def assert_same_prompts(ours, theirs, num_fewshot: int = 0) -> None:
     assert len(theirs.eval_docs) > 0
     for mine, reference in zip(ours.eval_docs, theirs.eval_docs):
-        assert ours.fewshot_context(mine, num_fewshot=num_fewshot) == theirs.fewshot_context(reference, num_fewshot=num_fewshot)
+        assert ours.fewshot_context(mine, num_fewshot=num_fewshot) == theirs.fewshot_context(
+            reference, num_fewshot=num_fewshot
+        )
         if ours.OUTPUT_TYPE == "multiple_choice":
             assert ours.doc_to_choice(mine) == theirs.doc_to_choice(reference)
             assert ours.doc_to_target(mine) == theirs.doc_to_target(reference)
@@ -75,13 +91,18 @@ def assert_same_prompts(ours, theirs, num_fewshot: int = 0) -> None:
     ("ours", "yaml", "split", "first"),
     [
         ("arc_easy_offline", "arc/arc_easy.yaml", "test", "Question: Which statement best explains why photosynthesis"),
-        ("arc_challenge_offline", "arc/arc_challenge.yaml", "test", "Question: An astronomer observes that a planet rotates"),
+        (
+            "arc_challenge_offline",
+            "arc/arc_challenge.yaml",
+            "test",
+            "Question: An astronomer observes that a planet rotates",
+        ),
         ("openbookqa_offline", "openbookqa/openbookqa.yaml", "test", "A person wants to start saving money"),
         ("hellaswag_offline", "hellaswag/hellaswag.yaml", "validation", None),
         ("piqa_offline", "piqa/piqa.yaml", "validation", "Question: "),
         ("winogrande_offline", "winogrande/default.yaml", "validation", None),  # one context per option
     ],
-)  # fmt: skip
+)
 def test_multiple_choice_prompts_equal_lm_evals_own_task(offline, ours, yaml, split, first):
     task = offline[ours]
     config = lm_eval_config(yaml)
@@ -100,8 +121,10 @@ def test_arc_and_openbookqa_are_their_test_splits():
     assert load_test_mc("openbookqa")["test"][0]["id"] == "8-343"  # the test split's first question (validation: 8-376)
 
 
-@pytest.mark.parametrize(("task", "folder"), [("arc_easy", "ai2_arc/ARC-Easy"), ("arc_challenge", "ai2_arc/ARC-Challenge"),
-                                              ("openbookqa", "openbookqa/main")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("task", "folder"),
+    [("arc_easy", "ai2_arc/ARC-Easy"), ("arc_challenge", "ai2_arc/ARC-Challenge"), ("openbookqa", "openbookqa/main")],
+)
 def test_rebuilt_documents_equal_the_hub_rows_where_both_are_bundled(task, folder, monkeypatch):
     """oe-eval's request files hold the validation split too, and the Hub's validation rows are bundled: rebuilt
     from the request files, every row has the Hub row's question, choice texts and answer position."""
@@ -114,27 +137,41 @@ def test_rebuilt_documents_equal_the_hub_rows_where_both_are_bundled(task, folde
     question = "question_stem" if task == "openbookqa" else "question"
     assert len(rebuilt) == len(hub) > 0
     for mine, row in zip(rebuilt, hub):
-        assert (mine["id"], mine[question], mine["choices"]["text"]) == (row["id"], row[question], row["choices"]["text"])
-        assert mine["choices"]["label"].index(mine["answerKey"]) == row["choices"]["label"].index(row["answerKey"].lstrip())
+        assert (mine["id"], mine[question], mine["choices"]["text"]) == (
+            row["id"],
+            row[question],
+            row["choices"]["text"],
+        )
+        assert mine["choices"]["label"].index(mine["answerKey"]) == row["choices"]["label"].index(
+            row["answerKey"].lstrip()
+        )
 
 
 @pytest.mark.parametrize("subject", ["abstract_algebra", "high_school_us_history"])
 def test_mmlu_subject_prompts_equal_lm_evals_own_task(offline, subject):
     task = offline[f"mmlu_{subject}_offline"]
-    theirs = lm_eval_task(lm_eval_config(f"mmlu/default/mmlu_{subject}.yaml"),
-                          {"test": raw_rows(task, 3), "dev": list(task.dataset["dev"])})  # fmt: skip
+    theirs = lm_eval_task(
+        lm_eval_config(f"mmlu/default/mmlu_{subject}.yaml"),
+        {"test": raw_rows(task, 3), "dev": list(task.dataset["dev"])},
+    )
     assert_same_prompts(task, theirs)
     assert task.fewshot_context(task.eval_docs[0], num_fewshot=0).startswith(
-        f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n")
+        f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    )
 
 
 def test_mmlu_group_has_lm_evals_subjects_categories_and_sizes(offline):
     subjects = sorted(LM_EVAL_TASKS.glob("mmlu/default/mmlu_*.yaml"))
     assert len(subjects) == 57
     for path in subjects:
-        theirs, ours = load_yaml(path, resolve_func=False), load_yaml(TASKS_DIR / "mmlu" / f"{path.stem}_offline.yaml", resolve_func=False)
+        theirs, ours = (
+            load_yaml(path, resolve_func=False),
+            load_yaml(TASKS_DIR / "mmlu" / f"{path.stem}_offline.yaml", resolve_func=False),
+        )
         assert ours["description"] == theirs["description"] and ours["task_alias"] == theirs["task_alias"]
-        assert ours["tag"] == theirs["tag"].replace("_tasks", "_offline_tasks")  # mmlu_stem_tasks -> mmlu_stem_offline_tasks
+        assert ours["tag"] == theirs["tag"].replace(
+            "_tasks", "_offline_tasks"
+        )  # mmlu_stem_tasks -> mmlu_stem_offline_tasks
     assert sum(len(task.eval_docs) for name, task in offline.items() if name.startswith("mmlu_")) == 14042
 
 
@@ -154,7 +191,8 @@ def test_gsm8k_prompts_equal_the_authors_variant_of_lm_evals_gsm8k_cot(offline):
     assert prompt == (
         "Q: There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are done, "
         "there will be 21 trees. How many trees did the grove workers plant today?\nA: Let's think step by step. There "
-        "are 15 trees originally. Then there were 21 trees after some more were planted. So there must have been 21 - 15 "
+        "are 15 trees originally. Then there were 21 trees after some more were planted. "
+        "So there must have been 21 - 15 "
         "= 6. The answer is 6.\n\nQ: " + task.eval_docs[0]["question"] + "\nA: Let's think step by step."
     )
     assert task.config.num_fewshot == 1 and task.config.generation_kwargs["until"] == ["Q:", "</s>", "<|im_end|>"]
@@ -185,8 +223,14 @@ def _score(task_name, completion_for, limit=5):
         def loglikelihood_rolling(self, requests):
             raise NotImplementedError
 
-    output = simple_evaluate(model=Scripted(), tasks=[task_name], task_manager=task_manager("offline"), limit=limit,
-                             bootstrap_iters=0, log_samples=False)  # fmt: skip
+    output = simple_evaluate(
+        model=Scripted(),
+        tasks=[task_name],
+        task_manager=task_manager("offline"),
+        limit=limit,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     return output["results"][task_name]
 
 
@@ -201,7 +245,9 @@ def test_gsm8k_scores_right_wrong_and_unstated_answers_and_a_chain_of_thought_wi
         return min((text.split(stop)[0] for stop in until), key=len)
 
     chain = "She has 3 apples.\n\nSo 3 + 4 = 7.\nThe answer is {}.\n\nQ: Next question"
-    assert as_generated(chain.format(7)) == "She has 3 apples.\n\nSo 3 + 4 = 7.\nThe answer is 7.\n\n"  # cut at "Q:" only
+    assert (
+        as_generated(chain.format(7)) == "She has 3 apples.\n\nSo 3 + 4 = 7.\nThe answer is 7.\n\n"
+    )  # cut at "Q:" only
     right = _score("gsm8k_cot_offline", lambda d: as_generated(chain.format(_gold(d))))
     wrong = _score("gsm8k_cot_offline", lambda d: f"So 2 + 2 = 4. The answer is {int(_gold(d).replace(',', '')) + 1}.")
     unstated = _score("gsm8k_cot_offline", lambda d: f"It is {_gold(d)} apples, I think")
@@ -221,16 +267,23 @@ def lm_eval_minerva():
     return config, utils
 
 
-@pytest.mark.parametrize(("ours", "yaml"), [("minerva_math_algebra_offline", "minerva_math_algebra.yaml"),
-                                            ("minerva_math_precalc_offline", "minerva_math_precalc.yaml"),
-                                            ("minerva_math500_offline", "minerva_math500.yaml")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("ours", "yaml"),
+    [
+        ("minerva_math_algebra_offline", "minerva_math_algebra.yaml"),
+        ("minerva_math_precalc_offline", "minerva_math_precalc.yaml"),
+        ("minerva_math500_offline", "minerva_math500.yaml"),
+    ],
+)
 def test_math_prompts_equal_lm_evals_own_minerva_math_task(offline, lm_eval_minerva, ours, yaml):
     task = offline[ours]
     config = lm_eval_config(f"minerva_math/{yaml}")
     theirs = lm_eval_task({**config, "num_fewshot": 1}, {"test": raw_rows(task, 3, drop=("answer",))})
     assert_same_prompts(task, theirs, num_fewshot=1)
     assert task.config.generation_kwargs == theirs.config.generation_kwargs
-    assert task.fewshot_context(task.eval_docs[0], num_fewshot=1).startswith("Problem:\nFind the domain of the expression")
+    assert task.fewshot_context(task.eval_docs[0], num_fewshot=1).startswith(
+        "Problem:\nFind the domain of the expression"
+    )
 
 
 def test_math_verify_is_lm_evals_metric_and_stated_answer_is_strict(offline, lm_eval_minerva, monkeypatch):
@@ -248,14 +301,23 @@ def test_math_verify_is_lm_evals_metric_and_stated_answer_is_strict(offline, lm_
     for doc in docs.select(range(4)):
         for kind, make in completions.items():
             ours = math_results(doc, [make(doc["answer"])])
-            assert ours["math_verify"] == utils.process_results(doc, [make(doc["answer"])])["math_verify"], (kind, doc["answer"])
+            assert ours["math_verify"] == utils.process_results(doc, [make(doc["answer"])])["math_verify"], (
+                kind,
+                doc["answer"],
+            )
             assert ours["stated_answer"] == expected_stated[kind], (kind, doc["answer"])
-    first = docs[0]  # answer 2: lm-eval's metric credits a right number stated nowhere as the answer; the strict one does not
+    first = docs[
+        0
+    ]  # answer 2: lm-eval's metric credits a right number stated nowhere as the answer; the strict one does not
     assert math_results(first, [completions["unstated"](first["answer"])]) == {"math_verify": 1, "stated_answer": 0}
 
 
 def test_math_group_scores_both_metrics_over_the_subjects():
-    right = _score("minerva_math_offline", lambda d: f"Final Answer: The final answer is ${d['answer']}$. I hope it is correct.", limit=1)
+    right = _score(
+        "minerva_math_offline",
+        lambda d: f"Final Answer: The final answer is ${d['answer']}$. I hope it is correct.",
+        limit=1,
+    )
     unstated = _score("minerva_math_offline", lambda d: "Nothing to say.", limit=1)
     assert right["math_verify,none"] == 1.0 and right["stated_answer,none"] == 1.0 and right["sample_len"] == 7
     assert unstated["math_verify,none"] == 0.0 and unstated["stated_answer,none"] == 0.0

@@ -72,12 +72,12 @@ def test_left_padded_batch_equals_each_sequence_alone(model_type):
     ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, -len(row):], mask[i, -len(row):] = row, 1
+        ids[i, -len(row) :], mask[i, -len(row) :] = row, 1
     with torch.no_grad():
         batched = model(ids, attention_mask=mask, num_steps=4).logits
         for i, row in enumerate(rows):
             alone = model(row[None], num_steps=4).logits[0]
-            assert max_diff(batched[i, -len(row):], alone) <= TOLERANCE
+            assert max_diff(batched[i, -len(row) :], alone) <= TOLERANCE
 
 
 def test_attention_implementations_agree():

@@ -14,8 +14,15 @@ from recurfit.defaults import DTYPES as DTYPE_NAMES
 from recurfit.errors import RecurfitError
 from recurfit.loading import DTYPES, resolve_placement
 
-COMMANDS = [["generate", "--prompt", "x"], ["chat"], ["eval", "loss", "--data", "d"], ["eval", "tasks"],
-            ["retrofit", "--out", "o"], ["inspect"], ["demo"]]  # fmt: skip
+COMMANDS = [
+    ["generate", "--prompt", "x"],
+    ["chat"],
+    ["eval", "loss", "--data", "d"],
+    ["eval", "tasks"],
+    ["retrofit", "--out", "o"],
+    ["inspect"],
+    ["demo"],
+]
 
 
 def test_auto_is_the_gpu_in_bfloat16_when_there_is_one_else_the_cpu_in_float32(monkeypatch):
@@ -54,8 +61,9 @@ def test_every_model_command_takes_device_dtype_and_threads(command):
 
 def test_retrofit_saves_in_the_dtype_asked_for_and_refuses_a_missing_gpu(workspace, tmp_path, capsys):
     out = tmp_path / "bf16"
-    code, text = run_cli(capsys, "retrofit", "--model", workspace / "parent", "--shape", "1,2,1", "--dtype", "bfloat16",
-                         "--out", out)  # fmt: skip
+    code, text = run_cli(
+        capsys, "retrofit", "--model", workspace / "parent", "--shape", "1,2,1", "--dtype", "bfloat16", "--out", out
+    )
     assert code == 0 and "✓ equal" in text, text
     with safe_open(out / "model.safetensors", "pt") as weights:
         names = weights.keys()  # safe_open is no dict: no `in`
@@ -74,8 +82,11 @@ def test_inspect_load_and_generate_run_in_bfloat16_on_the_cpu(workspace, tmp_pat
     seen = []
     original = recurfit.generation.generate_text
     monkeypatch.setattr(
-        recurfit.generation, "generate_text", lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k)
+        recurfit.generation,
+        "generate_text",
+        lambda model, *a, **k: seen.append(model.dtype) or original(model, *a, **k),
     )
-    code, text = run_cli(capsys, "generate", workspace / "parent", "--prompt", "the cat", "--max-new-tokens", "2",
-                         "--dtype", "bfloat16")  # fmt: skip
+    code, text = run_cli(
+        capsys, "generate", workspace / "parent", "--prompt", "the cat", "--max-new-tokens", "2", "--dtype", "bfloat16"
+    )
     assert code == 0 and seen == [torch.bfloat16], text

@@ -12,8 +12,10 @@ import recurfit
 from recurfit.errors import RecurfitError
 from recurfit.raven import import_raven
 
-THEIR_NORMS = {"llama": ("input_layernorm", "post_attention_layernorm"),
-               "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm")}
+THEIR_NORMS = {
+    "llama": ("input_layernorm", "post_attention_layernorm"),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
 
 
 def write_raven_checkpoint(model: recurfit.RecurrentForCausalLM, folder, family: str, padded_vocab: int):
@@ -34,20 +36,35 @@ def write_raven_checkpoint(model: recurfit.RecurrentForCausalLM, folder, family:
             out[dst + "mlp.fc.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
             out[dst + "mlp.proj.weight"] = sd[src + "mlp.down_proj.weight"]
             norm_1, norm_2 = THEIR_NORMS[family]
-            out[dst + "norm_1.weight"], out[dst + "norm_2.weight"] = sd[src + f"{norm_1}.weight"], sd[src + f"{norm_2}.weight"]
+            out[dst + "norm_1.weight"], out[dst + "norm_2.weight"] = (
+                sd[src + f"{norm_1}.weight"],
+                sd[src + f"{norm_2}.weight"],
+            )
             if family == "olmo2":
                 out[dst + "attn.q_norm.weight"] = sd[src + "self_attn.q_norm.weight"]
                 out[dst + "attn.k_norm.weight"] = sd[src + "self_attn.k_norm.weight"]
     save_file({k: v.contiguous() for k, v in out.items()}, folder / "model.safetensors")
     P, R, C = model.config.shape
     config = {
-        "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"], "n_embd": text.hidden_size,
-        "num_attention_heads": text.num_attention_heads, "num_key_value_heads": text.num_key_value_heads,
-        "head_dim": text.hidden_size // text.num_attention_heads, "intermediate_size": text.intermediate_size, "n_layers": P + R + C,
-        "n_layers_in_prelude": P, "n_layers_in_recurrent_block": R, "n_layers_in_coda": C,
-        "norm_eps": text.rms_norm_eps, "vocab_size": text.vocab_size, "padded_vocab_size": padded_vocab,
-        "rope_base": text.rope_parameters["rope_theta"], "tie_embeddings": False, "mean_recurrence": 8,
-        "mean_backprop_depth": 4, "init_values": {"std": 0.02, "embed_scale": 1.0},
+        "model_type": "huginn_raven",
+        "architectures": ["RavenForCausalLM"],
+        "n_embd": text.hidden_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": text.hidden_size // text.num_attention_heads,
+        "intermediate_size": text.intermediate_size,
+        "n_layers": P + R + C,
+        "n_layers_in_prelude": P,
+        "n_layers_in_recurrent_block": R,
+        "n_layers_in_coda": C,
+        "norm_eps": text.rms_norm_eps,
+        "vocab_size": text.vocab_size,
+        "padded_vocab_size": padded_vocab,
+        "rope_base": text.rope_parameters["rope_theta"],
+        "tie_embeddings": False,
+        "mean_recurrence": 8,
+        "mean_backprop_depth": 4,
+        "init_values": {"std": 0.02, "embed_scale": 1.0},
         "max_position_embeddings": text.max_position_embeddings,
     }
     (folder / "config.json").write_text(json.dumps(config))

@@ -42,18 +42,40 @@ def test_recipe_validates_with_its_suggested_overrides(path):
 def test_recipes_cover_the_papers_experiments():
     names = {p.stem for p in RECIPES}
     assert {
-        "llama-242-init", "llama-242-cooldown", "llama-242-schedule", "tinyllama-484-fineweb", "llama-layers",
-        "tinyllama-shortgpt", "tinyllama-787-math", "tinyllama-484-two-phase-1", "tinyllama-484-two-phase-2",
-        "tinyllama-484-single-phase", "tinyllama-484-math", "olmo-464-math", "llama-464-math",
-    } <= names  # fmt: skip
+        "llama-242-init",
+        "llama-242-cooldown",
+        "llama-242-schedule",
+        "tinyllama-484-fineweb",
+        "llama-layers",
+        "tinyllama-shortgpt",
+        "tinyllama-787-math",
+        "tinyllama-484-two-phase-1",
+        "tinyllama-484-two-phase-2",
+        "tinyllama-484-single-phase",
+        "tinyllama-484-math",
+        "olmo-464-math",
+        "llama-464-math",
+    } <= names
 
 
 # ---------------------------------------------------------------- docs/paper-settings.md against the recipes
 
 SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
 SECTION = re.compile(r"^#{2,3} .*?`(recipes/paper/[\w.-]+\.yaml)`|^### \*arm\* .*?overrides `([^`]+)`")
-REQUIRED = {"parent", "shape", "steps", "global batch", "optimiser", "warmup", "decay", "mean recurrence",
-            "backprop depth", "curriculum", "data", "eval tasks"}  # fmt: skip
+REQUIRED = {
+    "parent",
+    "shape",
+    "steps",
+    "global batch",
+    "optimiser",
+    "warmup",
+    "decay",
+    "mean recurrence",
+    "backprop depth",
+    "curriculum",
+    "data",
+    "eval tasks",
+}
 
 
 def settings_sections() -> list[tuple[str, list[str], list[list[str]]]]:
@@ -91,7 +113,9 @@ def test_every_paper_recipe_has_a_settings_section_and_every_section_a_recipe():
     assert documented == on_disk
 
 
-@pytest.mark.parametrize("recipe, overrides, rows", settings_sections(), ids=lambda v: str(v)[:60] if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "recipe, overrides, rows", settings_sections(), ids=lambda v: str(v)[:60] if isinstance(v, str) else None
+)
 def test_the_settings_table_matches_the_recipe(recipe, overrides, rows):
     root = Path(__file__).parent.parent
     config = load_config(root / recipe, overrides).to_dict()
@@ -104,15 +128,27 @@ def test_the_settings_table_matches_the_recipe(recipe, overrides, rows):
         assert literal and key.startswith("`"), f"{recipe}: row {setting!r} needs a `value` and a `key`"
         expected = yaml.safe_load(literal.group(1))
         actual = config_value(config, key.strip("`"))
-        assert same(expected, actual), f"{recipe} {' '.join(overrides)}: {setting} is {actual!r} in the recipe, {expected!r} in the table"
+        assert same(expected, actual), (
+            f"{recipe} {' '.join(overrides)}: {setting} is {actual!r} in the recipe, {expected!r} in the table"
+        )
         checked += 1
     assert checked >= 1
 
 
 def test_main_sections_cover_every_kind_of_setting():
     for recipe, overrides, rows in settings_sections():
-        if overrides or recipe.endswith(("olmo-464-math.yaml", "llama-464-math.yaml", "cooldown.yaml", "787-math.yaml",
-                                         "two-phase-1.yaml", "two-phase-2.yaml", "llama-layers.yaml", "shortgpt.yaml")):
+        if overrides or recipe.endswith(
+            (
+                "olmo-464-math.yaml",
+                "llama-464-math.yaml",
+                "cooldown.yaml",
+                "787-math.yaml",
+                "two-phase-1.yaml",
+                "two-phase-2.yaml",
+                "llama-layers.yaml",
+                "shortgpt.yaml",
+            )
+        ):
             continue  # these sections list what differs from the experiment they extend
         names = {row[0] for row in rows}
         missing = {name for name in REQUIRED if not any(name in n for n in names)}

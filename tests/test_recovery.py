@@ -202,9 +202,11 @@ def test_resume_refuses_changed_settings_and_accepts_changed_resources(tmp_path,
     out = tmp_path / "run"
     stopped_run(workspace, out, 2)
     for override, key in (
-        ("depth.mean_recurrence=3", "depth.mean_recurrence"), ("batch.global=4", "batch.global"),
-        ("model.shape=[1,2,1]", "model.shape"), ("optimizer.muon_lr=0.5", "optimizer.muon_lr"),
-    ):  # fmt: skip
+        ("depth.mean_recurrence=3", "depth.mean_recurrence"),
+        ("batch.global=4", "batch.global"),
+        ("model.shape=[1,2,1]", "model.shape"),
+        ("optimizer.muon_lr=0.5", "optimizer.muon_lr"),
+    ):
         with pytest.raises(RecurfitError, match=rf"--resume: {key} differs from the run's"):
             Trainer(config_for(workspace, out, "steps=8", "checkpoint.every=2", override), resume=True)
     resumed = Trainer(
@@ -229,9 +231,12 @@ with owned(sys.argv[1]):
 def _holder(*paths) -> subprocess.Popen:
     """Another process that owns `paths[0]` until it is killed."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, *map(str, paths)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", HOLD, *map(str, paths)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     assert holder.stdout.readline().strip() == "holding"
     return holder
 
@@ -256,17 +261,27 @@ def test_a_second_train_on_a_live_run_names_the_first_ones_pid(tmp_path, workspa
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tiny_config(workspace, tmp_path / "run", steps=400)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    first = subprocess.Popen([sys.executable, "-m", "recurfit", "train", str(config)], cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "recurfit", "train", str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (tmp_path / "run" / "log.jsonl").exists():
             time.sleep(0.05)
         for extra in ([], ["--resume"]):
             second = subprocess.run(
-                [sys.executable, "-m", "recurfit", "train", str(config), *extra], cwd=REPO, env=env,
-                capture_output=True, text=True, timeout=300, check=False,
-            )  # fmt: skip
+                [sys.executable, "-m", "recurfit", "train", str(config), *extra],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
             said = " ".join(second.stdout.split())
             assert second.returncode == 2 and f"is in use by process {first.pid}" in said, said + second.stderr[-2000:]
     finally:
@@ -327,10 +342,11 @@ def test_bad_stores_are_refused_before_training(tmp_path, workspace):
         rows.tofile(store / "train.bin")
 
     for edit, message in (
-        (no_training_rows, "has no training rows"), (foreign_ids, r"\(train row 5\) holds token id 200, but the model"),
+        (no_training_rows, "has no training rows"),
+        (foreign_ids, r"\(train row 5\) holds token id 200, but the model"),
         (lambda s, m: m.pop("rows"), r"meta.json: 'rows' is missing"),
         (lambda s, m: m.update(seq_len="32"), r"'seq_len' must be a whole number >= 1, got '32'"),
-    ):  # fmt: skip
+    ):
         store = _copy_store(workspace, tmp_path, edit)
         phases = [{"sources": [str(store)]}]
         with pytest.raises(RecurfitError, match=message):
@@ -362,11 +378,13 @@ def test_config_values_out_of_range_and_bad_overrides_are_one_line(tmp_path, wor
     for override, message in (
         ("max_bad_steps=0", "max_bad_steps must be >= 1, got 0"),
         ("checkpoint.every=-1", "checkpoint.every must be >= 0, got -1"),
-        ("eval.rows=0", "eval.rows must be >= 1"), ("log.every=0", "log.every must be >= 1"),
-        ("optimizer.lr=0", "optimizer.lr must be > 0"), ("optimizer.betas=[0.9]", "optimizer.betas must be two"),
+        ("eval.rows=0", "eval.rows must be >= 1"),
+        ("log.every=0", "log.every must be >= 1"),
+        ("optimizer.lr=0", "optimizer.lr must be > 0"),
+        ("optimizer.betas=[0.9]", "optimizer.betas must be two"),
         ("steps=[1,", r"Override 'steps=\[1,': '\[1,' is not a YAML value"),
         ("data.phases=[{sources: []}]", r"data.phases\[0\] has no sources"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(RecurfitError, match=message):
             load_config(None, [override], base=base)
     layers = ["model.shape=null", "model.prelude=[3]", "model.core=[1,2]", "model.coda=[5]"]

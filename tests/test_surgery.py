@@ -12,12 +12,21 @@ from recurfit.surgery import LayerSelection, block_influence
 
 def test_paper_rule_reproduces_the_papers_layer_choices():
     assert LayerSelection.paper_rule((4, 8, 4), 22).as_dict() == {
-        "prelude": [0, 1, 2, 3], "core": list(range(10, 18)), "coda": [18, 19, 20, 21]}
+        "prelude": [0, 1, 2, 3],
+        "core": list(range(10, 18)),
+        "coda": [18, 19, 20, 21],
+    }
     assert LayerSelection.paper_rule((2, 4, 2), 22).as_dict() == {
-        "prelude": [0, 1], "core": [16, 17, 18, 19], "coda": [20, 21]}
+        "prelude": [0, 1],
+        "core": [16, 17, 18, 19],
+        "coda": [20, 21],
+    }
     assert LayerSelection.paper_rule((6, 10, 6), 22).kept == list(range(22))
     assert LayerSelection.paper_rule((4, 6, 4), 16).as_dict() == {
-        "prelude": [0, 1, 2, 3], "core": list(range(6, 12)), "coda": [12, 13, 14, 15]}
+        "prelude": [0, 1, 2, 3],
+        "core": list(range(6, 12)),
+        "coda": [12, 13, 14, 15],
+    }
     assert LayerSelection.paper_rule((4, 8, 4), 22).dropped(22) == [4, 5, 6, 7, 8, 9]
 
 

@@ -30,7 +30,12 @@ def tiny_config(workspace: Path, out: Path, **overrides) -> dict:
         "data": {
             "phases": [
                 {"sources": [str(workspace / "prose")], "tokens": 32 * 8 * 4},
-                {"sources": [{"path": str(workspace / "prose"), "weight": 1}, {"path": str(workspace / "math"), "weight": 1}]},
+                {
+                    "sources": [
+                        {"path": str(workspace / "prose"), "weight": 1},
+                        {"path": str(workspace / "math"), "weight": 1},
+                    ]
+                },
             ],
             "validation": [str(workspace / "prose"), str(workspace / "math")],
         },
@@ -118,7 +123,9 @@ def test_scaled_init_statistics():
     from recurfit import retrofit
     from recurfit.init import scaled_init_
 
-    model = scaled_init_(retrofit(tiny_parent("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4), (2, 2, 2)))
+    model = scaled_init_(
+        retrofit(tiny_parent("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4), (2, 2, 2))
+    )
     std = math.sqrt(2 / (5 * 256))
     depth = 2 + model.config.mean_recurrence * 2 + 2
     q = model.model.core[0].self_attn.q_proj.weight
@@ -163,7 +170,9 @@ def test_flops_follow_the_drawn_depths(tmp_path, workspace):
 
 
 def test_non_finite_losses_skip_the_update_then_stop(tmp_path, workspace, monkeypatch):
-    config = load_config(None, ["steps=10", "max_bad_steps=3", "checkpoint.every=0"], base=tiny_config(workspace, tmp_path / "run"))
+    config = load_config(
+        None, ["steps=10", "max_bad_steps=3", "checkpoint.every=0"], base=tiny_config(workspace, tmp_path / "run")
+    )
     trainer = Trainer(config)
     trainer.train_step()
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -178,10 +187,14 @@ def test_non_finite_losses_skip_the_update_then_stop(tmp_path, workspace, monkey
 
 
 def test_baselines_train_in_the_same_engine(tmp_path, workspace):
-    parent = load_config(None, ["steps=6", "checkpoint.every=0", "model.shape=null"], base=tiny_config(workspace, tmp_path / "parent"))
+    parent = load_config(
+        None, ["steps=6", "checkpoint.every=0", "model.shape=null"], base=tiny_config(workspace, tmp_path / "parent")
+    )
     records = [r for r in (train(parent), read_log(tmp_path / "parent"))[1] if r["kind"] == "train"]
     assert records[-1]["loss"] < records[0]["loss"] and {(r["n"], r["k"]) for r in records} == {(0, 1)}
-    random = load_config(None, ["steps=6", "checkpoint.every=0", "model.init=random"], base=tiny_config(workspace, tmp_path / "random"))
+    random = load_config(
+        None, ["steps=6", "checkpoint.every=0", "model.init=random"], base=tiny_config(workspace, tmp_path / "random")
+    )
     train(random)
     first = [r for r in read_log(tmp_path / "random") if r["kind"] == "train"][0]
     assert first["loss"] == pytest.approx(math.log(97), abs=0.35)  # near-uniform: logit std ≈ 0.6 at h=64
@@ -215,7 +228,9 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path, workspace):
     killed.send_signal(signal.SIGKILL)
     assert killed.wait() == -signal.SIGKILL
     assert not (tmp_path / "killed" / "final").exists(), "the run finished before it could be killed"
-    resumed = run_cli("train", str(tmp_path / "killed.yaml"), "--resume", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    resumed = run_cli(
+        "train", str(tmp_path / "killed.yaml"), "--resume", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     assert resumed.wait() == 0, resumed.stderr.read().decode()[-2000:]
     assert straight.wait() == 0
 
@@ -237,7 +252,11 @@ def one_and_two_processes(tmp_path, config: dict, two_processes: dict) -> tuple[
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     double = subprocess.run(
-        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "two.yaml")], cwd=REPO, env=env, capture_output=True, text=True
+        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "two.yaml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert double.returncode == 0, double.stderr[-3000:]
     assert single.wait() == 0, single.stderr.read().decode()[-2000:]

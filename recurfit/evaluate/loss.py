@@ -111,7 +111,10 @@ def evaluate_loss(
             for r, nll in sweep_nll(model, ids.to(device), mask.to(device), steps, generator).items():
                 totals[r] = totals.get(r, 0.0) + nll.sum().item()
             progress.advance(task, len(ids))
-    return {r: {"loss": total / examples.tokens, "perplexity": math.exp(total / examples.tokens)} for r, total in totals.items()}
+    return {
+        r: {"loss": total / examples.tokens, "perplexity": math.exp(total / examples.tokens)}
+        for r, total in totals.items()
+    }
 
 
 def loss_sweep(
@@ -137,7 +140,12 @@ def loss_sweep(
     if baseline is not None:
         (metrics,) = evaluate_loss(baseline, examples, recurrences, batch_size, seed, show_progress).values()
         parent_row = Row.measured(baseline, None, metrics, label=f"parent ({baseline_name})")
-    details = {"data": examples.description, "sequences": len(examples.sequences), "tokens": examples.tokens, "seed": seed}
+    details = {
+        "data": examples.description,
+        "sequences": len(examples.sequences),
+        "tokens": examples.tokens,
+        "seed": seed,
+    }
     return Sweep("loss", name, ["loss", "perplexity"], rows, parent_row, None, details)
 
 

@@ -47,8 +47,9 @@ def run_name(name: str | Path) -> str:
 def _grid(count: int, title: str):
     columns = min(count, 3)
     rows = -(-count // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows + 0.8), squeeze=False,
-                                layout="constrained")  # fmt: skip
+    figure, axes = plt.subplots(
+        rows, columns, figsize=(5 * columns, 3.8 * rows + 0.8), squeeze=False, layout="constrained"
+    )
     for extra in axes.flat[count:]:
         extra.set_visible(False)
     figure.suptitle(title)
@@ -72,8 +73,9 @@ def _figure_legend(figure) -> None:
             entries.setdefault(label, handle)
     if entries:
         columns = min(len(entries), 4, max(1, round(figure.get_figwidth() / 2.5)))  # as many as fit the width
-        figure.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8,
-                      frameon=False)  # fmt: skip
+        figure.legend(
+            entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8, frameon=False
+        )
 
 
 def _metric_label(metric: str) -> str:
@@ -117,13 +119,20 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
             recurrent = [row for row in sweep.rows if row.steps is not None and metric in row.metrics]
             if recurrent:
                 ys = [row.metrics[metric] for row in recurrent]
-                _draw(axis, [row.steps for row in recurrent], ys, _stderr(sweep, metric, ys), marker="o",
-                      label=run_name(sweep.model))  # fmt: skip
+                _draw(
+                    axis,
+                    [row.steps for row in recurrent],
+                    ys,
+                    _stderr(sweep, metric, ys),
+                    marker="o",
+                    label=run_name(sweep.model),
+                )
             elif metric in sweep.rows[0].metrics:  # a fixed-depth model: one value whatever r
                 axis.axhline(sweep.rows[0].metrics[metric], label=run_name(sweep.model))
         for row, style in _references(sweeps, metric):
-            axis.axhline(row.metrics[metric], linestyle=style, color="black" if style == "--" else "grey",
-                         label=row.label)  # fmt: skip
+            axis.axhline(
+                row.metrics[metric], linestyle=style, color="black" if style == "--" else "grey", label=row.label
+            )
         axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
         axis.set_xscale("log", base=2)
         axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)  # room for the end markers
@@ -142,15 +151,33 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
         for sweep in sweeps:
             rows = [row for row in sweep.rows if row.flops_per_token and metric in row.metrics]
             ys = [row.metrics[metric] for row in rows]
-            _draw(axis, [row.flops_per_token for row in rows], ys, _stderr(sweep, metric, ys), marker="o",
-                  label=run_name(sweep.model))  # fmt: skip
+            _draw(
+                axis,
+                [row.flops_per_token for row in rows],
+                ys,
+                _stderr(sweep, metric, ys),
+                marker="o",
+                label=run_name(sweep.model),
+            )
             for row in rows:
                 if row.steps is not None:
-                    axis.annotate(f"r={row.steps}", (row.flops_per_token, row.metrics[metric]), fontsize=7,
-                                  textcoords="offset points", xytext=(4, 4))  # fmt: skip
+                    axis.annotate(
+                        f"r={row.steps}",
+                        (row.flops_per_token, row.metrics[metric]),
+                        fontsize=7,
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                    )
         for row, _ in _references(sweeps, metric, chance=False):
-            axis.plot([row.flops_per_token], [row.metrics[metric]], marker="*", markersize=12, color="black",
-                      linestyle="none", label=row.label)  # fmt: skip
+            axis.plot(
+                [row.flops_per_token],
+                [row.metrics[metric]],
+                marker="*",
+                markersize=12,
+                color="black",
+                linestyle="none",
+                label=row.label,
+            )
         axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
         _log_flops_axis(axis.xaxis, right_room=1.35)  # the r= labels sit right of their points
         _finish_metric_axis(axis, metric, "inference FLOPs per token (2 × effective parameters; M = 10⁶, G = 10⁹)")
@@ -168,8 +195,12 @@ def _log_flops_axis(axis, right_room: float = 1.15) -> None:
         middle, half = math.sqrt(low * high), 2.0
         low, high = min(low, middle / half), max(high, middle * half)
     for digits in ((1, 2, 5), range(1, 10)):
-        ticks = [m * 10.0**e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
-                 for m in digits if low <= m * 10.0**e <= high]  # fmt: skip
+        ticks = [
+            m * 10.0**e
+            for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+            for m in digits
+            if low <= m * 10.0**e <= high
+        ]
         if len(ticks) >= 2:
             break
     axis.set_view_interval(low, high, ignore=True)
@@ -256,8 +287,7 @@ def _plot_validation(axis, run: str, color: str, by_r: dict[int | None, list[tup
     """One line per test recurrence in the run's colour, fading towards r = 1."""
     for rank, (r, points) in enumerate(sorted(by_r.items(), key=lambda item: item[0] or 0)):
         alpha = 0.3 + 0.7 * (rank + 1) / len(by_r)
-        axis.plot(*zip(*points), marker=".", color=color, alpha=alpha,
-                  label=run + ("" if r is None else f" r={r}"))  # fmt: skip
+        axis.plot(*zip(*points), marker=".", color=color, alpha=alpha, label=run + ("" if r is None else f" r={r}"))
 
 
 def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:

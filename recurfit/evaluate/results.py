@@ -28,7 +28,7 @@ class Row:
     flops_per_token: int | None = None
 
     @classmethod
-    def measured(cls, model, steps: int | None, metrics: dict[str, float], label: str | None = None) -> "Row":
+    def measured(cls, model, steps: int | None, metrics: dict[str, float], label: str | None = None) -> Row:
         """A row with the model's compute at `steps` recurrences (ignored by a fixed-depth model)."""
         counts = count_parameters(model)
         r = steps or 1
@@ -58,7 +58,7 @@ class Sweep:
         path.write_text(json.dumps({"format": FORMAT, **asdict(self)}, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Sweep":
+    def load(cls, path: str | Path) -> Sweep:
         path = Path(path)
         try:
             data = json.loads(path.read_text())

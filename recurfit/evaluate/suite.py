@@ -31,23 +31,42 @@ TASKS_DIR = Path(__file__).parent / "tasks"
 OFFLINE = "_offline"
 # The paper's evaluation suite (its appendix tables), by lm-eval name.
 PAPER_SUITE = (
-    "arc_easy", "arc_challenge", "hellaswag", "winogrande", "mmlu", "piqa", "openbookqa", "gsm8k_cot", "minerva_math",
-)  # fmt: skip
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "winogrande",
+    "mmlu",
+    "piqa",
+    "openbookqa",
+    "gsm8k_cot",
+    "minerva_math",
+)
 # With `data="hub"`, the lm-eval task each name runs when it is not lm-eval's own: the authors' GSM8K.
 HUB_TASKS = {"gsm8k_cot": "gsm8k_cot_sean"}
 # The metric the paper reports for each task (the authors' plot_evals.py): lm-eval's `metric,filter` keys.
 PAPER_METRICS = {
-    "arc_easy": "acc_norm,none", "arc_challenge": "acc_norm,none", "hellaswag": "acc_norm,none",
-    "openbookqa": "acc_norm,none", "piqa": "acc_norm,none", "mmlu": "acc,none", "winogrande": "acc,none",
-    "gsm8k_cot": "exact_match,flexible-extract", "minerva_math": "math_verify,none",
+    "arc_easy": "acc_norm,none",
+    "arc_challenge": "acc_norm,none",
+    "hellaswag": "acc_norm,none",
+    "openbookqa": "acc_norm,none",
+    "piqa": "acc_norm,none",
+    "mmlu": "acc,none",
+    "winogrande": "acc,none",
+    "gsm8k_cot": "exact_match,flexible-extract",
+    "minerva_math": "math_verify,none",
     "minerva_math500": "math_verify,none",
-}  # fmt: skip
+}
 # Every metric a table shows where lm-eval reports it, in this order after the task's headline (the paper's metric,
 # else the first of these). `stated_answer` is the offline MATH tasks' strict score; `exact_match,none` lm-eval's.
 REPORTED_METRICS = (
-    "acc_norm,none", "acc,none", "exact_match,flexible-extract", "exact_match,strict-match", "math_verify,none",
-    "stated_answer,none", "exact_match,none",
-)  # fmt: skip
+    "acc_norm,none",
+    "acc,none",
+    "exact_match,flexible-extract",
+    "exact_match,strict-match",
+    "math_verify,none",
+    "stated_answer,none",
+    "exact_match,none",
+)
 # The authors' model arguments (lm-eval's HFLM): a BOS token before every prompt. (They also asked for float32,
 # which is how `recurfit eval` loads models.)
 MODEL_ARGS = {"add_bos_token": True}
@@ -66,8 +85,10 @@ class RunSettings:
 GENERATION_RUN = RunSettings(num_fewshot=1, max_length=1024)
 PAPER_RUNS = {
     **{name: RunSettings(num_fewshot=0) for name in PAPER_SUITE},
-    "gsm8k_cot": GENERATION_RUN, "minerva_math": GENERATION_RUN, "minerva_math500": GENERATION_RUN,
-}  # fmt: skip
+    "gsm8k_cot": GENERATION_RUN,
+    "minerva_math": GENERATION_RUN,
+    "minerva_math500": GENERATION_RUN,
+}
 
 
 def offline_tasks() -> list[str]:
@@ -131,8 +152,9 @@ def resolve_tasks(names: Sequence[str], data: str, manager) -> list[str]:
         hints = "; ".join(_suggestion(name, known) for name in unknown)
         where = (
             f"recurfit's offline tasks are {', '.join(offline_tasks())}, and mmlu_<subject>, minerva_math_<subject>"
-            if data == "offline" else "see `lm_eval ls tasks`"
-        )  # fmt: skip
+            if data == "offline"
+            else "see `lm_eval ls tasks`"
+        )
         raise RecurfitError(f"Unknown task {hints} ({where}; `paper` runs the paper's suite).")
     return resolved
 
@@ -233,10 +255,16 @@ def task_sweep(
         """One lm-eval model per max_length the runs need, all wrapping the same module."""
         lengths = dict.fromkeys(settings.max_length for settings in runs)
         return {
-            length: RecurfitLM(pretrained=pretrained, tokenizer=tokenizer, batch_size=batch_size, max_length=length,
-                               **MODEL_ARGS, **kwargs)
+            length: RecurfitLM(
+                pretrained=pretrained,
+                tokenizer=tokenizer,
+                batch_size=batch_size,
+                max_length=length,
+                **MODEL_ARGS,
+                **kwargs,
+            )
             for length in lengths
-        }  # fmt: skip
+        }
 
     def run(lms: dict, label: str) -> dict:
         console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
@@ -244,11 +272,19 @@ def task_sweep(
         for settings, group in runs.items():
             with quiet_git_hash():
                 output = simple_evaluate(
-                    model=lms[settings.max_length], tasks=group, task_manager=manager, num_fewshot=settings.num_fewshot,
-                    limit=limit, bootstrap_iters=0, log_samples=False,
+                    model=lms[settings.max_length],
+                    tasks=group,
+                    task_manager=manager,
+                    num_fewshot=settings.num_fewshot,
+                    limit=limit,
+                    bootstrap_iters=0,
+                    log_samples=False,
                     gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
-                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                )  # fmt: skip
+                    random_seed=seed,
+                    numpy_random_seed=seed,
+                    torch_random_seed=seed,
+                    fewshot_random_seed=seed,
+                )
             results.update(output["results"])
         return results
 
@@ -278,8 +314,14 @@ def task_sweep(
             chance[column], documents[column] = chance_level(leaves, limit), document_count(leaves, limit)
     headline = [next(iter(task_columns(task, first_run[task]))) for task in names]
     details = {
-        "data": data, "tasks": names, "limit": limit, "state_init": state_init, "seed": seed, "headline": headline,
-        "documents": documents, "model_args": MODEL_ARGS,
+        "data": data,
+        "tasks": names,
+        "limit": limit,
+        "state_init": state_init,
+        "seed": seed,
+        "headline": headline,
+        "documents": documents,
+        "model_args": MODEL_ARGS,
         "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
-    }  # fmt: skip
+    }
     return Sweep("tasks", name, columns, rows, parent_row, Row("random chance", chance), details), raw

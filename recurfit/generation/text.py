@@ -45,8 +45,10 @@ class GenerationSettings:
             )
         self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps)
         if self.draft_steps is not None and (self.exit or self.warm_start or self.temperature > 0):
-            raise RecurfitError("--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "
-                                "--warm-start and --temperature.")  # fmt: skip
+            raise RecurfitError(
+                "--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "
+                "--warm-start and --temperature."
+            )
 
 
 @dataclass
@@ -61,14 +63,16 @@ class Generation:
 def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
     """Token ids of a conversation: the tokenizer's chat template when it has one, else plain text."""
     if not any(m["content"].strip() for m in messages):
-        raise RecurfitError("The prompt is empty: pass the text to continue, e.g. --prompt \"Once upon a time\".")
+        raise RecurfitError('The prompt is empty: pass the text to continue, e.g. --prompt "Once upon a time".')
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     return tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt").input_ids
 
 
-def generate_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool = False) -> Generation:
+def generate_text(
+    model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool = False
+) -> Generation:
     recurrent = isinstance(model, RecurrentForCausalLM)
     if ids.shape[1] == 0:
         raise RecurfitError("The prompt is empty: pass the text to continue.")
@@ -113,10 +117,15 @@ def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationS
     may still roll drafted tokens back, so nothing can be shown earlier)."""
     start = time.perf_counter()
     output = speculative_generate(
-        model, ids.to(model.device), max_new_tokens=settings.max_new_tokens, num_steps=settings.recurrence,
-        draft_steps=settings.draft_steps, lookahead=settings.lookahead, eos_token_id=tokenizer.eos_token_id,
+        model,
+        ids.to(model.device),
+        max_new_tokens=settings.max_new_tokens,
+        num_steps=settings.recurrence,
+        draft_steps=settings.draft_steps,
+        lookahead=settings.lookahead,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )  # fmt: skip
+    )
     seconds = time.perf_counter() - start
     new = output.sequences[0, ids.shape[1] :]
     if tokenizer.eos_token_id is not None and (new == tokenizer.eos_token_id).any():
@@ -126,5 +135,10 @@ def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationS
         streamer.put(ids[0])
         streamer.put(new.cpu())
         streamer.end()
-    return Generation(tokenizer.decode(new, skip_special_tokens=True).strip(), len(new), seconds, None,
-                      acceptance_rate=output.acceptance_rate)  # fmt: skip
+    return Generation(
+        tokenizer.decode(new, skip_special_tokens=True).strip(),
+        len(new),
+        seconds,
+        None,
+        acceptance_rate=output.acceptance_rate,
+    )

@@ -59,7 +59,9 @@ def gather_state(model, optimizers) -> tuple[dict, list[dict]]:
     return model_state, optimizer_states
 
 
-def write_checkpoint(root: Path, step: int, model_state: dict, optimizer_states: list[dict], schedulers, trainer: dict, keep: int) -> Path:
+def write_checkpoint(
+    root: Path, step: int, model_state: dict, optimizer_states: list[dict], schedulers, trainer: dict, keep: int
+) -> Path:
     """Write a checkpoint atomically (rank 0 only) and drop all but the newest `keep`."""
     target = root / f"step-{step:06d}"
     try:

@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -30,29 +30,29 @@ from ..errors import RecurfitError
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # folder or Hub id; None: the embedded SmolLM2-135M
+    path: str | None = None  # folder or Hub id; None: the embedded SmolLM2-135M
     # A finished run's folder: start from its `final` weights (phase 2 of a two-phase run, a cooldown).
-    init_from: Optional[str] = None
-    shape: Optional[list[int]] = None  # [P, R, C]: retrofit `path` with the paper's layer rule
+    init_from: str | None = None
+    shape: list[int] | None = None  # [P, R, C]: retrofit `path` with the paper's layer rule
     # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
-    prelude: Optional[list[int]] = None
-    core: Optional[list[int]] = None
-    coda: Optional[list[int]] = None
+    prelude: list[int] | None = None
+    core: list[int] | None = None
+    coda: list[int] | None = None
     # How `shape` (or `prune_to`) picks layers: the paper's rule, or ShortGPT's Block Influence on `calibration`.
     select: Literal["paper", "shortgpt"] = "paper"
-    prune_to: Optional[int] = None  # a non-recurrent baseline: keep this many parent layers (select: shortgpt)
-    calibration: Optional[str] = None  # a token store whose first validation rows ShortGPT scores layers on
+    prune_to: int | None = None  # a non-recurrent baseline: keep this many parent layers (select: shortgpt)
+    calibration: str | None = None  # a token store whose first validation rows ShortGPT scores layers on
     calibration_rows: int = 16
     init: Literal["pretrained", "random"] = "pretrained"  # random: the scaled (Takase/Huginn) init of the shape
     # Token embeddings are multiplied by this in the forward (Huginn's `emb_scale`; the random-init ablation).
-    embedding_scale: Optional[float] = None
+    embedding_scale: float | None = None
     untie_embeddings: bool = False  # give a tied parent its own output matrix (the paper's Llama baseline)
     adapter: Literal["linear", "add"] = "linear"
-    state_init_std: Optional[float] = None  # None: keep the model's
+    state_init_std: float | None = None  # None: keep the model's
     gradient_checkpointing: bool = False
 
     @property
-    def source(self) -> Optional[str]:
+    def source(self) -> str | None:
         """What to load: the chained run's final model, or `path`."""
         return str(Path(self.init_from) / "final") if self.init_from else self.path
 
@@ -115,7 +115,7 @@ class SourceWeight:
 @dataclass
 class PhaseConfig:
     sources: list[SourceWeight]
-    tokens: Optional[int] = None  # budget for this phase; None on the last phase: until the end
+    tokens: int | None = None  # budget for this phase; None on the last phase: until the end
 
 
 @dataclass
@@ -146,7 +146,7 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     # Orthogonalise each attention's q,k,v and each MLP's gate,up as one matrix (the authors' fused Wqkv, fc).
     muon_fused: bool = False
-    eps: Optional[float] = None  # AdamW's ε; None: 1e-10 under muon (Keller's aux Adam), 1e-8 under adamw
+    eps: float | None = None  # AdamW's ε; None: 1e-10 under muon (Keller's aux Adam), 1e-8 under adamw
     grad_clip: float = 1.0  # 0: no clipping
     # transformers' warmup-stable-decay. warmup/decay: a fraction of the steps (ceil(fraction · steps)),
     # or a step count if >= 1; decay 0: constant LR after warmup.
@@ -167,7 +167,9 @@ class OptimizerConfig:
         for name in ("warmup", "decay"):
             value = getattr(self, name)
             if value < 0 or (value >= 1 and not float(value).is_integer()):
-                found.append(f"optimizer.{name} must be a fraction of the steps in [0, 1) or a whole step count, got {value}")
+                found.append(
+                    f"optimizer.{name} must be a fraction of the steps in [0, 1) or a whole step count, got {value}"
+                )
         if not 0 <= self.min_lr_ratio <= 1:
             found.append(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.eps is not None and self.eps <= 0:
@@ -180,7 +182,9 @@ class OptimizerConfig:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas) or not 0 <= self.muon_momentum < 1:
             found.append(f"optimizer.betas must be two values in [0, 1) and muon_momentum one, got {self.betas}")
         if not found and self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1:
-            found.append(f"optimizer.warmup ({self.warmup}) + optimizer.decay ({self.decay}) are more than the whole run")
+            found.append(
+                f"optimizer.warmup ({self.warmup}) + optimizer.decay ({self.decay}) are more than the whole run"
+            )
         elif not found and steps >= 1:
             warmup, decay = self.schedule_steps(steps)
             if warmup + decay > steps:
@@ -207,7 +211,7 @@ class CheckpointConfig:
 class LogConfig:
     every: int = 1
     tensorboard: bool = False
-    wandb: Optional[str] = None  # project name
+    wandb: str | None = None  # project name
     progress: bool = True
 
 
@@ -236,14 +240,16 @@ class TrainConfig:
     seed: int = 0
     max_bad_steps: int = 5  # non-finite losses in a row before the run stops
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         problems = []
         if self.steps < 1:
             problems.append("steps must be >= 1")
         if self.batch.micro < 1 or self.batch.global_ < self.batch.micro:
             problems.append("batch.micro must be >= 1 and batch.global >= batch.micro")
         elif self.batch.global_ % self.batch.micro:
-            problems.append(f"batch.global ({self.batch.global_}) must be a multiple of batch.micro ({self.batch.micro})")
+            problems.append(
+                f"batch.global ({self.batch.global_}) must be a multiple of batch.micro ({self.batch.micro})"
+            )
         problems += self.model.problems()
         if self.depth.mean_recurrence < 1 or self.depth.backprop_depth < 1:
             problems.append("depth.mean_recurrence and depth.backprop_depth must be >= 1")
@@ -263,10 +269,12 @@ class TrainConfig:
         if self.checkpoint.keep < 1:
             problems.append("checkpoint.keep must be >= 1")
         for name, value, least in (
-            ("checkpoint.every", self.checkpoint.every, 0), ("eval.every", self.eval.every, 0),
-            ("log.every", self.log.every, 1), ("eval.rows", self.eval.rows, 1),
+            ("checkpoint.every", self.checkpoint.every, 0),
+            ("eval.every", self.eval.every, 0),
+            ("log.every", self.log.every, 1),
+            ("eval.rows", self.eval.rows, 1),
             ("max_bad_steps", self.max_bad_steps, 1),
-        ):  # fmt: skip
+        ):
             if value < least:
                 problems.append(f"{name} must be >= {least}, got {value}")
         for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
@@ -353,7 +361,11 @@ def _build(cls, raw, where: str):
         hint = difflib.get_close_matches(key, fields, n=1)
         raise RecurfitError(
             f"Unknown config key {where + key!r}"
-            + (f"; did you mean {where + hint[0]!r}?" if hint else f"; {where or 'top level'} accepts {sorted(fields)}.")
+            + (
+                f"; did you mean {where + hint[0]!r}?"
+                if hint
+                else f"; {where or 'top level'} accepts {sorted(fields)}."
+            )
         )
     hints = typing.get_type_hints(cls)
     values = {}

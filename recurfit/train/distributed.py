@@ -22,7 +22,7 @@ class Processes:
     device: torch.device = torch.device("cpu")
 
     @classmethod
-    def from_environment(cls) -> "Processes":
+    def from_environment(cls) -> Processes:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -31,7 +31,9 @@ class Processes:
         else:
             device = torch.device("cpu")
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+            )
         return cls(rank, world, local_rank, device)
 
     @property

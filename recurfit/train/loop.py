@@ -70,9 +70,12 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
     return DepthSchedule(
         Curriculum(depth.mean_recurrence, depth.curriculum, math.ceil(depth.curriculum_fraction * steps)),
         Curriculum(
-            depth.backprop_depth, depth.backprop_curriculum, math.ceil(depth.backprop_curriculum_fraction * steps),
-            start=1, lead=1,
-        ),  # fmt: skip
+            depth.backprop_depth,
+            depth.backprop_curriculum,
+            math.ceil(depth.backprop_curriculum_fraction * steps),
+            start=1,
+            lead=1,
+        ),
         seed=config.seed,
         fixed=depth.fixed,
     )
@@ -103,7 +106,8 @@ class Trainer:
         self.recurrent = is_recurrent(self.model)
         self.parameter_counts = count_parameters(self.model)
         self.stream = RowStream(
-            [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases], seed=config.seed,
+            [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases],
+            seed=config.seed,
             vocab_size=self.model.config.vocab_size,
         )
         self.validation = [TokenStore(path, "val") for path in config.data.validation]
@@ -127,9 +131,12 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(config.to_yaml())
             self.log = MetricsLog(
-                self.out, resume_step=self.counters.step if resume else None,
-                tensorboard=config.log.tensorboard, wandb=config.log.wandb, config=config.to_dict(),
-            )  # fmt: skip
+                self.out,
+                resume_step=self.counters.step if resume else None,
+                tensorboard=config.log.tensorboard,
+                wandb=config.log.wandb,
+                config=config.to_dict(),
+            )
 
     # ------------------------------------------------------------ set-up checks
 
@@ -231,13 +238,23 @@ class Trainer:
         counters.flops_paper += tokens * training_flops_per_token(self.parameter_counts, mean_depth)
         peak = peak_flops(self.processes.device)
         record = {
-            "kind": "train", "step": counters.step, "loss": loss, "lr": lrs[-1],
-            "n": num_steps[0], "k": num_steps[1], "mean_recurrence": sum(mean_depth),
+            "kind": "train",
+            "step": counters.step,
+            "loss": loss,
+            "lr": lrs[-1],
+            "n": num_steps[0],
+            "k": num_steps[1],
+            "mean_recurrence": sum(mean_depth),
             "backprop_depth": self.schedule.backprop_depth.at(step),
-            "tokens": counters.tokens, "flops": counters.flops, "flops_paper": counters.flops_paper,
-            "tokens_per_s": tokens / seconds, "grad_norm": grad_norm, "phase": self.stream.phase,
-            "skipped": counters.skipped, "seconds": seconds,
-        }  # fmt: skip
+            "tokens": counters.tokens,
+            "flops": counters.flops,
+            "flops_paper": counters.flops_paper,
+            "tokens_per_s": tokens / seconds,
+            "grad_norm": grad_norm,
+            "phase": self.stream.phase,
+            "skipped": counters.skipped,
+            "seconds": seconds,
+        }
         if len(self.optimizers) > 1:
             record["muon_lr"] = lrs[0]
         if peak:
@@ -264,7 +281,10 @@ class Trainer:
         for store in self.validation:
             rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
             for r in depths:
-                losses = [self._micro_batch_loss(chunk, (0, r), index) for index, chunk in enumerate(rows.split(self.config.batch.micro))]
+                losses = [
+                    self._micro_batch_loss(chunk, (0, r), index)
+                    for index, chunk in enumerate(rows.split(self.config.batch.micro))
+                ]
                 key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")
                 record[key] = processes_mean_float(self.processes, torch.stack(losses).mean())
         self.model.train()
@@ -275,11 +295,20 @@ class Trainer:
     def checkpoint(self) -> None:
         model_state, optimizer_states = gather_state(self.model, self.optimizers)
         if self.processes.is_main:
-            trainer = {"counters": vars(self.counters), "stream": self.stream.state_dict(), "config": self.config.to_dict()}
+            trainer = {
+                "counters": vars(self.counters),
+                "stream": self.stream.state_dict(),
+                "config": self.config.to_dict(),
+            }
             write_checkpoint(
-                self.out / "checkpoints", self.counters.step, model_state, optimizer_states, self.schedulers,
-                trainer, self.config.checkpoint.keep,
-            )  # fmt: skip
+                self.out / "checkpoints",
+                self.counters.step,
+                model_state,
+                optimizer_states,
+                self.schedulers,
+                trainer,
+                self.config.checkpoint.keep,
+            )
         self.processes.barrier()
 
     def _resume(self) -> None:
@@ -315,8 +344,12 @@ class Trainer:
                 if tokenizer is not None:
                     tokenizer.save_pretrained(staging)
                 counters = self.counters
-                training = {"config": self.config.to_dict(), "steps": counters.step, "tokens": counters.tokens,
-                            "flops": counters.flops}  # fmt: skip
+                training = {
+                    "config": self.config.to_dict(),
+                    "steps": counters.step,
+                    "tokens": counters.tokens,
+                    "flops": counters.flops,
+                }
                 write_model_card(staging, self.model, self.out.name, training, validation)
         self.processes.barrier()
         return final

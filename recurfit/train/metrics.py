@@ -27,7 +27,15 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 class MetricsLog:
-    def __init__(self, out: Path, *, resume_step: int | None, tensorboard: bool = False, wandb: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        out: Path,
+        *,
+        resume_step: int | None,
+        tensorboard: bool = False,
+        wandb: str | None = None,
+        config: dict | None = None,
+    ):
         self.path = out / "log.jsonl"
         try:
             if resume_step is not None:

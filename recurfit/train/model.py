@@ -26,17 +26,27 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     calibration = calibration_rows(config) if config.select == "shortgpt" else None
     if config.prune_to is not None:
         if isinstance(model, RecurrentForCausalLM):
-            raise RecurfitError("model.prune_to prunes a parent model, but model.path is recurrent; drop model.prune_to.")
+            raise RecurfitError(
+                "model.prune_to prunes a parent model, but model.path is recurrent; drop model.prune_to."
+            )
         model = _surgery(prune_layers, model, config.prune_to, calibration)
     layers = {"prelude": config.prelude, "core": config.core, "coda": config.coda} if config.core is not None else {}
     if config.shape is not None or layers:
         if isinstance(model, RecurrentForCausalLM):
-            raise RecurfitError("model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape.")
+            raise RecurfitError(
+                "model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape."
+            )
         model = _surgery(
-            retrofit, model, tuple(config.shape) if config.shape else None, **layers, select=config.select,
-            calibration=calibration, adapter=config.adapter,
-            mean_recurrence=depth.mean_recurrence, backprop_depth=depth.backprop_depth,
-        )  # fmt: skip
+            retrofit,
+            model,
+            tuple(config.shape) if config.shape else None,
+            **layers,
+            select=config.select,
+            calibration=calibration,
+            adapter=config.adapter,
+            mean_recurrence=depth.mean_recurrence,
+            backprop_depth=depth.backprop_depth,
+        )
     if isinstance(model, RecurrentForCausalLM):
         model.config.mean_recurrence = depth.mean_recurrence
         model.config.backprop_depth = depth.backprop_depth
@@ -73,7 +83,9 @@ def check_sources(config: ModelConfig) -> None:
             "train that run first, or point model.init_from at a run folder that has a `final` model."
         )
     if config.calibration is not None and not Path(config.calibration).is_dir():
-        raise RecurfitError(f"model.calibration: no token store at {config.calibration}; prepare it with `recurfit data prepare`.")
+        raise RecurfitError(
+            f"model.calibration: no token store at {config.calibration}; prepare it with `recurfit data prepare`."
+        )
 
 
 def calibration_rows(config: ModelConfig) -> torch.Tensor:
@@ -81,7 +93,9 @@ def calibration_rows(config: ModelConfig) -> torch.Tensor:
     store = TokenStore(config.calibration, "val")
     rows = store[: config.calibration_rows]
     if len(rows) == 0:
-        raise RecurfitError(f"model.calibration: {config.calibration} has no validation rows for ShortGPT to score layers on.")
+        raise RecurfitError(
+            f"model.calibration: {config.calibration} has no validation rows for ShortGPT to score layers on."
+        )
     return torch.from_numpy(rows.astype("int64"))
 
 

@@ -35,7 +35,9 @@ FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(hidden matrices for Muon, everything else): embeddings and the head are matrices, but not hidden ones."""
-    vocab_matrices = {id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}
+    vocab_matrices = {
+        id(m.weight) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+    }
     matrices, others = [], []
     for parameter in model.parameters():
         if not parameter.requires_grad:
@@ -75,9 +77,12 @@ def build_optimizers(model: nn.Module, config: OptimizerConfig) -> list[torch.op
         return [AdamWStar(model.parameters(), lr=config.lr, betas=betas, weight_decay=config.weight_decay)]
     matrices, others = split_parameters(model)
     muon = GatheringMuon(
-        matrices, lr=config.muon_lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+        matrices,
+        lr=config.muon_lr,
+        weight_decay=config.weight_decay,
+        momentum=config.muon_momentum,
         fused=fused_matrices(model, matrices) if config.muon_fused else (),
-    )  # fmt: skip
+    )
     return [muon, torch.optim.AdamW(others, **adamw)]
 
 
@@ -92,9 +97,14 @@ def build_schedulers(optimizers, config: OptimizerConfig, total_steps: int) -> l
     warmup, decay = config.schedule_steps(total_steps)
     return [
         get_wsd_schedule(
-            optimizer, num_warmup_steps=warmup, num_decay_steps=decay, num_training_steps=total_steps,
-            warmup_type="linear", decay_type=config.decay_shape, min_lr_ratio=config.min_lr_ratio,
-        )  # fmt: skip
+            optimizer,
+            num_warmup_steps=warmup,
+            num_decay_steps=decay,
+            num_training_steps=total_steps,
+            warmup_type="linear",
+            decay_type=config.decay_shape,
+            min_lr_ratio=config.min_lr_ratio,
+        )
         for optimizer in optimizers
     ]
 

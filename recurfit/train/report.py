@@ -43,8 +43,13 @@ def schedule_table(config: TrainConfig) -> Table:
     for step in schedule_steps(config):
         factor = multiplier(step - 1)
         mean = schedule.mean_recurrence.at(step - 1)
-        cells = [f"{step:,}", str(mean), str(min(schedule.backprop_depth.at(step - 1), mean)), f"{factor:.3f}",
-                 f"{config.optimizer.lr * factor:.2e}"]  # fmt: skip
+        cells = [
+            f"{step:,}",
+            str(mean),
+            str(min(schedule.backprop_depth.at(step - 1), mean)),
+            f"{factor:.3f}",
+            f"{config.optimizer.lr * factor:.2e}",
+        ]
         table.add_row(*cells, *([f"{config.optimizer.muon_lr * factor:.2e}"] if muon else []))
     return table
 

