@@ -15,6 +15,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from .accounting import count_parameters, effective_parameters
 from .assets import EMBEDDED_NAME, cache_root
+from .defaults import SUMMARY_RECURRENCES
 from .errors import RecurfitError
 from .modeling import RecurrentForCausalLM
 from .summary import layer_ranges
@@ -87,7 +88,7 @@ def _structure(model, recurrent: bool) -> str:
         lines.append(f"| layers ({model.config.num_hidden_layers}) | all | {counts['layers']:,} |")
     lines += [f"| embeddings (in + out) | | {counts['embeddings']:,} |", f"| total | | {counts['total']:,} |"]
     if recurrent:
-        depths = ", ".join(f"r={r}: {effective_parameters(counts, r) / 1e6:,.1f} M" for r in (1, 4, 32))
+        depths = ", ".join(f"r={r}: {effective_parameters(counts, r) / 1e6:,.1f} M" for r in SUMMARY_RECURRENCES)
         lines += ["", f"Effective (non-embedding) parameters per token: {depths}."]
     return "\n".join(lines)
 

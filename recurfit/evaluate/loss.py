@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..data.sources import iter_documents
 from ..data.store import META, TokenStore
+from ..defaults import LOSS_RECURRENCES
 from ..errors import RecurfitError
 from ..modeling import RecurrentForCausalLM
 from ..progress import progress_bar
@@ -121,7 +122,7 @@ def loss_sweep(
     model,
     examples: Examples,
     *,
-    recurrences: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    recurrences: Sequence[int] = LOSS_RECURRENCES,
     name: str = "model",
     baseline=None,
     baseline_name: str = "parent",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from ..defaults import TASK_RECURRENCES
 from ..errors import RecurfitError
 from ..modeling import RecurrentForCausalLM
 from .results import Row, Sweep
@@ -228,7 +229,7 @@ def task_sweep(
     tokenizer,
     *,
     tasks: Sequence[str] = ("paper",),
-    recurrences: Sequence[int] = (1, 4, 32),
+    recurrences: Sequence[int] = TASK_RECURRENCES,
     name: str = "model",
     baseline=None,
     baseline_name: str = "parent",

@@ -42,11 +42,11 @@ def schedule_table(config: TrainConfig) -> Table:
         table.add_column(column, justify="right")
     for step in schedule_steps(config):
         factor = multiplier(step - 1)
-        mean = schedule.mean_recurrence.at(step - 1)
+        n, k = schedule.mean_depth(step - 1)
         cells = [
             f"{step:,}",
-            str(mean),
-            str(min(schedule.backprop_depth.at(step - 1), mean)),
+            str(n + k),
+            str(k),
             f"{factor:.3f}",
             f"{config.optimizer.lr * factor:.2e}",
         ]
