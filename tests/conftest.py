@@ -121,3 +121,21 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
     code = main([str(a) for a in argv])
     out = capsys.readouterr()
     return code, " ".join((out.out + out.err).split())  # undo rich's line wrapping
+
+
+def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, **kwargs):
+    """Greedy decoding of 6 tokens at r = 12 with an adaptive-exit rule; returns generate's dict output."""
+    from recurfit.generation import ExitRule
+
+    rule = ExitRule(criterion, min_steps=min_steps, **({} if threshold is None else {"threshold": threshold}))
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=12,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        exit_rule=rule,
+        **kwargs,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_parent
+from conftest import VOCAB, generate_adaptive, tiny_parent
 
 import recurfit
 from recurfit.cache import RecurrentCache
@@ -123,21 +123,6 @@ def test_a_foreign_cache_is_refused():
 
 
 # ---------------------------------------------------------------- adaptive depth
-
-
-def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, **kwargs):
-    rule = ExitRule(criterion, min_steps=min_steps, **({} if threshold is None else {"threshold": threshold}))
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=6,
-        do_sample=False,
-        num_steps=12,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        exit_rule=rule,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("criterion", ["kl", "state", "argmax"])

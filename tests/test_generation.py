@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, char_tokenizer, tiny_parent
+from conftest import VOCAB, char_tokenizer, generate_adaptive, tiny_parent
 from conftest import run_cli as run
 from transformers import AutoModel
 from transformers.utils import ModelOutput
@@ -84,18 +84,7 @@ def test_adaptive_batch_runs_the_core_only_on_rows_still_recurring():
     model = model_with_state("qwen3")
     ids, mask = prompts(batch=3)
     calls = core_rows(model)
-    rule = ExitRule("kl", threshold=1e-3, min_steps=2)
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=6,
-        do_sample=False,
-        num_steps=12,
-        pad_token_id=0,
-        return_dict_in_generate=True,
-        exit_rule=rule,
-    )
-    depths = out.steps_per_token
+    depths = generate_adaptive(model, ids, mask, "kl", threshold=1e-3).steps_per_token
     assert len(set(depths[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
     assert sum(calls) == depths.sum().item()  # prefill: 3 rows × 12 steps, then each row its own depth
 
