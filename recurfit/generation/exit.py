@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..defaults import EXIT_CRITERIA
 from ..errors import RecurfitError
 
-CRITERIA = ("kl", "state", "argmax")
+CRITERIA = EXIT_CRITERIA
 DEFAULT_THRESHOLD = 5e-4
 DEFAULT_PATIENCE = 2
 
