@@ -60,7 +60,8 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path,
     with pytest.raises(RecurfitError, match="2 non-finite losses"):
         trainer.run()
     trainer.log.close()
-    assert [r["step"] for r in read_log(out)] == [1] and not (out / "checkpoints").exists()
+    assert [(r["kind"], r["step"]) for r in read_log(out)] == [("start", 0), ("train", 1)]
+    assert not (out / "checkpoints").exists()
     with pytest.raises(
         RecurfitError, match="stopped before its first checkpoint; pass --resume to continue it, or --force"
     ):

@@ -146,6 +146,8 @@ def test_tiny_run_learns_logs_and_exports(tmp_path, workspace):
     log = read_log(tmp_path / "run")
     steps = [r for r in log if r["kind"] == "train"]
     assert [r["step"] for r in steps] == list(range(1, 31))
+    assert log[0]["kind"] == "start" and log[0]["muon_dtype"] in ("bfloat16", "float32")
+    assert all(0 < r["optimizer_s"] < r["seconds"] for r in steps)
     assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 1.0  # ~4.6 (uniform over 97) falls
     assert [r["phase"] for r in steps[:4]] == [0] * 4 and steps[-1]["phase"] == 1  # healing, then the mixture
     assert [r["mean_recurrence"] for r in steps[:15]] == sorted(r["mean_recurrence"] for r in steps[:15])

@@ -146,6 +146,9 @@ class OptimizerConfig:
     muon_momentum: float = 0.95
     # Orthogonalise each attention's q,k,v and each MLP's gate,up as one matrix (the authors' fused Wqkv, fc).
     muon_fused: bool = False
+    # Newton-Schulz precision. auto: bfloat16 on GPUs and CPUs with native bf16 matmul, float32 on other CPUs
+    # (torch's Muon always uses bfloat16, which such CPUs emulate ~50-100x slower).
+    muon_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     eps: float | None = None  # AdamW's ε; None: 1e-10 under muon (Keller's aux Adam), 1e-8 under adamw
     grad_clip: float = 1.0  # 0: no clipping
     # transformers' warmup-stable-decay. warmup/decay: a fraction of the steps (ceil(fraction · steps)),

@@ -38,7 +38,7 @@ from .config import TrainConfig
 from .distributed import Processes
 from .metrics import MetricsLog, peak_flops, read_log
 from .model import build_model, is_recurrent
-from .optim import build_optimizers, build_schedulers, global_grad_norm
+from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
 from .run_folder import RunFolder, changed_settings
 
 
@@ -137,6 +137,24 @@ class Trainer:
                 wandb=config.log.wandb,
                 config=config.to_dict(),
             )
+        self._write(self._start_record())
+
+    def _start_record(self) -> dict:
+        """The log's first record of each (re)start: what ran where, and the precision Muon orthogonalises in."""
+        device = self.processes.device
+        record = {"kind": "start", "step": self.counters.step, "torch": torch.__version__, "device": str(device)}
+        record["processes"] = self.processes.world
+        if device.type == "cpu":
+            record["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        muon = next((o for o in self.optimizers if isinstance(o, BatchedMuon)), None)
+        if muon is not None:
+            record["muon_dtype"] = str(muon.ns_dtype).removeprefix("torch.")
+            why = {
+                (True, "float32"): f"auto: this CPU ({record.get('cpu_capability')}) has no native bf16 matmul",
+                (True, "bfloat16"): "auto",
+            }.get((self.config.optimizer.muon_dtype == "auto", record["muon_dtype"]), "optimizer.muon_dtype")
+            self._say(f"Muon orthogonalises in {record['muon_dtype']} ({why}).")
+        return record
 
     # ------------------------------------------------------------ set-up checks
 
@@ -206,6 +224,7 @@ class Trainer:
         grad_norm = global_grad_norm(self.model.parameters(), config.optimizer.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        optimizer_started = time.perf_counter()
         if finite:
             for optimizer in self.optimizers:
                 optimizer.step()
@@ -220,13 +239,14 @@ class Trainer:
             scheduler.step()
         if processes.device.type == "cuda":
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        return self._account(step, num_steps, loss, grad_norm, finite, seconds, lrs)
+        ended = time.perf_counter()
+        times = {"seconds": ended - started, "optimizer_s": ended - optimizer_started}
+        return self._account(step, num_steps, loss, grad_norm, finite, times, lrs)
 
     def _depth(self, step: int) -> tuple[int, int]:
         return self.schedule.at(step) if self.recurrent else (0, 1)
 
-    def _account(self, step, num_steps, loss, grad_norm, finite, seconds, lrs) -> dict:
+    def _account(self, step, num_steps, loss, grad_norm, finite, times, lrs) -> dict:
         counters, config = self.counters, self.config
         tokens = config.batch.global_ * self.stream.seq_len
         mean_depth = self.schedule.mean_depth(step)
@@ -249,16 +269,16 @@ class Trainer:
             "tokens": counters.tokens,
             "flops": counters.flops,
             "flops_paper": counters.flops_paper,
-            "tokens_per_s": tokens / seconds,
+            "tokens_per_s": tokens / times["seconds"],
             "grad_norm": grad_norm,
             "phase": self.stream.phase,
             "skipped": counters.skipped,
-            "seconds": seconds,
+            **times,  # the step's wall time, and the optimizer step's part of it (clipped gradients to zeroed)
         }
         if len(self.optimizers) > 1:
             record["muon_lr"] = lrs[0]
         if peak:
-            record["mfu"] = step_flops / seconds / (peak * self.processes.world)
+            record["mfu"] = step_flops / times["seconds"] / (peak * self.processes.world)
         if counters.bad_in_row >= config.max_bad_steps:
             raise RecurfitError(
                 f"Step {counters.step}: {counters.bad_in_row} non-finite losses or gradients in a row; stopping. "

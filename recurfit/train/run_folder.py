@@ -33,6 +33,7 @@ RESUMABLE_CHANGES = (
     "data.validation",
     "model.gradient_checkpointing",
     "max_bad_steps",
+    "optimizer.muon_dtype",  # a precision choice, like `precision`
 )
 
 
