@@ -10,6 +10,16 @@
 2. Memory: bytes saved for backward (and CUDA peak) at k = 4, n ∈ {0, 8, 28}: no-grad steps keep nothing,
    so these must be flat.
 3. Throughput (GPU): tokens/s and MFU of training steps at the sampled depth of mean recurrence 32.
+4. Optimizer (`--optimizer`): the optimizer step (Muon in each precision, batched and one matrix at a time;
+   AdamW) beside forward+backward: time, FLOPs (Newton–Schulz: 5 iterations of 4m²n + 2m³ per m×n matrix,
+   m ≤ n), GFLOP/s against forward+backward's, and share of an optimizer step of `--step-tokens` tokens at
+   `--step-depth` (forward+backward time predicted from the rate measured here), e.g.
+
+    python benchmarks/train_step.py --shape 6,12,6 --batch 2 --seq-len 256 --steps 2,2 --step-tokens 1024 \
+        --sections optimizer                                                      # the demo's step
+    python benchmarks/train_step.py --parent tinyllama --batch 1 --seq-len 256 --steps 0,2 \
+        --step-tokens 1048576 --step-depth 24,8 --sections optimizer              # the paper's TinyLlama step
+
 Times are medians of several repeats measured in this one run (the machine is noisy).
 """
 
@@ -27,7 +37,10 @@ import recurfit
 from recurfit.accounting import count_parameters, training_flops_per_token
 from recurfit.loading import load_model
 from recurfit.sampling import sample_depth
+from recurfit.train import optim
+from recurfit.train.config import OptimizerConfig
 from recurfit.train.metrics import peak_flops
+from recurfit.train.optim import BatchedMuon, build_optimizers, cpu_has_native_bf16, newton_schulz_flops
 
 TINYLLAMA = dict(  # TinyLlama-1.1B's public config; random weights, no download
     vocab_size=32000,
@@ -98,7 +111,16 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--attn", default=None, help="attention implementation, e.g. sdpa or flash_attention_2")
     parser.add_argument("--throughput-steps", type=int, default=0, help="GPU: time this many sampled-depth steps")
+    parser.add_argument(
+        "--sections", default="step,memory", help="comma-separated: step, memory, optimizer (default: step,memory)"
+    )
+    parser.add_argument("--step-tokens", type=int, default=None, help="tokens per optimizer step (default: one batch)")
+    parser.add_argument("--step-depth", default=None, help="(n, k) of the optimizer step's tokens (default: --steps)")
+    parser.add_argument(
+        "--torch-muon", action="store_true", help="also time bfloat16 Muon on a CPU without native bf16 (very slow)"
+    )
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
 
     device = torch.device(args.device)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -122,6 +144,11 @@ def main() -> None:
         f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}"
     )
 
+    if "optimizer" in sections:
+        optimizer_costs(model, ids, (n, k), autocast, args)
+    if "step" not in sections and "memory" not in sections:
+        return
+
     # 1. step cost
     t_parent = step_seconds(parent, ids, None, autocast, args.repeats)
     t_model = step_seconds(model, ids, (n, k), autocast, args.repeats)
@@ -143,6 +170,8 @@ def main() -> None:
     )
 
     # 2. memory at k = 4
+    if "memory" not in sections:
+        return
     print("\nactivation memory at k=4:")
     for n_free in (0, 8, 28):
         if device.type == "cuda":
@@ -173,6 +202,65 @@ def main() -> None:
         peak = peak_flops(device)
         mfu = f", MFU {flops / seconds / peak:.1%}" if peak else ""
         print(f"\nthroughput at mean recurrence 32: {tokens * args.throughput_steps / seconds:,.0f} tokens/s{mfu}")
+
+
+def optimizer_seconds(model, optimizer, repeats: int) -> float:
+    """Median time of `optimizer.step()` on the gradients the model holds (the first step, which creates the
+    state, is not counted)."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.step()
+        if next(model.parameters()).is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def optimizer_costs(model, ids, num_steps, autocast, args) -> None:
+    """The optimizer step beside forward+backward: time, FLOPs, GFLOP/s and share of an optimizer step."""
+    device = ids.device
+    counts = count_parameters(model)
+    head = 6 * model.config.vocab_size * model.config.hidden_size  # the LM head, which the step also runs
+
+    def step_flops(tokens, depth):
+        return tokens * (training_flops_per_token(counts, depth) + head)
+
+    t_forward_backward = step_seconds(model, ids, num_steps, autocast, args.repeats)
+    rate = step_flops(ids.numel(), num_steps) / t_forward_backward
+    step_tokens = args.step_tokens or ids.numel()
+    step_depth = tuple(int(x) for x in args.step_depth.split(",")) if args.step_depth else num_steps
+    t_step = step_flops(step_tokens, step_depth) / rate
+    print(
+        f"\noptimizer step against forward+backward ({device}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: {cpu_has_native_bf16()}):\n"
+        f"  forward+backward of {ids.numel():,} tokens at (n,k)={num_steps}: {t_forward_backward:.2f} s, "
+        f"{rate / 1e9:.0f} GFLOP/s (with the LM head); an optimizer step of {step_tokens:,} tokens at "
+        f"(n,k)={step_depth}: {t_step:.2f} s predicted at that rate"
+    )
+    with autocast:
+        loss = model(input_ids=ids, labels=ids, num_steps=num_steps).loss
+    loss.backward()  # gradients for the optimizers to step on, kept for every row
+    arms = [
+        ("Muon, float32", dict(muon_dtype="float32"), None),
+        ("Muon, float32, one matrix at a time", dict(muon_dtype="float32"), 1),
+    ]
+    if device.type == "cuda" or cpu_has_native_bf16() or args.torch_muon:
+        arms.append(("Muon, bfloat16 (= torch.optim.Muon)", dict(muon_dtype="bfloat16"), None))
+    arms.append(("AdamW", dict(name="adamw"), None))
+    print(f"  {'optimizer':<38} {'time':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'vs f+b':>7} {'share of step':>14}")
+    batch_elements = optim.NS_BATCH_ELEMENTS
+    for name, settings, chunk in arms:
+        optimizers = build_optimizers(model, OptimizerConfig(**settings))
+        optim.NS_BATCH_ELEMENTS = chunk or batch_elements
+        seconds = sum(optimizer_seconds(model, o, args.repeats) for o in optimizers)
+        optim.NS_BATCH_ELEMENTS = batch_elements
+        muon = next((o for o in optimizers if isinstance(o, BatchedMuon)), None)
+        flops = newton_schulz_flops(muon) if muon else 0.0
+        speed = f"{flops / seconds / 1e9:8.0f} {flops / seconds / rate:7.0%}" if flops else f"{'':8} {'':7}"
+        print(f"  {name:<38} {seconds:7.2f}s {flops / 1e9:8.1f} {speed} {seconds / (seconds + t_step):14.1%}")
+        del optimizers
+    model.zero_grad(set_to_none=True)
 
 
 if __name__ == "__main__":

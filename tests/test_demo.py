@@ -29,6 +29,10 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     report = run_demo(settings, console).read_text()
     for heading in ("## 1. Retrofit", "## 2-4. Training", "## 5. Validation loss", "## GSM8K", "## Sample generations"):
         assert heading in report
+    # Where the time went, stage by stage, on a named machine (AVX2 CPUs emulate bf16: it matters).
+    assert "## Time: " in report and "CPU capability" in report and "Newton–Schulz in" in report
+    stages = [line for line in report.splitlines() if line.startswith("| ") and " s |" in line]
+    assert [line.split(".")[0] for line in stages] == [f"| {n}" for n in range(1, 8)]
     assert "| r=4 |" in report and "| parent (same tokens) |" in report and "**r = 4**" in report
     figures = {p.name for p in (tmp_path / "demo" / "figures").iterdir()}
     names = ("training", "loss_prose", "loss_math", "gsm8k")

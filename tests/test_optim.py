@@ -12,9 +12,8 @@ import torch
 from conftest import tiny_parent
 
 from recurfit.errors import RecurfitError
-from recurfit.train import Trainer, load_config
+from recurfit.train import Trainer, load_config, optim
 from recurfit.train.config import OptimizerConfig
-from recurfit.train import optim
 from recurfit.train.optim import AdamWStar, BatchedMuon, build_optimizers, build_schedulers, newton_schulz_dtype
 
 FIXTURES = Path(__file__).parent / "fixtures"
