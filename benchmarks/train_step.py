@@ -116,6 +116,7 @@ def main() -> None:
     )
     parser.add_argument("--step-tokens", type=int, default=None, help="tokens per optimizer step (default: one batch)")
     parser.add_argument("--step-depth", default=None, help="(n, k) of the optimizer step's tokens (default: --steps)")
+    parser.add_argument("--unbatched", action="store_true", help="also time Muon one matrix at a time")
     parser.add_argument(
         "--torch-muon", action="store_true", help="also time bfloat16 Muon on a CPU without native bf16 (very slow)"
     )
@@ -144,10 +145,12 @@ def main() -> None:
         f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}"
     )
 
+    if "step" not in sections and "memory" not in sections:
+        del parent  # the optimizer section needs only the retrofit: room for a TinyLlama-sized one on a CPU
+        optimizer_costs(model, ids, (n, k), autocast, args)
+        return
     if "optimizer" in sections:
         optimizer_costs(model, ids, (n, k), autocast, args)
-    if "step" not in sections and "memory" not in sections:
-        return
 
     # 1. step cost
     t_parent = step_seconds(parent, ids, None, autocast, args.repeats)
@@ -241,10 +244,9 @@ def optimizer_costs(model, ids, num_steps, autocast, args) -> None:
     with autocast:
         loss = model(input_ids=ids, labels=ids, num_steps=num_steps).loss
     loss.backward()  # gradients for the optimizers to step on, kept for every row
-    arms = [
-        ("Muon, float32", dict(muon_dtype="float32"), None),
-        ("Muon, float32, one matrix at a time", dict(muon_dtype="float32"), 1),
-    ]
+    arms = [("Muon, float32", dict(muon_dtype="float32"), None)]
+    if args.unbatched:
+        arms.append(("Muon, float32, one matrix at a time", dict(muon_dtype="float32"), 1))
     if device.type == "cuda" or cpu_has_native_bf16() or args.torch_muon:
         arms.append(("Muon, bfloat16 (= torch.optim.Muon)", dict(muon_dtype="bfloat16"), None))
     arms.append(("AdamW", dict(name="adamw"), None))
