@@ -22,6 +22,9 @@ from .summary import layer_ranges
 
 CARD = "README.md"
 # What a model folder shares: weights, configs, tokenizer, the card. Checkpoints, logs and stray files stay home.
+# A run's last validation as table cells: (step, column names such as "r=4", the cells of each store's row).
+Validation = tuple[int, list[str], dict[str, list[str]]]
+
 UPLOADED = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja", CARD]
 
 
@@ -37,9 +40,9 @@ def _hub_id(name: str) -> str | None:
     return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) and not Path(name).exists() else None
 
 
-def model_card(model, name: str, training: dict | None = None, validation: dict | None = None) -> str:
+def model_card(model, name: str, training: dict | None = None, validation: Validation | None = None) -> str:
     """The card's text. `training`: {"config": TrainConfig.to_dict(), "steps", "tokens", "flops"};
-    `validation`: a training log's eval record ({"prose/loss@4": …})."""
+    `validation`: the run's last validation as table cells."""
     config = model.config
     parent = parent_name(getattr(config, "parent_name_or_path", None) or getattr(config, "_name_or_path", None))
     recurrent = isinstance(model, RecurrentForCausalLM)
@@ -55,7 +58,7 @@ def model_card(model, name: str, training: dict | None = None, validation: dict 
 
 
 def write_model_card(
-    folder: str | Path, model, name: str, training: dict | None = None, validation: dict | None = None
+    folder: str | Path, model, name: str, training: dict | None = None, validation: Validation | None = None
 ) -> Path:
     """README.md in `folder` (a saved model, maybe still being staged), headed `name`."""
     path = Path(folder) / CARD
@@ -128,13 +131,11 @@ def _yaml(config: dict) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _validation(record: dict) -> str:
+def _validation(validation: Validation) -> str:
     """The last validation of the run: a row per store, a column per test recurrence."""
-    from .train.report import validation_columns
-
-    columns, rows = validation_columns(record)
+    step, columns, rows = validation
     lines = [
-        f"## Validation loss (nats/token, step {record.get('step')})",
+        f"## Validation loss (nats/token, step {step})",
         "",
         "| data | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),

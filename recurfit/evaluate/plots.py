@@ -27,8 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullLocator  # noqa: E402
 
 from ..errors import RecurfitError  # noqa: E402
-from ..train.metrics import read_log  # noqa: E402
-from ..train.report import validation_losses  # noqa: E402
+from ..train.metrics import read_log, validation_losses  # noqa: E402
 from .results import Sweep  # noqa: E402
 
 FORMATS = (".png", ".pdf", ".svg")

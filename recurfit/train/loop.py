@@ -36,7 +36,7 @@ from ..sampling import Curriculum, DepthSchedule
 from .checkpoint import gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
-from .metrics import MetricsLog, peak_flops, read_log
+from .metrics import MetricsLog, peak_flops, read_log, validation_columns
 from .model import build_model, is_recurrent
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
 from .run_folder import RunFolder, changed_settings
@@ -370,7 +370,8 @@ class Trainer:
                     "tokens": counters.tokens,
                     "flops": counters.flops,
                 }
-                write_model_card(staging, self.model, self.out.name, training, validation)
+                cells = (validation["step"], *validation_columns(validation)) if validation else None
+                write_model_card(staging, self.model, self.out.name, training, cells)
         self.processes.barrier()
         return final
 

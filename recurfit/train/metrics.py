@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from ..errors import RecurfitError
+
+# An eval record's keys: "STORE/loss@R" at test recurrence R, "STORE/loss" for a fixed-depth model.
+EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
 
 # Dense bf16 peak FLOP/s for MFU, by a substring of the device name (vendor spec sheets).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300": 1307e12, "L40S": 362e12, "A10G": 125e12}
@@ -120,3 +124,21 @@ def read_log(path: str | Path) -> list[dict]:
             )
         records.append(record)
     return records
+
+
+def validation_losses(record: dict | None) -> dict[str, dict[int | None, float]]:
+    """store -> test recurrence (None for a fixed-depth model) -> loss, from a training log's eval record."""
+    losses: dict = {}
+    for key, value in (record or {}).items():
+        match = EVAL_KEY.match(key)
+        if match:
+            losses.setdefault(match["data"], {})[int(match["r"]) if match["r"] else None] = value
+    return losses
+
+
+def validation_columns(record: dict | None) -> tuple[list[str], dict[str, list[str]]]:
+    """The final validation as table cells: the column names (r=1, r=4, … or loss) and a row of losses per store."""
+    losses = validation_losses(record)
+    depths = sorted({r for row in losses.values() for r in row}, key=lambda r: r or 0)
+    columns = [f"r={r}" if r is not None else "loss" for r in depths]
+    return columns, {store: [f"{row[r]:.4f}" if r in row else "" for r in depths] for store, row in losses.items()}

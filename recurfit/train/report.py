@@ -4,7 +4,6 @@ LR schedules (`--dry-run`), warnings about the data phases, and the final valida
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from rich.table import Table
@@ -12,9 +11,8 @@ from rich.table import Table
 from ..errors import RecurfitError
 from .config import TrainConfig
 from .loop import depth_schedule
+from .metrics import validation_columns
 from .optim import build_schedulers
-
-EVAL_KEY = re.compile(r"^(?P<data>.+)/loss(?:@(?P<r>\d+))?$")
 
 
 def lr_multiplier(config: TrainConfig):
@@ -80,24 +78,6 @@ def phase_warnings(config: TrainConfig, tokens_per_row: int | None) -> list[str]
             )
             break
     return warnings
-
-
-def validation_losses(record: dict | None) -> dict[str, dict[int | None, float]]:
-    """store -> test recurrence (None for a fixed-depth model) -> loss, from a training log's eval record."""
-    losses: dict = {}
-    for key, value in (record or {}).items():
-        match = EVAL_KEY.match(key)
-        if match:
-            losses.setdefault(match["data"], {})[int(match["r"]) if match["r"] else None] = value
-    return losses
-
-
-def validation_columns(record: dict | None) -> tuple[list[str], dict[str, list[str]]]:
-    """The final validation as table cells: the column names (r=1, r=4, … or loss) and a row of losses per store."""
-    losses = validation_losses(record)
-    depths = sorted({r for row in losses.values() for r in row}, key=lambda r: r or 0)
-    columns = [f"r={r}" if r is not None else "loss" for r in depths]
-    return columns, {store: [f"{row[r]:.4f}" if r in row else "" for r in depths] for store, row in losses.items()}
 
 
 def validation_table(record: dict | None) -> Table | None:
