@@ -748,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _library_output(verbose: bool) -> None:
     """By default recurfit's own progress bars only: no "Loading weights" bar per model, no download or split
     bars, no library notices (warnings and errors still show). --verbose: the libraries' own output too."""
+    if not verbose:  # tqdm reads it once, on import: the GGUF conversion's and lm-eval's bars
+        os.environ.setdefault("TQDM_DISABLE", "1")
     from transformers.utils import logging as transformers_logging
 
     if verbose:
