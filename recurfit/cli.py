@@ -235,7 +235,9 @@ def cmd_train(args) -> None:
     """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
     from .summary import flops_table, parts_table
     from .train import Trainer, already_finished, load_config
-    from .train.report import phase_warnings, schedule_table, tokens_per_row, validation_table
+    from .train.model import check_plan
+    from .train.report import schedule_table, validation_table
+    from .train.run_folder import RunFolder
 
     config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
     main_process = int(os.environ.get("RANK", "0")) == 0
@@ -247,18 +249,22 @@ def cmd_train(args) -> None:
             f"further, start a new run from it with model.init_from={finished.out}."
         )
         return
-    say(f"[bold]Config[/] ({'not run: --dry-run' if args.dry_run else f'saved as {config.out}/config.yaml'}):")
-    say(config.to_yaml(), markup=False, highlight=False)
-    for warning in phase_warnings(config, tokens_per_row(config)):
-        say(f"[yellow]warning:[/] {warning}", highlight=False)
     if args.dry_run:
+        check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
+        _print_train_config(config, say, "not run: --dry-run")
         say(schedule_table(config))
         return
-    trainer = Trainer(config, resume=args.resume, force=args.force)
+    trainer = Trainer(config, resume=args.resume, force=args.force)  # checks everything, then saves config.yaml
     try:
+        _print_train_config(config, say, f"saved as {config.out}/config.yaml")
         say(parts_table(trainer.model))
         say(flops_table(trainer.model, [config.depth.mean_recurrence]))
         result = trainer.run()
+    except KeyboardInterrupt:
+        say(
+            f"Stopped by Ctrl-C at step {trainer.counters.step}: {RunFolder(config.out).resume_hint()}", highlight=False
+        )
+        raise
     finally:
         trainer.close()
     counters, out = result.counters, result.out
@@ -270,6 +276,15 @@ def cmd_train(args) -> None:
         f"({counters.skipped} updates skipped). Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}, "
         f"{out / 'checkpoints'}/ and the model with its card in {out / 'final'}/."
     )
+
+
+def _print_train_config(config, say, status: str) -> None:
+    from .train.report import phase_warnings, tokens_per_row
+
+    say(f"[bold]Config[/] ({status}):")
+    say(config.to_yaml(), markup=False, highlight=False)
+    for warning in phase_warnings(config, tokens_per_row(config)):
+        say(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 def _generation_model(args):
