@@ -519,18 +519,21 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action) -> str:
         text, default = action.help or "", action.default
-        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+        if not action.option_strings or default is None or default is False or "default" in text:
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with HelpFormatter; subcommands inherit it."""
+    """argparse with HelpFormatter; subcommands inherit it. A usage error is one line, like every other error."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -551,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})"
     )
-    for part in ("prelude", "core", "coda"):
-        p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
+    for part, example in (("prelude", "0-3"), ("core", "10-17"), ("coda", "18-21")):
+        p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. {example}")
     p.add_argument("--select", choices=defaults.SELECTIONS, default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
     p.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of --calibration to score layers on")
@@ -564,7 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="identity: exactly the pruned parent at every r",
     )
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
-    p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
+    p.add_argument(
+        "--state-std",
+        type=float,
+        default=None,
+        help=f"σ of the initial state, 0: zeros (default: {defaults.DEFAULT_STATE_INIT_STD:.6g}, Huginn-0125's)",
+    )
     p.add_argument(
         "--mean-recurrence",
         type=int,
@@ -681,7 +689,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--warm-start", action="store_true", help="start each token's recurrence from the previous token's state"
         )
-        p.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft at this recurrence (greedy)")
+        p.add_argument(
+            "--draft-steps",
+            type=int,
+            help="self-speculative decoding: draft at this recurrence, greedy (default: off)",
+        )
         p.add_argument("--lookahead", type=int, default=4, help="with --draft-steps: tokens drafted per verification")
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
@@ -691,10 +703,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("loss", "validation loss and perplexity per r"), ("tasks", "lm-eval tasks per r")):
         p = evaluations.add_parser(name, help=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
-        p.add_argument("--baseline", help="the parent to compare with: a folder, a Hub id or `embedded`")
+        p.add_argument(
+            "--baseline", help="the parent to compare with: a folder, a Hub id or `embedded` (default: none)"
+        )
         p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: MODEL's)")
         p.add_argument(
-            "--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task (per subject)"
+            "--limit",
+            type=int,
+            help="evaluate only the first N sequences (loss) or documents per task (per subject) (default: all)",
         )
         p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
@@ -777,6 +793,22 @@ def _library_output(verbose: bool) -> None:
     transformers_logging.set_verbosity_warning()
 
 
+def _report_error(error: Exception) -> int:
+    console.print(f"[bold red]error:[/] {error}", highlight=False)
+    return 2
+
+
+def _check_before_imports(args) -> None:
+    """Checks that need neither torch nor transformers: a taken output folder or a missing config fails in a
+    fraction of a second, not after the imports (or the work)."""
+    from .files import check_output
+
+    if args.command in ("retrofit", "import-raven", "eval", "demo"):
+        check_output(args.out, args.force)
+    if args.command == "train" and not Path(args.config).is_file():
+        raise RecurfitError(f"Config file not found: {args.config}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -789,6 +821,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = [item for item in extra if item not in args.overrides]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        _check_before_imports(args)
+    except RecurfitError as error:
+        return _report_error(error)
     _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
@@ -802,8 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RecurfitError, ValueError, FileNotFoundError) as error:
         if os.environ.get("RECURFIT_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
-        return 2
+        return _report_error(error)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -3,6 +3,10 @@ that come before the work (and before the heavy imports), and --help lines that 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import yaml
 from conftest import run_cli
@@ -70,3 +74,75 @@ def test_a_run_that_cannot_start_prints_one_line_and_no_config(config_file, tmp_
 def test_dry_run_fails_as_the_run_would(config_file, capsys, override, message):
     code, text = run_cli(capsys, "train", config_file, override, "--dry-run")
     assert code == 2 and message in text and "Config" not in text
+
+
+# ---------------------------------------------------------------- the command line, before any work
+
+
+def recurfit_in_fresh_process(*argv) -> str:
+    """`python -m recurfit ARGV` in a new interpreter: its output, then its exit status and whether it imported
+    torch (from Python's list of imports, PYTHONPROFILEIMPORTTIME)."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    done = subprocess.run([sys.executable, "-m", "recurfit", *map(str, argv)], capture_output=True, text=True, env=env)
+    imports = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    said = [line for line in (done.stdout + done.stderr).splitlines() if not line.startswith("import time")]
+    return " ".join(" ".join(said).split()) + f" status {done.returncode} torch imported {'torch' in imports}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["retrofit", "--shape", "1,2,1", "--out", "{out}"],
+        ["import-raven", "somewhere", "--out", "{out}"],
+        ["eval", "loss", "--data", "nowhere", "--out", "{out}"],
+        ["demo", "--out", "{out}"],
+    ],
+)
+def test_a_taken_out_is_refused_before_any_work_or_heavy_import(tmp_path, command):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    text = recurfit_in_fresh_process(*(part.format(out=out) for part in command))
+    assert f"error: {out} already exists; pass --force" in text
+    assert text.endswith("status 2 torch imported False")
+
+
+def test_a_missing_config_is_refused_before_heavy_imports(tmp_path):
+    text = recurfit_in_fresh_process("train", tmp_path / "nowhere.yaml")
+    assert f"error: Config file not found: {tmp_path / 'nowhere.yaml'}." in text and text.endswith("False")
+
+
+def test_usage_errors_are_one_line_with_the_same_prefix(capsys):
+    from recurfit.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["retrofit", "--shape", "1,2", "--out", "x"])
+    assert stop.value.code == 2
+    said = capsys.readouterr()
+    assert said.err.splitlines() == [
+        "error: argument --shape: expected three integers P,R,C such as 4,8,4, got '1,2' "
+        "(see `recurfit retrofit --help`)"
+    ]
+
+
+def help_text(capsys, *command) -> str:
+    from recurfit.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_lines_give_their_defaults_and_distinct_examples(capsys):
+    text = help_text(capsys, "generate")
+    assert "0: greedy (default: 0.0)" in text and "greedy (default: off)" in text
+    text = help_text(capsys, "retrofit")
+    assert "σ of the initial state, 0: zeros (default: 0.00870388, Huginn-0125's)" in text
+    assert "prelude, e.g. 0-3" in text and "core, e.g. 10-17" in text and "coda, e.g. 18-21" in text
+    for command in ("loss", "tasks"):
+        text = help_text(capsys, "eval", command)
+        assert (
+            "(default: none)" in text
+            and "(default: all)" in text
+            and "seed of the initial states s_0 (default: 0)" in text
+        )
