@@ -3,6 +3,7 @@ that come before the work (and before the heavy imports), and --help lines that 
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -146,3 +147,42 @@ def test_help_lines_give_their_defaults_and_distinct_examples(capsys):
             and "(default: all)" in text
             and "seed of the initial states s_0 (default: 0)" in text
         )
+
+
+# ---------------------------------------------------------------- data files that cannot be read
+
+
+def bad_data_files(folder):
+    """Files a user might pass by mistake, and the start of the one line each must give."""
+    plain = folder / "plain.jsonl.gz"
+    plain.write_text('{"text": "not gzipped"}\n')
+    latin = folder / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "caf\xe9"}\n')
+    cut = folder / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:60])
+    damaged = folder / "damaged.parquet"
+    damaged.write_bytes(b"PAR1 this is not really parquet")
+    return {
+        plain: f"{plain}: cannot read it as gzip (Not a gzipped file",
+        latin: f"{latin}:3: byte 0xe9 (byte 14 of the line) is not UTF-8; convert the file to UTF-8",
+        cut: f"{cut}: cannot read it as gzip (",
+        damaged: f"{damaged}: not a readable parquet file (",
+    }
+
+
+def test_unreadable_data_files_are_named_in_one_line(tmp_path):
+    from recurfit.data.sources import iter_documents
+    from recurfit.errors import RecurfitError
+
+    for path, message in bad_data_files(tmp_path).items():
+        with pytest.raises(RecurfitError) as problem:
+            list(iter_documents(str(path)))
+        assert str(problem.value).startswith(message) and "\n" not in str(problem.value)
+
+
+def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path, capsys):
+    path, message = next(iter(bad_data_files(tmp_path).items()))
+    argv = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", path, "--out", tmp_path / "store"]
+    code, text = run_cli(capsys, *argv)
+    assert code == 2 and text.startswith(f"error: {message}") and "Traceback" not in text
+    assert not (tmp_path / "store").exists()
