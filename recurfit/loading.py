@@ -3,8 +3,12 @@ what precision to run them (`resolve_placement`, behind every command's --device
 
 from __future__ import annotations
 
+import functools
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
@@ -25,7 +29,40 @@ def resolve(name_or_path: str | None) -> str:
         return str(path)
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise RecurfitError(f"No such model folder: {path}.")
+    _check_hub(name_or_path)
     return name_or_path
+
+
+def _check_hub(name: str) -> None:
+    """A Hub id that is not in the local Hub cache needs the Hub: say so at once when it is switched off or cannot
+    be reached, not after the download's retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # downloaded before: transformers loads it offline
+    why = hub_unavailable()
+    if why:
+        raise RecurfitError(
+            f"Cannot load {name!r}: it is not a local folder, and {why}. Download it where the Hub is reachable and "
+            "pass its folder, or leave --model out to use the embedded SmolLM2-135M."
+        )
+
+
+@functools.cache
+def hub_unavailable() -> str | None:
+    """Why the Hugging Face Hub cannot be used now (HF_HUB_OFFLINE, or no connection to it within 3 s), or None."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # reached through a proxy: let the download find out
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as problem:
+        return f"the Hub ({host}) cannot be reached ({problem.strerror or problem})"
+    return None
 
 
 def _from_hub(loader, name: str, **kwargs):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -186,3 +188,37 @@ def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path,
     code, text = run_cli(capsys, *argv)
     assert code == 2 and text.startswith(f"error: {message}") and "Traceback" not in text
     assert not (tmp_path / "store").exists()
+
+
+# ---------------------------------------------------------------- the Hub, offline
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypatch, offline):
+    import socket
+
+    from recurfit import loading
+    from recurfit.errors import RecurfitError
+
+    for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    loading.hub_unavailable.cache_clear()
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        expected = "HF_HUB_OFFLINE is set"
+    else:
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://huggingface.co")
+
+        def no_route(address, timeout):
+            raise OSError(101, "Network is unreachable")
+
+        monkeypatch.setattr(socket, "create_connection", no_route)
+        expected = "the Hub (huggingface.co) cannot be reached (Network is unreachable)"
+    started = time.monotonic()
+    with pytest.raises(
+        RecurfitError, match=re.escape(f"Cannot load 'someone/some-model': it is not a local folder, and {expected}.")
+    ):
+        loading.load_config("someone/some-model")
+    assert time.monotonic() - started < 2
+    loading.hub_unavailable.cache_clear()
