@@ -222,3 +222,25 @@ def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypa
         loading.load_config("someone/some-model")
     assert time.monotonic() - started < 2
     loading.hub_unavailable.cache_clear()
+
+
+# ---------------------------------------------------------------- what a saved model says about its parent
+
+
+def test_a_saved_retrofit_names_no_local_folder_as_its_parent(workspace, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from recurfit import retrofit
+    from recurfit.assets import EMBEDDED_HUB_ID
+
+    local = AutoModelForCausalLM.from_pretrained(workspace / "parent")
+    assert retrofit(local, (2, 2, 2)).config.parent_name_or_path is None
+    monkeypatch.setenv("RECURFIT_CACHE", str(tmp_path / "cache"))
+    local.save_pretrained(tmp_path / "cache" / "smollm2-135m-instruct")  # where the embedded model is converted
+    embedded = AutoModelForCausalLM.from_pretrained(tmp_path / "cache" / "smollm2-135m-instruct")
+    model = retrofit(embedded, (2, 2, 2))
+    assert model.config.parent_name_or_path == EMBEDDED_HUB_ID
+    model.save_pretrained(tmp_path / "saved")
+    assert str(tmp_path) not in (tmp_path / "saved" / "config.json").read_text()
+    local.config.name_or_path = "someone/some-model"
+    assert retrofit(local, (2, 2, 2)).config.parent_name_or_path == "someone/some-model"
