@@ -244,3 +244,17 @@ def test_a_saved_retrofit_names_no_local_folder_as_its_parent(workspace, tmp_pat
     assert str(tmp_path) not in (tmp_path / "saved" / "config.json").read_text()
     local.config.name_or_path = "someone/some-model"
     assert retrofit(local, (2, 2, 2)).config.parent_name_or_path == "someone/some-model"
+
+
+def test_the_cpu_recipe_trains_from_its_first_step():
+    import torch
+    from test_train import REPO
+
+    from recurfit.train import load_config
+    from recurfit.train.optim import build_schedulers
+
+    config = load_config(REPO / "recipes" / "smollm2-cpu.yaml")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optimizer.lr)
+    (schedule,) = build_schedulers([optimizer], config.optimizer, config.steps)
+    first = schedule.get_last_lr()[0]
+    assert first >= 0.1 * config.optimizer.lr > 0
