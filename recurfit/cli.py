@@ -803,9 +803,10 @@ def _check_before_imports(args) -> None:
     fraction of a second, not after the imports (or the work)."""
     from .files import check_output
 
-    if args.command in ("retrofit", "import-raven", "eval", "demo"):
+    command = getattr(args, "command", None)  # none for `lm-eval`, which parses its own arguments
+    if command in ("retrofit", "import-raven", "eval", "demo"):
         check_output(args.out, args.force)
-    if args.command == "train" and not Path(args.config).is_file():
+    if command == "train" and not Path(args.config).is_file():
         raise RecurfitError(f"Config file not found: {args.config}.")
 
 

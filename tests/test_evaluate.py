@@ -464,4 +464,4 @@ def test_lm_eval_requests_advance_recurfits_bar_and_lm_evals_bars_stay_off(lm_pa
         *(f"model at r=3: log-likelihood requests: {i}/4 ({i / 4:.0%})" for i in range(1, 5)),
         *(f"model at r=3: generation requests: {i}/2 ({i / 2:.0%})" for i in range(1, 3)),
     ]
-    assert "requests" not in said.err and "it/s" not in said.err  # no tqdm bar of lm-eval's
+    assert "Running generate_until requests" not in said.err and "it/s]" not in said.err  # no bar of lm-eval's
