@@ -653,7 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
     p.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config and the depth and LR schedules, then exit"
+        "--dry-run",
+        action="store_true",
+        help="check the data stores and the shape, print the resolved config and the depth and LR schedules, then exit",
     )
     p.set_defaults(run=cmd_train)
 
