@@ -3,12 +3,8 @@ what precision to run them (`resolve_placement`, behind every command's --device
 
 from __future__ import annotations
 
-import functools
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
@@ -16,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import defaults
 from .assets import embedded_model_dir
 from .errors import RecurfitError
+from .hub import hub_unavailable
 
 
 def resolve(name_or_path: str | None) -> str:
@@ -46,23 +43,6 @@ def _check_hub(name: str) -> None:
             f"Cannot load {name!r}: it is not a local folder, and {why}. Download it where the Hub is reachable and "
             "pass its folder, or leave --model out to use the embedded SmolLM2-135M."
         )
-
-
-@functools.cache
-def hub_unavailable() -> str | None:
-    """Why the Hugging Face Hub cannot be used now (HF_HUB_OFFLINE, or no connection to it within 3 s), or None."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None  # reached through a proxy: let the download find out
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError as problem:
-        return f"the Hub ({host}) cannot be reached ({problem.strerror or problem})"
-    return None
 
 
 def _from_hub(loader, name: str, **kwargs):

@@ -197,12 +197,13 @@ def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path,
 def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypatch, offline):
     import socket
 
-    from recurfit import loading
+    from recurfit import hub, loading
+    from recurfit.data.sources import iter_documents
     from recurfit.errors import RecurfitError
 
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    loading.hub_unavailable.cache_clear()
+    hub.hub_unavailable.cache_clear()
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         expected = "HF_HUB_OFFLINE is set"
@@ -220,8 +221,10 @@ def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypa
         RecurfitError, match=re.escape(f"Cannot load 'someone/some-model': it is not a local folder, and {expected}.")
     ):
         loading.load_config("someone/some-model")
+    with pytest.raises(RecurfitError, match=re.escape(f"Cannot load the dataset 'someone/some-data': {expected}.")):
+        list(iter_documents("hf:someone/some-data"))
     assert time.monotonic() - started < 2
-    loading.hub_unavailable.cache_clear()
+    hub.hub_unavailable.cache_clear()
 
 
 # ---------------------------------------------------------------- what a saved model says about its parent

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import RecurfitError
+from ..hub import hub_unavailable
 from .filters import MISSING, FilterStats, lookup
 
 TEXT_FIELDS = ("text", "content", "document")
@@ -287,6 +288,12 @@ def _hub_dataset(spec: str):
 
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
+    why = hub_unavailable()  # datasets streams from the Hub: it needs it even for a dataset read before
+    if why:
+        raise RecurfitError(
+            f"Cannot load the dataset {name!r}: {why}. Offline, use local files or the embedded sources "
+            "(embedded:prose, embedded:math)."
+        )
     try:
         return datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as problem:  # datasets raises many types for "unreachable" and "no such dataset"
