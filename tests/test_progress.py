@@ -124,3 +124,17 @@ def test_data_prepare_prints_its_progress_to_a_file_while_it_runs(workspace, tmp
     assert [line.split(": ")[1].split("  ")[0] for line in lines] == ["512", "1,024", "1,500"]
     assert all(" tokens)" in line and "elapsed " in line for line in lines)
     assert "training rows" not in seen
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_only_the_main_process_prints_progress(workspace, tmp_path, monkeypatch, capsys, main):
+    from recurfit.train import load_config, loop
+    from recurfit.train.distributed import Processes
+
+    monkeypatch.setenv("RECURFIT_PROGRESS_EVERY", "1")
+    config = load_config(None, ["steps=2"], base=tiny_config(workspace, tmp_path / "run", log={"progress": True}))
+    trainer = loop.Trainer(config)
+    monkeypatch.setattr(Processes, "is_main", property(lambda processes: main))  # as rank 1 would be
+    trainer.run()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training: ")]
+    assert len(lines) == (2 if main else 0)
