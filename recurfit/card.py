@@ -31,7 +31,7 @@ UPLOADED = ["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja", CARD]
 def parent_name(name_or_path: str | None) -> str:
     """The parent as a reader knows it: the embedded model by name rather than by its cache folder."""
     if not name_or_path:
-        return "unknown"
+        return "a local model"  # its folder is not recorded: the path would be published with the card
     return EMBEDDED_NAME if Path(name_or_path).is_relative_to(cache_root()) else str(name_or_path)
 
 

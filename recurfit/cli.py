@@ -235,7 +235,9 @@ def cmd_train(args) -> None:
     """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
     from .summary import flops_table, parts_table
     from .train import Trainer, already_finished, load_config
-    from .train.report import phase_warnings, schedule_table, tokens_per_row, validation_table
+    from .train.model import check_plan
+    from .train.report import schedule_table, validation_table
+    from .train.run_folder import RunFolder
 
     config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
     main_process = int(os.environ.get("RANK", "0")) == 0
@@ -247,18 +249,22 @@ def cmd_train(args) -> None:
             f"further, start a new run from it with model.init_from={finished.out}."
         )
         return
-    say(f"[bold]Config[/] ({'not run: --dry-run' if args.dry_run else f'saved as {config.out}/config.yaml'}):")
-    say(config.to_yaml(), markup=False, highlight=False)
-    for warning in phase_warnings(config, tokens_per_row(config)):
-        say(f"[yellow]warning:[/] {warning}", highlight=False)
     if args.dry_run:
+        check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
+        _print_train_config(config, say, "not run: --dry-run")
         say(schedule_table(config))
         return
-    trainer = Trainer(config, resume=args.resume, force=args.force)
+    trainer = Trainer(config, resume=args.resume, force=args.force)  # checks everything, then saves config.yaml
     try:
+        _print_train_config(config, say, f"saved as {config.out}/config.yaml")
         say(parts_table(trainer.model))
         say(flops_table(trainer.model, [config.depth.mean_recurrence]))
         result = trainer.run()
+    except KeyboardInterrupt:
+        say(
+            f"Stopped by Ctrl-C at step {trainer.counters.step}: {RunFolder(config.out).resume_hint()}", highlight=False
+        )
+        raise
     finally:
         trainer.close()
     counters, out = result.counters, result.out
@@ -270,6 +276,15 @@ def cmd_train(args) -> None:
         f"({counters.skipped} updates skipped). Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}, "
         f"{out / 'checkpoints'}/ and the model with its card in {out / 'final'}/."
     )
+
+
+def _print_train_config(config, say, status: str) -> None:
+    from .train.report import phase_warnings, tokens_per_row
+
+    say(f"[bold]Config[/] ({status}):")
+    say(config.to_yaml(), markup=False, highlight=False)
+    for warning in phase_warnings(config, tokens_per_row(config)):
+        say(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 def _generation_model(args):
@@ -504,18 +519,21 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action) -> str:
         text, default = action.help or "", action.default
-        if not action.option_strings or default in (None, False, argparse.SUPPRESS) or "default" in text:
+        if not action.option_strings or default is None or default is False or "default" in text:
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with HelpFormatter; subcommands inherit it."""
+    """argparse with HelpFormatter; subcommands inherit it. A usage error is one line, like every other error."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -536,8 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shape", type=shape_arg, help=f"P,R,C layers by the paper's rule (default {defaults.DEFAULT_SHAPE})"
     )
-    for part in ("prelude", "core", "coda"):
-        p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. 0-3")
+    for part, example in (("prelude", "0-3"), ("core", "10-17"), ("coda", "18-21")):
+        p.add_argument(f"--{part}", type=int_list, help=f"explicit parent layer indices for the {part}, e.g. {example}")
     p.add_argument("--select", choices=defaults.SELECTIONS, default="paper", help="how --shape picks layers")
     p.add_argument("--calibration", help="text file for --select shortgpt")
     p.add_argument("--calibration-tokens", type=int, default=2048, help="tokens of --calibration to score layers on")
@@ -549,7 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="identity: exactly the pruned parent at every r",
     )
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
-    p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
+    p.add_argument(
+        "--state-std",
+        type=float,
+        default=None,
+        help=f"σ of the initial state, 0: zeros (default: {defaults.DEFAULT_STATE_INIT_STD:.6g}, Huginn-0125's)",
+    )
     p.add_argument(
         "--mean-recurrence",
         type=int,
@@ -630,7 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="run folder (the same as the override out=…; default: the config's out)")
     p.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config and the depth and LR schedules, then exit"
+        "--dry-run",
+        action="store_true",
+        help="check the data stores and the shape, print the resolved config and the depth and LR schedules, then exit",
     )
     p.set_defaults(run=cmd_train)
 
@@ -666,7 +691,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--warm-start", action="store_true", help="start each token's recurrence from the previous token's state"
         )
-        p.add_argument("--draft-steps", type=int, help="self-speculative decoding: draft at this recurrence (greedy)")
+        p.add_argument(
+            "--draft-steps",
+            type=int,
+            help="self-speculative decoding: draft at this recurrence, greedy (default: off)",
+        )
         p.add_argument("--lookahead", type=int, default=4, help="with --draft-steps: tokens drafted per verification")
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
@@ -676,10 +705,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("loss", "validation loss and perplexity per r"), ("tasks", "lm-eval tasks per r")):
         p = evaluations.add_parser(name, help=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
-        p.add_argument("--baseline", help="the parent to compare with: a folder, a Hub id or `embedded`")
+        p.add_argument(
+            "--baseline", help="the parent to compare with: a folder, a Hub id or `embedded` (default: none)"
+        )
         p.add_argument("--tokenizer", help="model folder or Hub id whose tokenizer to use (default: MODEL's)")
         p.add_argument(
-            "--limit", type=int, help="evaluate only the first N sequences (loss) or documents per task (per subject)"
+            "--limit",
+            type=int,
+            help="evaluate only the first N sequences (loss) or documents per task (per subject) (default: all)",
         )
         p.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
         p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
@@ -748,6 +781,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _library_output(verbose: bool) -> None:
     """By default recurfit's own progress bars only: no "Loading weights" bar per model, no download or split
     bars, no library notices (warnings and errors still show). --verbose: the libraries' own output too."""
+    if not verbose:  # tqdm reads it once, on import: the GGUF conversion's and lm-eval's bars
+        os.environ.setdefault("TQDM_DISABLE", "1")
     from transformers.utils import logging as transformers_logging
 
     if verbose:
@@ -758,6 +793,23 @@ def _library_output(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_warning()
+
+
+def _report_error(error: Exception) -> int:
+    console.print(f"[bold red]error:[/] {error}", highlight=False)
+    return 2
+
+
+def _check_before_imports(args) -> None:
+    """Checks that need neither torch nor transformers: a taken output folder or a missing config fails in a
+    fraction of a second, not after the imports (or the work)."""
+    from .files import check_output
+
+    command = getattr(args, "command", None)  # none for `lm-eval`, which parses its own arguments
+    if command in ("retrofit", "import-raven", "eval", "demo"):
+        check_output(args.out, args.force)
+    if command == "train" and not Path(args.config).is_file():
+        raise RecurfitError(f"Config file not found: {args.config}.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -772,6 +824,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = [item for item in extra if item not in args.overrides]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        _check_before_imports(args)
+    except RecurfitError as error:
+        return _report_error(error)
     _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
         from .config import DEFAULT_STATE_INIT_STD
@@ -785,8 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RecurfitError, ValueError, FileNotFoundError) as error:
         if os.environ.get("RECURFIT_DEBUG"):
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
-        return 2
+        return _report_error(error)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from . import defaults
 from .assets import embedded_model_dir
 from .errors import RecurfitError
+from .hub import hub_unavailable
 
 
 def resolve(name_or_path: str | None) -> str:
@@ -25,7 +26,23 @@ def resolve(name_or_path: str | None) -> str:
         return str(path)
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise RecurfitError(f"No such model folder: {path}.")
+    _check_hub(name_or_path)
     return name_or_path
+
+
+def _check_hub(name: str) -> None:
+    """A Hub id that is not in the local Hub cache needs the Hub: say so at once when it is switched off or cannot
+    be reached, not after the download's retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # downloaded before: transformers loads it offline
+    why = hub_unavailable()
+    if why:
+        raise RecurfitError(
+            f"Cannot load {name!r}: it is not a local folder, and {why}. Download it where the Hub is reachable and "
+            "pass its folder, or leave --model out to use the embedded SmolLM2-135M."
+        )
 
 
 def _from_hub(loader, name: str, **kwargs):

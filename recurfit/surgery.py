@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .assets import public_name
 from .config import RecurrentConfig
 from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
 from .errors import RecurfitError
@@ -193,6 +194,7 @@ def retrofit(
         raise ValueError(f"adapter_init must be one of {ADAPTER_INITS}, got {adapter_init!r}.")
     text = config_for_layers(parent.config, selection.kept)
     text.tie_word_embeddings = not untie_embeddings
+    text.name_or_path = public_name(parent.config.name_or_path) or ""  # a local path is not saved (nor pushed)
     P, R, C = selection.shape
     config = RecurrentConfig(
         text_config=text,
@@ -200,7 +202,7 @@ def retrofit(
         num_core_layers=R,
         num_coda_layers=C,
         source_layers=selection.as_dict(),
-        parent_name_or_path=getattr(parent, "name_or_path", None) or None,
+        parent_name_or_path=public_name(parent.config.name_or_path),
         adapter=adapter,
         state_init_std=state_init_std,
         mean_recurrence=mean_recurrence,

@@ -21,7 +21,12 @@ def test_retrofit_folder_has_a_card_with_parent_shape_layers_and_how_to_load(wor
     assert code == 0, text
     card = card_of(out)
     assert card.startswith("---\n") and "library_name: transformers" in card and "- depth-recurrence" in card
-    assert "# tiny-121" in card and f"from **{workspace / 'parent'}**" in card and "shape (1, 2, 1)" in card
+    assert (
+        "# tiny-121" in card
+        and "from **a local model**" in card
+        and str(workspace) not in card
+        and "shape (1, 2, 1)" in card
+    )
     assert "| prelude | 0 |" in card and "| core | 3–4 |" in card and "| coda | 5 |" in card
     assert "AutoModelForCausalLM.from_pretrained" in card and "import recurfit" in card
     assert "## Training" not in card  # a fresh retrofit is untrained, and the card does not pretend otherwise

@@ -69,7 +69,7 @@ def test_every_option_has_a_help_line_with_its_default():
                 continue
             text = formatter._get_help_string(action)
             assert text, f"{name} {action.option_strings or action.dest} has no help"
-            if action.option_strings and action.default not in (None, False):
+            if action.option_strings and action.default is not None and action.default is not False:  # 0 too
                 assert "default" in text, f"{name} {action.option_strings}: {text!r}"
     inspect = dict(subparsers(build_parser()))["recurfit inspect"]
     assert "(default: 1,4,32)" in " ".join(inspect.format_help().split())

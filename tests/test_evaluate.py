@@ -444,3 +444,24 @@ def test_lm_eval_command_line_runs_the_registered_model(saved, tmp_path, capsys)
     assert code == 0, text
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     assert "arc_easy_offline" in results["results"] and results["config"]["model"] == "recurfit"
+
+
+def test_lm_eval_requests_advance_recurfits_bar_and_lm_evals_bars_stay_off(lm_pair, monkeypatch, capsys):
+    from recurfit.progress import progress_bar
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # as `recurfit` without --verbose sets it
+    monkeypatch.setenv("RECURFIT_PROGRESS_EVERY", "1")
+    lm = lm_pair(2)
+    pairs = [("the cat sat", " on the mat"), ("a", " dog"), ("big red tree", "."), ("x", " y")]
+    prompts = [("the cat", {"until": ["."], "max_gen_toks": 3, "do_sample": False})] * 2
+    with progress_bar() as bar:  # captured output is not a terminal: plain lines
+        lm.progress = (bar, "model at r=3")
+        lm.loglikelihood(_requests("loglikelihood", pairs))
+        lm.generate_until(_requests("generate_until", prompts))
+    said = capsys.readouterr()
+    lines = [line.split("  ")[0] for line in said.out.splitlines()]
+    assert lines == [
+        *(f"model at r=3: log-likelihood requests: {i}/4 ({i / 4:.0%})" for i in range(1, 5)),
+        *(f"model at r=3: generation requests: {i}/2 ({i / 2:.0%})" for i in range(1, 3)),
+    ]
+    assert "Running generate_until requests" not in said.err and "it/s]" not in said.err  # no bar of lm-eval's

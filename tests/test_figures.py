@@ -127,3 +127,33 @@ def test_a_zero_score_and_a_single_point_keep_their_markers_and_ticks(drawn, tmp
 def test_run_names_are_the_run_folder():
     assert plots.run_name("runs/smollm2-cpu/final") == plots.run_name("runs/smollm2-cpu/") == "smollm2-cpu"
     assert plots.run_name("embedded SmolLM2-135M (4, 8, 4)") == "embedded SmolLM2-135M (4, 8, 4)"
+
+
+# ---------------------------------------------------------------- FLOPs axis labels, lines of equal value
+
+
+def test_flops_figures_keep_their_axis_labels_inside_and_apart(drawn, tmp_path):
+    plots.plot_flops([loss_sweep("runs/smollm2-cpu/final", 4.0)], tmp_path / "loss_flops.png")
+    plots.plot_flops([task_sweep()], tmp_path / "tasks_flops.png")
+    for figure in drawn:
+        figure.canvas.draw()
+        page = figure.bbox
+        labels = [axis.xaxis.label.get_window_extent() for axis in figure.axes if axis.get_visible()]
+        for box in labels:
+            assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0
+        for left, right in zip(labels, labels[1:]):
+            assert left.x1 < right.x0  # the two panels' labels do not run into each other
+
+
+def test_lines_of_equal_value_stay_visible_and_are_named(drawn, tmp_path):
+    plots.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")
+    arc, gsm8k = drawn[0].axes[:2]
+    data = gsm8k.containers[0].lines[0]  # the errorbar's line through the scores
+    parent, chance = (
+        next(line for line in gsm8k.get_lines() if line.get_label() == name)
+        for name in ("parent (embedded)", "random chance")
+    )
+    assert parent.get_zorder() > data.get_zorder() and chance.get_zorder() > data.get_zorder()
+    assert parent.get_linewidth() < data.get_linewidth()  # the data line shows around the references
+    assert [text.get_text() for text in gsm8k.texts] == ["smollm2-cpu, parent (embedded), random chance: all 0"]
+    assert len(arc.texts) == 0  # values that differ need no note

@@ -20,10 +20,13 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import RecurfitError
+from ..hub import hub_unavailable
 from .filters import MISSING, FilterStats, lookup
 
 TEXT_FIELDS = ("text", "content", "document")
@@ -125,13 +128,11 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
             if paragraph.strip():
                 yield paragraph.strip()
     elif name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
         field, generator, columns = _parquet_columns(path, text_field, row_filter)
         if stats is not None:
             stats.generator_field = stats.generator_field or generator
         row = 0
-        for batch in pq.ParquetFile(path).iter_batches(columns=columns):
+        for batch in _parquet_batches(path, columns):
             for record in batch.to_pylist():
                 row += 1
                 text = _text(record[field], field, f"{path} row {row}")
@@ -161,20 +162,37 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
+    for number, line in _numbered_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as problem:
+            raise RecurfitError(f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines.") from None
+        if not isinstance(record, dict):
+            raise RecurfitError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}.")
+        yield f"{path}:{number}", record
+
+
+def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a text file, gzipped or not, decoded one by one so that bad bytes are found at their line."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as problem:
-                raise RecurfitError(
-                    f"{path}:{number} is not valid JSON ({problem.msg}); expected JSON lines."
-                ) from None
-            if not isinstance(record, dict):
-                raise RecurfitError(f"{path}:{number}: expected a JSON object per line, got {type(record).__name__}.")
-            yield f"{path}:{number}", record
+    number = 0
+    try:
+        with opener(path, "rb") as lines:
+            for number, raw in enumerate(lines, 1):
+                yield number, raw.decode("utf-8")
+    except UnicodeDecodeError as problem:
+        raise RecurfitError(
+            f"{path}:{number}: byte {problem.object[problem.start]:#04x} (byte {problem.start + 1} of the line) is not "
+            "UTF-8; "
+            "convert the file to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+        ) from None
+    except (OSError, EOFError, zlib.error) as problem:  # gzip.BadGzipFile is an OSError
+        raise RecurfitError(
+            f"{path}: cannot read it as {'gzip' if opener is gzip.open else 'text'} ({problem}); a .gz name needs "
+            "gzipped content, and a truncated download needs fetching again."
+        ) from None
 
 
 def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[str, str | None, list[str]]:
@@ -185,7 +203,8 @@ def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[st
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    file = pq.ParquetFile(path)
+    with _readable_parquet(path):
+        file = pq.ParquetFile(path)
     schema = file.schema_arrow
     field = _text_field(schema.names, text_field, path)
     if row_filter is None:
@@ -215,6 +234,26 @@ def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[st
     generator = row_filter.resolve(has, schema.names, path)
     top = generator if generator in schema.names else generator.partition(".")[0]
     return field, generator, list(dict.fromkeys([field, top]))
+
+
+def _parquet_batches(path: Path, columns: list[str]) -> Iterator:
+    import pyarrow.parquet as pq
+
+    with _readable_parquet(path):
+        yield from pq.ParquetFile(path).iter_batches(columns=columns)
+
+
+@contextmanager
+def _readable_parquet(path: Path) -> Iterator[None]:
+    """pyarrow's errors for a damaged or mislabelled parquet file, as one line that names the file."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as problem:
+        raise RecurfitError(
+            f"{path}: not a readable parquet file ({str(problem).splitlines()[0]}); fetch or write it again."
+        ) from None
 
 
 def _text(value, field: str, where) -> str | None:
@@ -249,6 +288,12 @@ def _hub_dataset(spec: str):
 
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
+    why = hub_unavailable()  # datasets streams from the Hub: it needs it even for a dataset read before
+    if why:
+        raise RecurfitError(
+            f"Cannot load the dataset {name!r}: {why}. Offline, use local files or the embedded sources "
+            "(embedded:prose, embedded:math)."
+        )
     try:
         return datasets.load_dataset(name, config or None, split=split or "train", streaming=True)
     except Exception as problem:  # datasets raises many types for "unreachable" and "no such dataset"

@@ -16,6 +16,8 @@ ignores the flag for a tokenizer passed as an object, which it uses as it is; Re
 from __future__ import annotations
 
 import copy
+import os
+from contextlib import contextmanager
 
 import torch
 from lm_eval.api.registry import register_model
@@ -82,9 +84,62 @@ class RecurfitLM(HFLM):
             enabled=self.mixed_precision_dtype is not None,
         )
 
+    # ------------------------------------------------------------ progress
+    # lm-eval's own bars (tqdm) are off when TQDM_DISABLE is set, as the CLI does without --verbose; recurfit's
+    # bar (`progress`: a progress.progress_bar and a label, set by task_sweep) counts the answered requests.
+
+    progress = None
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        with self._counted("log-likelihood requests", requests):
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm or _quiet())
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        with self._counted("rolling log-likelihood requests", requests):
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or _quiet())
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        with self._counted("generation requests", requests):
+            return super().generate_until(requests, disable_tqdm=disable_tqdm or _quiet())
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        # loglikelihood_rolling asks for a bar per window batch (disable_tqdm=False) whatever it was given
+        return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or _quiet(), override_bs=override_bs)
+
+    @contextmanager
+    def _counted(self, kind: str, requests):
+        """While lm-eval answers `requests`, recurfit's bar advances once per answer (lm-eval reports each to its
+        cache hook)."""
+        if self.progress is None or not requests:
+            yield
+            return
+        bar, label = self.progress
+        task = bar.add_task(f"{label}: {kind}", total=len(requests))
+        hook = self.cache_hook
+        self.cache_hook = _AdvancingHook(hook, lambda: bar.advance(task))
+        try:
+            yield
+        finally:
+            self.cache_hook = hook
+
     def get_model_info(self) -> dict:
         exit = None if self.exit_rule is None else f"{self.exit_rule}"
         return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init, "exit": exit}
+
+
+def _quiet() -> bool:
+    return bool(os.environ.get("TQDM_DISABLE"))
+
+
+class _AdvancingHook:
+    """lm-eval's cache hook, which also advances a progress bar for every answered request."""
+
+    def __init__(self, inner, advance):
+        self.inner, self.advance = inner, advance
+
+    def add_partial(self, attr, request, result) -> None:
+        self.advance()
+        self.inner.add_partial(attr, request, result)
 
 
 def with_bos(tokenizer, add_bos_token: bool):

@@ -31,6 +31,12 @@ from ..train.metrics import read_log, validation_losses  # noqa: E402
 from .results import Sweep  # noqa: E402
 
 FORMATS = (".png", ".pdf", ".svg")
+# The parent (--) and chance (:) lines: thin and above the data, dashed out of phase with each other, so that a
+# data line, the parent and chance at one value (all at 0 % on a task the models cannot do) all stay visible.
+REFERENCE_STYLES = {
+    "--": {"color": "black", "linestyle": (0, (6, 6)), "linewidth": 1.0, "zorder": 3},
+    ":": {"color": "grey", "linestyle": (6, (2, 2, 2, 6)), "linewidth": 1.0, "zorder": 3},
+}
 LOSS_METRICS = ("loss", "perplexity")
 
 
@@ -129,9 +135,8 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
             elif metric in sweep.rows[0].metrics:  # a fixed-depth model: one value whatever r
                 axis.axhline(sweep.rows[0].metrics[metric], label=run_name(sweep.model))
         for row, style in _references(sweeps, metric):
-            axis.axhline(
-                row.metrics[metric], linestyle=style, color="black" if style == "--" else "grey", label=row.label
-            )
+            axis.axhline(row.metrics[metric], label=row.label, **REFERENCE_STYLES[style])
+        _note_equal_lines(axis, sweeps, metric)
         axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
         axis.set_xscale("log", base=2)
         axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)  # room for the end markers
@@ -179,7 +184,7 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
             )
         axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
         _log_flops_axis(axis.xaxis, right_room=1.35)  # the r= labels sit right of their points
-        _finish_metric_axis(axis, metric, "inference FLOPs per token (2 × effective parameters; M = 10⁶, G = 10⁹)")
+        _finish_metric_axis(axis, metric, "inference FLOPs per token\n(2 × effective parameters; M = 10⁶, G = 10⁹)")
     return _save(figure, path)
 
 
@@ -217,6 +222,30 @@ def _finish_metric_axis(axis, metric: str, xlabel: str) -> None:
     axis.set_ylabel(_metric_label(metric))
     axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.grid(alpha=0.3)
+
+
+def _note_equal_lines(axis, sweeps: Sequence[Sweep], metric: str) -> None:
+    """Lines drawn on top of each other (the parent, chance and a flat data line, all at 0 %) read as one: name
+    them, with their common value, just above it at the panel's right edge."""
+    levels: dict[float, list[str]] = {}
+    for sweep in sweeps:
+        values = {row.metrics[metric] for row in sweep.rows if row.steps is not None and metric in row.metrics}
+        if len(values) == 1:
+            levels.setdefault(round(values.pop(), 9), []).append(run_name(sweep.model))
+    for row, _ in _references(sweeps, metric):
+        levels.setdefault(round(row.metrics[metric], 9), []).append(row.label)
+    for value, labels in levels.items():
+        if len(labels) > 1:
+            axis.annotate(
+                f"{', '.join(labels)}: all {value:g}",
+                (0.99, value),
+                xycoords=axis.get_yaxis_transform(),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="right",
+                va="bottom",
+                fontsize=7,
+            )
 
 
 def _references(sweeps: Sequence[Sweep], metric: str, chance: bool = True):

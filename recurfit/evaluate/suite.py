@@ -26,6 +26,7 @@ from rich.console import Console
 from ..defaults import TASK_RECURRENCES
 from ..errors import RecurfitError
 from ..modeling import RecurrentForCausalLM
+from ..progress import progress_bar
 from .results import Row, Sweep
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -271,7 +272,8 @@ def task_sweep(
         console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
         results: dict = {}
         for settings, group in runs.items():
-            with quiet_git_hash():
+            with quiet_git_hash(), progress_bar() as bar:
+                lms[settings.max_length].progress = (bar, label)
                 output = simple_evaluate(
                     model=lms[settings.max_length],
                     tasks=group,

@@ -342,11 +342,13 @@ class Trainer:
             key = changed[0]
             raise RecurfitError(
                 f"--resume: {key} differs from the run's ({', '.join(changed)} changed since {checkpoint.folder}); "
-                "resume with the settings the run was started with, or start a new run (--force, or another out=)."
+                f"resume with the run's own settings, `recurfit train {self.out / 'config.yaml'} --resume`, "
+                "or start a new run (--force, or another out=)."
             )
         trainer = restore(checkpoint, self.model, self.optimizers, self.schedulers)
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
+        self._say(f"Resuming {self.out} from step {self.counters.step} ({checkpoint.folder}).")
 
     def _say(self, message: str) -> None:
         if self.processes.is_main:

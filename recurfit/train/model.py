@@ -12,10 +12,10 @@ from ..data import TokenStore
 from ..errors import RecurfitError
 from ..families import family_of, supported_families
 from ..init import scaled_init_
-from ..loading import load_model
+from ..loading import load_config, load_model, meta_model
 from ..modeling import RecurrentForCausalLM
 from ..surgery import prune_layers, retrofit, untie_embeddings
-from .config import DepthConfig, ModelConfig
+from .config import DepthConfig, ModelConfig, TrainConfig
 
 
 def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module:
@@ -24,29 +24,7 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     check_sources(config)
     model = load_model(config.source, dtype=torch.float32)
     calibration = calibration_rows(config) if config.select == "shortgpt" else None
-    if config.prune_to is not None:
-        if isinstance(model, RecurrentForCausalLM):
-            raise RecurfitError(
-                "model.prune_to prunes a parent model, but model.path is recurrent; drop model.prune_to."
-            )
-        model = _surgery(prune_layers, model, config.prune_to, calibration)
-    layers = {"prelude": config.prelude, "core": config.core, "coda": config.coda} if config.core is not None else {}
-    if config.shape is not None or layers:
-        if isinstance(model, RecurrentForCausalLM):
-            raise RecurfitError(
-                "model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape."
-            )
-        model = _surgery(
-            retrofit,
-            model,
-            tuple(config.shape) if config.shape else None,
-            **layers,
-            select=config.select,
-            calibration=calibration,
-            adapter=config.adapter,
-            mean_recurrence=depth.mean_recurrence,
-            backprop_depth=depth.backprop_depth,
-        )
+    model = _restructure(model, config, depth, config.select, calibration)
     if isinstance(model, RecurrentForCausalLM):
         model.config.mean_recurrence = depth.mean_recurrence
         model.config.backprop_depth = depth.backprop_depth
@@ -73,6 +51,50 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
+
+
+def _restructure(model: nn.Module, config: ModelConfig, depth: DepthConfig, select: str, calibration) -> nn.Module:
+    """The pruning and retrofit `config` asks for (the model as it is when it asks for neither)."""
+    if config.prune_to is not None:
+        if isinstance(model, RecurrentForCausalLM):
+            raise RecurfitError(
+                "model.prune_to prunes a parent model, but model.path is recurrent; drop model.prune_to."
+            )
+        model = _surgery(prune_layers, model, config.prune_to, calibration)
+    layers = {"prelude": config.prelude, "core": config.core, "coda": config.coda} if config.core is not None else {}
+    if config.shape is not None or layers:
+        if isinstance(model, RecurrentForCausalLM):
+            raise RecurfitError(
+                "model.shape retrofits a parent model, but model.path is already recurrent; drop model.shape."
+            )
+        model = _surgery(
+            retrofit,
+            model,
+            tuple(config.shape) if config.shape else None,
+            **layers,
+            select=select,
+            calibration=calibration,
+            adapter=config.adapter,
+            mean_recurrence=depth.mean_recurrence,
+            backprop_depth=depth.backprop_depth,
+        )
+    return model
+
+
+def check_plan(config: TrainConfig) -> None:
+    """What --dry-run checks without loading weights or data: every token store opens, and the parent (its config
+    alone, on the meta device) holds the pruning and shape asked for."""
+    for phase in config.data.phases:
+        for source in phase.sources:
+            TokenStore(source.path, "train")
+    for path in config.data.validation:
+        TokenStore(path, "val")
+    if config.model.init_from is not None:  # a chained run: its model is the earlier run's, perhaps not trained yet
+        return
+    check_sources(config.model)
+    model = meta_model(load_config(config.model.source))
+    # ShortGPT picks layers from weights; any selection fits the same shapes
+    _restructure(model, config.model, config.depth, "paper", None)
 
 
 def check_sources(config: ModelConfig) -> None:

@@ -58,6 +58,16 @@ class RunFolder:
         except (OSError, ValueError, KeyError, TypeError):
             return int(folders[-1].name.removeprefix("step-"))
 
+    def resume_hint(self) -> str:
+        """After a stop: the newest checkpoint, and the command that continues the run from it."""
+        step = self.last_step()
+        where = (
+            f"its last checkpoint is {checkpoint_folders(self.checkpoints)[-1]} (step {step})"
+            if step is not None
+            else "it has no checkpoint yet, so --resume starts again from step 0"
+        )
+        return f"{where}; continue with `recurfit train {self.path / 'config.yaml'} --resume`."
+
     @staticmethod
     def check_flags(resume: bool, force: bool) -> None:
         if resume and force:
