@@ -124,6 +124,7 @@ def cmd_retrofit(args) -> None:
         calibration=calibration,
         adapter=args.adapter,
         adapter_init=args.adapter_init,
+        seed=args.seed,
         untie_embeddings=not args.tie_embeddings,
         state_init_std=args.state_std,
         mean_recurrence=args.mean_recurrence,
@@ -546,8 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter-init",
         choices=defaults.ADAPTER_INITS,
         default="identity",
-        help="identity: exactly the pruned parent at every r",
+        help="identity: exactly the pruned parent at every r; torch-default: nn.Linear's Kaiming-uniform, as the "
+        "paper's runs started; random: N(0, initializer_range²)",
     )
+    p.add_argument("--seed", type=int, default=0, help="seeds a random --adapter-init")
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument("--state-std", type=float, default=None, help="σ of the initial state (0: zeros)")
     p.add_argument(

@@ -48,6 +48,9 @@ class ModelConfig:
     embedding_scale: float | None = None
     untie_embeddings: bool = False  # give a tied parent its own output matrix (the paper's Llama baseline)
     adapter: Literal["linear", "add"] = "linear"
+    # How a retrofit starts its linear adapter: [0 | I] (the pruned parent), or nn.Linear's default draw
+    # (`torch-default`, where the paper's runs started), seeded by the run's seed.
+    adapter_init: Literal["identity", "torch-default", "random"] = "identity"
     state_init_std: float | None = None  # None: keep the model's
     gradient_checkpointing: bool = False
 

@@ -44,6 +44,8 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
             select=config.select,
             calibration=calibration,
             adapter=config.adapter,
+            adapter_init=config.adapter_init,
+            seed=seed,
             mean_recurrence=depth.mean_recurrence,
             backprop_depth=depth.backprop_depth,
         )
