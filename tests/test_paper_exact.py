@@ -1,5 +1,7 @@
 """The paper, exactly: settings checked against the authors' released files (docs/paper-settings.md)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_parent
@@ -33,3 +35,13 @@ def test_a_training_config_starts_its_adapter_as_the_run_seed_draws(tmp_path, wo
     torch.manual_seed(5)
     assert torch.equal(model.model.adapter.weight, torch.nn.Linear(2 * hidden, hidden, bias=False).weight)
     assert load_config(None, [], base=small_run(workspace, tmp_path / "default")).model.adapter_init == "identity"
+
+
+PAPER_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes", "paper").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
+def test_every_paper_recipe_that_retrofits_starts_the_adapter_as_the_authors_did(path):
+    model = load_config(path).model
+    if model.init_from is None:
+        assert model.adapter_init == "torch-default"
