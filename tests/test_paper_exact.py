@@ -1,14 +1,20 @@
 """The paper, exactly: settings checked against the authors' released files (docs/paper-settings.md)."""
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_parent
 from test_paper_runs import small_run
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
-from recurfit.train import load_config
+from recurfit.accounting import paper_ramp, paper_training_flops
+from recurfit.sampling import Curriculum
+from recurfit.train import load_config, train
+from recurfit.train.metrics import read_log
 from recurfit.train.model import build_model
 
 # ---------------------------------------------------------------- the adapter at the start of training
@@ -45,3 +51,102 @@ def test_every_paper_recipe_that_retrofits_starts_the_adapter_as_the_authors_did
     model = load_config(path).model
     if model.init_from is None:
         assert model.adapter_init == "torch-default"
+
+
+# ---------------------------------------------------------------- the paper's FLOPs
+
+PARENTS = {  # the three parents' shapes (their Hub configs), built on the meta device: no weights needed
+    "tinyllama": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+    ),
+    "llama-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+    ),
+    "olmo-1b": dict(
+        model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+    ),
+}  # fmt: skip
+
+
+def meta_model(parent: str, shape):
+    settings = dict(PARENTS[parent])
+    config = CONFIG_MAPPING[settings.pop("model_type")](**settings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return recurfit.retrofit(model, shape=shape) if shape else model
+
+
+# (file in the authors' paper_plots/data, its run label, checkpoint, FLOPs) and the run's settings:
+# parent, shape, steps, train recurrence, curriculum and its length.
+PAPER_ROWS = [
+    ("tinyllama_ablate_rec_long", "4,8,4 75 sqrt (Train Recurrence=4)", 3000, 1.33009296e19,
+     "tinyllama", (4, 8, 4), 50000, 4, "1-sqrt", 0.75),
+    ("tinyllama_ablate_rec_long", "4,8,4 75 sqrt (Train Recurrence=32)", 50000, 1.217748875e21,
+     "tinyllama", (4, 8, 4), 50000, 32, "1-sqrt", 0.75),
+    ("tinyllama_1_sqrt_app_fig", "4,8,4 100% linear (Train Recurrence=4)", 25000, 1.3855135e20,
+     "tinyllama", (4, 8, 4), 50000, 4, "linear", 1.0),
+    ("extend_prelude_coda", "7,8,7 (Train Recurrence=16)", 28000, 6.691195202e20,
+     "tinyllama", (7, 8, 7), 50000, 16, "linear", 0.25),
+    ("olmo_50k_steps", "4,6,4 75 sqrt (Train Recurrence=32)", 25000, 4.608792034e20,
+     "olmo-1b", (4, 6, 4), 50000, 32, "1-sqrt", 0.75),
+    ("tinyllama_gsm8k_llama_long_4_rec", "4,6,4 75 sqrt (Train Recurrence=8)", 25000, 1.958141649e20,
+     "llama-1b", (4, 6, 4), 50000, 8, "1-sqrt", 0.75),
+    ("tinyllama_long_run_table", "Llama", 15000, 3.903089326e20,
+     "llama-1b", (2, 4, 2), 28610, 32, "constant", 0.0),
+    ("tinyllama_nemotron_fineweb_2", "4,8,4 (Train Recurrence=4) - Two Phase", 13000, 1.233129183e20,
+     "tinyllama", (4, 8, 4), 25000, 4, "linear", 0.25),
+    ("tinyllama_ablate_rec_long", "TinyLlama-1.1b-3T\\nStatic Depth", 1000, 6096272284975104000,
+     "tinyllama", None, 50000, 1, "constant", 0.0),
+    ("olmo_50k_steps", "Olmo-2-step1907359\\nStatic Depth", 48000, 324299374064566272000,
+     "olmo-1b", None, 50000, 1, "constant", 0.0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", PAPER_ROWS, ids=lambda row: f"{row[0]}:{row[1][:24]}@{row[2]}")
+def test_the_papers_flops_match_the_authors_plot_data(row):
+    _, _, checkpoint, expected, parent, shape, steps, recurrence, curriculum, fraction = row
+    counts = recurfit.count_parameters(meta_model(parent, shape))
+    flops = paper_training_flops(
+        counts,
+        checkpoint,
+        2**20,
+        total_steps=steps,
+        mean_recurrence=recurrence,
+        backprop_depth=8,
+        curriculum=curriculum,
+        curriculum_fraction=fraction,
+    )
+    assert flops == pytest.approx(expected, rel=5e-7)
+
+
+def test_the_papers_ramp_differs_from_the_run_only_by_rounding():
+    # The authors' accounting truncates where their scheduler rounds up: at most one depth apart on the ramp.
+    curriculum = Curriculum(32, "linear", math.ceil(0.25 * 25000))
+    ramp = [paper_ramp(step, 32, "linear", 0.25, 25000) for step in range(25000)]
+    assert all(abs(a - curriculum.at(step)) <= 1 for step, a in enumerate(ramp))
+    assert ramp[0] == 1 and ramp.count(1) == int(6250 / 32) and ramp.count(32) == 25000 - int(31 / 32 * 6250)
+
+
+def test_a_runs_flops_paper_field_is_the_papers_accounting(tmp_path, workspace):
+    config = small_run(workspace, tmp_path / "run", steps=5)
+    config["depth"] = {"mean_recurrence": 4, "backprop_depth": 2, "curriculum": "linear", "curriculum_fraction": 0.6}
+    train(load_config(None, [], base=config))
+    steps = [record for record in read_log(tmp_path / "run" / "log.jsonl") if record.get("kind") == "train"]
+    counts = recurfit.count_parameters(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final"))
+    tokens_per_step = steps[0]["tokens"]
+    for record in steps:
+        expected = paper_training_flops(
+            counts,
+            record["step"],
+            tokens_per_step,
+            total_steps=5,
+            mean_recurrence=4,
+            backprop_depth=2,
+            curriculum="linear",
+            curriculum_fraction=0.6,
+        )
+        assert record["flops_paper"] == expected
+    assert steps[-1]["flops_paper"] != steps[-1]["flops"]  # the drawn depths are the other measure

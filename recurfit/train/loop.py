@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import TextColumn
 
-from ..accounting import count_parameters, training_flops_per_token
+from ..accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
 from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
@@ -78,6 +78,15 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
         ),
         seed=config.seed,
         fixed=depth.fixed,
+    )
+
+
+def paper_accounting_depth(config: TrainConfig, step: int) -> tuple[int, int]:
+    """(r, k̄) of optimizer step `step` as the paper's FLOPs accounting counts it (`accounting.paper_ramp`)."""
+    depth, steps = config.depth, config.steps
+    return (
+        paper_ramp(step, depth.mean_recurrence, depth.curriculum, depth.curriculum_fraction, steps),
+        paper_ramp(step, depth.backprop_depth, depth.backprop_curriculum, depth.backprop_curriculum_fraction, steps),
     )
 
 
@@ -234,8 +243,9 @@ class Trainer:
         counters.tokens += tokens
         step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
         counters.flops += step_flops
-        # The paper's rule takes N1, N2 at the step's mean depth; a fixed-depth parent costs the same either way.
-        counters.flops_paper += tokens * training_flops_per_token(self.parameter_counts, mean_depth)
+        # As the paper's figures count: the authors' ramp, no adapter or final norm (accounting.paper_training_flops).
+        paper_depth = paper_accounting_depth(config, step)
+        counters.flops_paper += tokens * paper_flops_per_token(self.parameter_counts, *paper_depth)
         peak = peak_flops(self.processes.device)
         record = {
             "kind": "train",
