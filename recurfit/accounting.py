@@ -6,6 +6,8 @@
 - FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
   `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
   run without. A fixed-depth model costs `6·N`.
+`paper_flops_per_token` and `paper_training_flops` count as the paper authors' own scripts did (no adapter,
+no final norm, their curriculum ramp), to reproduce the FLOPs axes of the paper's figures.
 All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns. The rules,
 with the paper's sections: docs/method.md ("FLOPs").
 """
@@ -92,8 +94,9 @@ def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int
 
 
 def training_flops(model_or_counts, tokens: int, mean_recurrence: int = 1, backprop_depth: int = 1) -> int:
-    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth r̄
-    (split into n without gradient and k with as `sampling.split_depth` does)."""
+    """Total training FLOPs for `tokens` tokens at the mean depth r̄ (split into n without gradient and k with
+    as `sampling.split_depth` does), adapter and final norm counted. The count the paper's figures use, with
+    their curriculum ramps and without adapter or final norm, is `paper_training_flops`."""
     return tokens * training_flops_per_token(model_or_counts, split_depth(mean_recurrence, backprop_depth))
 
 

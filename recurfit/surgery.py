@@ -213,7 +213,9 @@ def retrofit(
         dtype=parent.dtype,
     )
     config._attn_implementation = parent.config._attn_implementation
-    model = RecurrentForCausalLM.from_state_dict(config, _transfer_weights(parent, selection, config, adapter_init, seed))
+    model = RecurrentForCausalLM.from_state_dict(
+        config, _transfer_weights(parent, selection, config, adapter_init, seed)
+    )
     if parent.generation_config is not None:
         model.generation_config = copy.deepcopy(parent.generation_config)  # the parent's own stays untouched
     return model.train(parent.training)
@@ -238,9 +240,7 @@ def _select_layers(parent, num_layers, shape, prelude, core, coda, select, calib
     return LayerSelection.paper_rule(tuple(shape), num_layers)
 
 
-def _transfer_weights(
-    parent, selection: LayerSelection, config: RecurrentConfig, adapter_init: str, seed: int
-) -> dict:
+def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig, adapter_init: str, seed: int) -> dict:
     """The new model's state dict, copied (not shared) from the parent's kept layers, embeddings and head."""
     embeddings = parent.get_input_embeddings().weight
     state = {
