@@ -172,11 +172,12 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_import_raven(args) -> None:
+    from .loading import optional_tokenizer
     from .raven import import_raven
 
     model = import_raven(args.path, family=args.family)
     _print_model(model, defaults.SUMMARY_RECURRENCES)
-    _save(model, None, args.out, args.force)
+    _save(model, optional_tokenizer(args.path), args.out, args.force)  # the tokenizer beside the weights, if any
 
 
 def cmd_demo(args) -> None:

@@ -1,17 +1,23 @@
 """The paper, exactly: settings checked against the authors' released files (docs/paper-settings.md)."""
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_parent
+from conftest import char_tokenizer, tiny_parent, token_batch
+from safetensors.torch import load_file, save_file
 from test_paper_runs import small_run
-from transformers import AutoModelForCausalLM
+from test_raven import write_raven_checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
 from recurfit.accounting import paper_ramp, paper_training_flops
+from recurfit.cli import main
+from recurfit.errors import RecurfitError
+from recurfit.raven import import_raven
 from recurfit.sampling import Curriculum
 from recurfit.train import load_config, train
 from recurfit.train.metrics import read_log
@@ -150,3 +156,100 @@ def test_a_runs_flops_paper_field_is_the_papers_accounting(tmp_path, workspace):
         )
         assert record["flops_paper"] == expected
     assert steps[-1]["flops_paper"] != steps[-1]["flops"]  # the drawn depths are the other measure
+
+
+# ---------------------------------------------------------------- imports that never misconvert
+
+
+def raven_folder(tmp_path, original, family="llama", name="raven", tensors=None, **config):
+    """`original` written in the authors' layout, with extra config.json keys and tensors (None removes a key)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    write_raven_checkpoint(original, folder, family, padded_vocab=128)
+    settings = json.loads((folder / "config.json").read_text())
+    settings.update(config)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    if tensors:
+        state = load_file(folder / "model.safetensors") | tensors
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    return folder
+
+
+def same_logits(imported, original, steps=(1, 3)):
+    ids, zero = token_batch(), torch.zeros(2, 12, original.config.hidden_size)
+    with torch.no_grad():
+        for r in steps:
+            expected = original.eval()(ids, num_steps=r, initial_state=zero).logits
+            torch.testing.assert_close(imported(ids, num_steps=r, initial_state=zero).logits, expected)
+
+
+def test_import_keeps_the_checkpoints_special_tokens(tmp_path):
+    original = recurfit.retrofit(tiny_parent("llama"), shape=(1, 2, 1), adapter_init="random")
+    folder = raven_folder(tmp_path, original, bos_token_id=40, eos_token_id=41, pad_token_id=42)
+    imported = import_raven(folder)
+    for model in (imported.config.text_config, imported.config, imported.generation_config):
+        assert (model.bos_token_id, model.eos_token_id, model.pad_token_id) == (40, 41, 42)
+    bare = import_raven(raven_folder(tmp_path, original, name="bare"))
+    assert bare.generation_config.eos_token_id is None and bare.config.text_config.bos_token_id is None
+
+
+def test_import_applies_the_embedding_scale_and_huginns_defaults(tmp_path):
+    original = recurfit.retrofit(tiny_parent("llama"), shape=(1, 2, 1), adapter_init="random")
+    hidden = original.config.hidden_size
+    folder = raven_folder(tmp_path, original, init_values={"std": 0.02, "embed_scale": 3.0})
+    imported = import_raven(folder)
+    assert imported.config.state_init_std == pytest.approx(0.06)  # their s₀ is scaled by embed_scale too
+    original.config.embedding_scale = 3.0
+    same_logits(imported, original)
+    # No init_values: Huginn's RavenConfig computes σ = sqrt(2 / 5h) and an embedding scale of sqrt(h).
+    defaults = import_raven(raven_folder(tmp_path, original, name="defaults", init_values=None))
+    assert defaults.config.embedding_scale == pytest.approx(math.sqrt(hidden))
+    assert defaults.config.state_init_std == pytest.approx(math.sqrt(2 / (5 * hidden)) * math.sqrt(hidden))
+    original.config.embedding_scale = math.sqrt(hidden)
+    same_logits(defaults, original)
+
+
+def test_import_reproduces_qk_bias(tmp_path):
+    heads = 4
+    parent = tiny_parent("llama", num_key_value_heads=heads, attention_bias=True)
+    original = recurfit.retrofit(parent, shape=(1, 2, 1), adapter_init="random")
+    biases, generator = {}, torch.Generator().manual_seed(0)
+    for theirs, ours in {"prelude": "prelude", "core_block": "core", "coda": "coda"}.items():
+        for i, layer in enumerate(getattr(original.model, ours)):
+            attention = layer.self_attn
+            with torch.no_grad():  # their model has q and k biases only
+                attention.v_proj.bias.zero_()
+                attention.o_proj.bias.zero_()
+                attention.q_proj.bias.copy_(torch.randn(attention.q_proj.bias.shape, generator=generator))
+                attention.k_proj.bias.copy_(torch.randn(attention.k_proj.bias.shape, generator=generator))
+            pair = torch.stack([attention.q_proj.bias, attention.k_proj.bias]).detach()
+            biases[f"transformer.{theirs}.{i}.attn.qk_bias"] = pair.view(2, 1, heads, -1)
+    imported = import_raven(raven_folder(tmp_path, original, tensors=biases, qk_bias=True))
+    same_logits(imported, original)
+
+
+@pytest.mark.parametrize(
+    "family, kwargs, tensors, message",
+    [
+        ("llama", {"bias": True}, {}, "adapter bias"),
+        ("llama", {}, {"transformer.adapter.bias": torch.ones(64)}, "adapter bias"),
+        ("llama", {}, {"transformer.prelude.0.attn.qk_bias": torch.ones(2, 1, 4, 16)}, "grouped-query"),
+        ("olmo2", {}, {"transformer.prelude.0.attn.qk_bias": torch.ones(2, 1, 4, 16)}, "olmo2"),
+    ],
+)
+def test_import_refuses_what_it_cannot_reproduce(tmp_path, family, kwargs, tensors, message):
+    parent = tiny_parent(family, num_key_value_heads=2) if family == "llama" else tiny_parent(family)
+    original = recurfit.retrofit(parent, shape=(1, 2, 1), adapter_init="random")
+    folder = raven_folder(tmp_path, original, family, tensors=tensors, **kwargs)
+    with pytest.raises(RecurfitError, match=message):
+        import_raven(folder)
+
+
+def test_import_raven_command_copies_the_tokenizer_beside_the_weights(tmp_path, capsys):
+    original = recurfit.retrofit(tiny_parent("llama"), shape=(1, 2, 1), adapter_init="random")
+    folder = raven_folder(tmp_path, original)
+    char_tokenizer().save_pretrained(folder)
+    assert main(["import-raven", str(folder), "--out", str(tmp_path / "out")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert tokenizer("cat").input_ids == char_tokenizer()("cat").input_ids
+    capsys.readouterr()
