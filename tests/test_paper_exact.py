@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
+import recurfit.loading
 from recurfit.accounting import paper_ramp, paper_training_flops
 from recurfit.cli import main
 from recurfit.errors import RecurfitError
@@ -253,3 +254,24 @@ def test_import_raven_command_copies_the_tokenizer_beside_the_weights(tmp_path, 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tokenizer("cat").input_ids == char_tokenizer()("cat").input_ids
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------- smaller settings
+
+
+def test_model_revision_reaches_from_pretrained_and_the_model_card(tmp_path, workspace, monkeypatch):
+    seen = []
+    real = recurfit.loading.load_model
+
+    def recording(name, *args, revision=None, **kwargs):
+        seen.append(revision)
+        return real(name, *args, revision=revision, **kwargs)
+
+    monkeypatch.setattr("recurfit.train.model.load_model", recording)
+    config = small_run(workspace, tmp_path / "run", steps=2)
+    config["model"]["revision"] = "stage1-step1907359-tokens4001B"
+    train(load_config(None, [], base=config))
+    assert seen == ["stage1-step1907359-tokens4001B"]
+    assert "revision: stage1-step1907359-tokens4001B" in (tmp_path / "run" / "final" / "README.md").read_text()
+    with pytest.raises(RecurfitError, match="drop model.path and model.revision"):
+        load_config(None, ["model.path=null", "model.shape=null", "model.init_from=runs/x"], base=config)

@@ -31,6 +31,7 @@ from ..errors import RecurfitError
 @dataclass
 class ModelConfig:
     path: str | None = None  # folder or Hub id; None: the embedded SmolLM2-135M
+    revision: str | None = None  # of a Hub `path`: a branch, tag or commit (OLMo's intermediate checkpoints)
     # A finished run's folder: start from its `final` weights (phase 2 of a two-phase run, a cooldown).
     init_from: str | None = None
     shape: list[int] | None = None  # [P, R, C]: retrofit `path` with the paper's layer rule
@@ -76,8 +77,8 @@ class ModelConfig:
                     "every prelude layer before every core layer, every core layer before every coda layer"
                 )
         if self.init_from is not None:
-            if self.path is not None:
-                problems.append("model.init_from continues a run's final model; drop model.path")
+            if self.path is not None or self.revision is not None:
+                problems.append("model.init_from continues a run's final model; drop model.path and model.revision")
             if retrofits or self.prune_to is not None or self.init == "random":
                 problems.append(
                     "model.init_from continues a run's final model as it is; drop model.shape/prelude/core/coda, "

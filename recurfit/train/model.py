@@ -22,7 +22,7 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     """fp32 master weights on the CPU; the trainer moves them. Recurrent unless `path` is a plain parent with
     no `shape` (the non-recurrent baseline, continued-trained in the same engine)."""
     check_sources(config)
-    model = load_model(config.source, dtype=torch.float32)
+    model = load_model(config.source, dtype=torch.float32, revision=config.revision)
     calibration = calibration_rows(config) if config.select == "shortgpt" else None
     if config.prune_to is not None:
         if isinstance(model, RecurrentForCausalLM):
