@@ -10,6 +10,7 @@ from conftest import char_tokenizer, tiny_parent, token_batch
 from safetensors.torch import load_file, save_file
 from test_paper_runs import small_run
 from test_raven import write_raven_checkpoint
+from test_recipes import suggested_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -275,3 +276,32 @@ def test_model_revision_reaches_from_pretrained_and_the_model_card(tmp_path, wor
     assert "revision: stage1-step1907359-tokens4001B" in (tmp_path / "run" / "final" / "README.md").read_text()
     with pytest.raises(RecurfitError, match="drop model.path and model.revision"):
         load_config(None, ["model.path=null", "model.shape=null", "model.init_from=runs/x"], base=config)
+
+
+RECIPES = Path(__file__).parent.parent / "recipes" / "paper"
+
+
+def suggested_configs(name: str):
+    path = RECIPES / name
+    return [load_config(path, overrides) for overrides in [[], *suggested_overrides(path)]]
+
+
+def test_the_scheduling_recipe_runs_the_curriculum_lengths_the_authors_ran():
+    # paper_plots/model_size_cache.json: n_schedule_only_max_32_warmup_{0,0625,125,25}, k_schedule_only_…
+    configs = suggested_configs("llama-242-schedule.yaml")
+    mean_arms = {
+        0.0 if c.depth.curriculum == "constant" else c.depth.curriculum_fraction
+        for c in configs
+        if c.depth.backprop_curriculum == "constant"
+    }
+    backprop_arms = {c.depth.backprop_curriculum_fraction for c in configs if c.depth.backprop_curriculum == "linear"}
+    assert mean_arms == {0.0, 0.0625, 0.125, 0.25}
+    assert backprop_arms == {0.0625, 0.125, 0.25}
+
+
+def test_the_random_init_run_scales_embeddings_for_its_own_shape():
+    # Fig. 2's "Random" is plot.py's "Geiping et al. emb_scale" run: √h of Llama-3.2-1B; Huginn's √5280 is the ablation.
+    random_runs = [c for c in suggested_configs("llama-242-init.yaml") if c.model.init == "random"]
+    assert random_runs[0].out == "runs/llama-242-random"
+    assert random_runs[0].model.embedding_scale == pytest.approx(math.sqrt(2048))
+    assert [c.model.embedding_scale for c in random_runs[1:]] == [pytest.approx(math.sqrt(5280))]
