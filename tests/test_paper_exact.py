@@ -21,6 +21,7 @@ from recurfit.cli import main
 from recurfit.errors import RecurfitError
 from recurfit.raven import import_raven
 from recurfit.sampling import Curriculum
+from recurfit.data import TokenStore
 from recurfit.train import load_config, train
 from recurfit.train.metrics import read_log
 from recurfit.train.model import build_model
@@ -305,3 +306,23 @@ def test_the_random_init_run_scales_embeddings_for_its_own_shape():
     assert random_runs[0].out == "runs/llama-242-random"
     assert random_runs[0].model.embedding_scale == pytest.approx(math.sqrt(2048))
     assert [c.model.embedding_scale for c in random_runs[1:]] == [pytest.approx(math.sqrt(5280))]
+
+
+def test_validation_in_fp32_as_the_authors_measured(tmp_path, workspace):
+    config = small_run(workspace, tmp_path / "run", steps=2, precision="bf16")
+    config["model"]["state_init_std"] = 0.0
+    config["data"]["validation"] = [str(workspace / "prose")]
+    config["eval"] = {"steps": [1, 3], "rows": 4, "precision": "fp32"}
+    train(load_config(None, [], base=config))
+    record = [r for r in read_log(tmp_path / "run" / "log.jsonl") if r.get("kind") == "eval"][-1]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32).eval()
+    rows = torch.from_numpy(TokenStore(workspace / "prose", "val")[:4].astype("int64"))
+
+    def loss(r, autocast):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(rows[:, :-1], num_steps=r).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).item()
+
+    for r in (1, 3):
+        assert record[f"prose/loss@{r}"] == pytest.approx(loss(r, autocast=False), rel=1e-5)
+        assert abs(record[f"prose/loss@{r}"] - loss(r, autocast=True)) > 1e-4  # bf16 would not give it

@@ -224,6 +224,8 @@ class EvalConfig:
     every: int = 0  # steps; 0: only at the end
     steps: list[int] = field(default_factory=lambda: [1, 4, 8])  # test recurrences
     rows: int = 16  # validation rows per store
+    # None: as training runs (`precision`); fp32: without autocast, as the paper authors' multi_recurence_eval.py
+    precision: Literal["auto", "bf16", "fp32"] | None = None
 
 
 @dataclass

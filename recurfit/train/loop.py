@@ -178,19 +178,21 @@ class Trainer:
 
     # ------------------------------------------------------------ one step
 
-    def _autocast(self):
-        precision = self.config.precision
+    def _autocast(self, precision: str | None = None):
+        precision = precision or self.config.precision
         if precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda"):
             return torch.autocast(self.processes.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int) -> torch.Tensor:
+    def _micro_batch_loss(
+        self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, precision: str | None = None
+    ) -> torch.Tensor:
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
         torch.manual_seed(self.config.seed * 1_000_003 + first_row)
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         kwargs = {"num_steps": num_steps} if self.recurrent else {}
-        with self._autocast():
+        with self._autocast(precision):
             logits = self.wrapped(input_ids=inputs, **kwargs).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -292,7 +294,7 @@ class Trainer:
             rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
             for r in depths:
                 losses = [
-                    self._micro_batch_loss(chunk, (0, r), index)
+                    self._micro_batch_loss(chunk, (0, r), index, self.config.eval.precision)
                     for index, chunk in enumerate(rows.split(self.config.batch.micro))
                 ]
                 key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")
