@@ -16,6 +16,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
 import recurfit.loading
+import recurfit.train.loop
 from recurfit.accounting import paper_ramp, paper_training_flops
 from recurfit.cli import main
 from recurfit.errors import RecurfitError
@@ -326,3 +327,18 @@ def test_validation_in_fp32_as_the_authors_measured(tmp_path, workspace):
     for r in (1, 3):
         assert record[f"prose/loss@{r}"] == pytest.approx(loss(r, autocast=False), rel=1e-5)
         assert abs(record[f"prose/loss@{r}"] - loss(r, autocast=True)) > 1e-4  # bf16 would not give it
+
+
+def test_nonfinite_apply_updates_every_step_and_never_stops(tmp_path, workspace, monkeypatch):
+    real = recurfit.train.loop.global_grad_norm
+
+    def non_finite(*args, **kwargs):  # every step reports a NaN gradient norm
+        return real(*args, **kwargs) * float("nan")
+
+    monkeypatch.setattr(recurfit.train.loop, "global_grad_norm", non_finite)
+    config = small_run(workspace, tmp_path / "apply", steps=3, max_bad_steps=1, nonfinite="apply")
+    train(load_config(None, [], base=config))
+    steps = [r for r in read_log(tmp_path / "apply" / "log.jsonl") if r.get("kind") == "train"]
+    assert [r["skipped"] for r in steps] == [0, 0, 0]
+    with pytest.raises(RecurfitError, match="non-finite losses or gradients in a row"):
+        train(load_config(None, [], base=small_run(workspace, tmp_path / "skip", steps=3, max_bad_steps=1)))

@@ -245,6 +245,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     max_bad_steps: int = 5  # non-finite losses in a row before the run stops
+    # skip: a non-finite loss or gradient skips the update (max_bad_steps in a row stop the run); apply: every
+    # update is applied, as the paper authors' loop did (their AdamW run diverges in Fig. 4), and nothing stops
+    nonfinite: Literal["skip", "apply"] = "skip"
 
     def validate(self) -> TrainConfig:
         problems = []

@@ -4,7 +4,8 @@ Per step:
   1. the depth (n, k) from the curriculum and the step-seeded sampler (the same on every rank, and on resume);
   2. the next global batch of rows from the data stream, this rank's share split into micro-batches;
   3. forward (n steps without gradient, k with) and backward per micro-batch, gradients accumulated;
-  4. a non-finite loss or gradient skips the update (counted; too many in a row stop the run);
+  4. a non-finite loss or gradient skips the update (counted; too many in a row stop the run), unless
+     `nonfinite: apply` applies every update as the paper authors' loop did;
   5. clip, optimizer and LR-schedule step; log; validate and checkpoint on their schedule.
 
 Every source of randomness is a function of (seed, step, row): the data order, the depth draw, and the
@@ -217,7 +218,7 @@ class Trainer:
         grad_norm = global_grad_norm(self.model.parameters(), config.optimizer.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
+        if finite or config.nonfinite == "apply":
             for optimizer in self.optimizers:
                 optimizer.step()
             counters.bad_in_row = 0
@@ -277,7 +278,8 @@ class Trainer:
                 "Lower optimizer.lr / optimizer.muon_lr, or check the data and precision."
             )
         if not finite and self.processes.is_main:
-            print(f"step {counters.step}: non-finite loss or gradient, update skipped ({counters.skipped} so far)")
+            done = "update skipped" if config.nonfinite == "skip" else "update applied (nonfinite: apply)"
+            print(f"step {counters.step}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)")
         return record
 
     # ------------------------------------------------------------ validation
