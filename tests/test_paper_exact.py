@@ -17,13 +17,14 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import recurfit
 import recurfit.loading
 import recurfit.train.loop
-from recurfit.accounting import paper_ramp, paper_training_flops
+from recurfit.accounting import paper_ramp, paper_training_flops, training_flops_per_token
 from recurfit.cli import main
 from recurfit.errors import RecurfitError
 from recurfit.raven import import_raven
 from recurfit.sampling import Curriculum
 from recurfit.data import TokenStore
 from recurfit.train import load_config, train
+from recurfit.train.loop import depth_schedule
 from recurfit.train.metrics import read_log
 from recurfit.train.model import build_model
 
@@ -342,3 +343,30 @@ def test_nonfinite_apply_updates_every_step_and_never_stops(tmp_path, workspace,
     assert [r["skipped"] for r in steps] == [0, 0, 0]
     with pytest.raises(RecurfitError, match="non-finite losses or gradients in a row"):
         train(load_config(None, [], base=small_run(workspace, tmp_path / "skip", steps=3, max_bad_steps=1)))
+
+
+def test_one_depth_draw_per_micro_batch_as_the_authors_loop(tmp_path, workspace, monkeypatch):
+    used = []
+    real = recurfit.train.loop.Trainer._micro_batch_loss
+
+    def spy(self, rows, num_steps, first_row, precision=None):
+        if self.model.training:
+            used.append(num_steps)
+        return real(self, rows, num_steps, first_row, precision)
+
+    monkeypatch.setattr(recurfit.train.loop.Trainer, "_micro_batch_loss", spy)
+    config = small_run(workspace, tmp_path / "run", steps=3)
+    config["depth"] = {"mean_recurrence": 6, "backprop_depth": 2, "draw": "micro_batch"}
+    loaded = load_config(None, [], base=config)
+    train(loaded)
+    schedule = depth_schedule(loaded)
+    micro, rows = loaded.batch.micro, loaded.batch.global_
+    expected = [schedule.at(step, offset) for step in range(3) for offset in range(0, rows, micro)]
+    assert used == expected and len(set(expected)) > 1
+    steps = [r for r in read_log(tmp_path / "run" / "log.jsonl") if r.get("kind") == "train"]
+    assert [tuple(d) for r in steps for d in r["depths"]] == expected
+    counts = recurfit.count_parameters(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final"))
+    seq_len = steps[0]["tokens"] // rows
+    flops = seq_len * micro * sum(training_flops_per_token(counts, depth) for depth in expected)
+    assert steps[-1]["flops"] == flops
+    assert load_config(None, [], base=small_run(workspace, tmp_path / "default")).depth.draw == "step"

@@ -138,6 +138,8 @@ class DepthConfig:
     backprop_curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
     backprop_curriculum_fraction: float = 0.1
     fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
+    # step: one (n, k) per optimizer step; micro_batch: one per micro-batch, as the paper authors' loop
+    draw: Literal["step", "micro_batch"] = "step"
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Trainer:
     def train_step(self) -> dict:
         config, processes, counters = self.config, self.processes, self.counters
         step = counters.step
-        num_steps = self._depth(step)
+        depths = self._depths(step)  # {first row in the global batch: (rows, (n, k))}
         started = time.perf_counter()
         batch_start = self.stream.position
         rows = self.stream.next_batch(config.batch.global_, processes.rank, processes.world)
@@ -209,9 +209,10 @@ class Trainer:
         share = rows.shape[0]
         total_loss = torch.zeros((), device=processes.device)
         for index, chunk in enumerate(chunks):
-            first_row = batch_start + processes.rank * share + index * micro
+            offset = processes.rank * share + index * micro
             with processes.no_sync(self.wrapped, index == len(chunks) - 1):
-                loss = self._micro_batch_loss(chunk, num_steps, first_row)
+                num_steps = depths.get(offset, depths[0])[1]
+                loss = self._micro_batch_loss(chunk, num_steps, batch_start + offset)
                 (loss * chunk.shape[0] / share).backward()
             total_loss += loss.detach() * chunk.shape[0] / share
         loss = processes.mean(total_loss).item()
@@ -233,18 +234,33 @@ class Trainer:
         if processes.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
-        return self._account(step, num_steps, loss, grad_norm, finite, seconds, lrs)
+        return self._account(step, depths, loss, grad_norm, finite, seconds, lrs)
 
-    def _depth(self, step: int) -> tuple[int, int]:
-        return self.schedule.at(step) if self.recurrent else (0, 1)
+    def _depths(self, step: int) -> dict[int, tuple[int, tuple[int, int]]]:
+        """The step's depth as {0: (global rows, (n, k))}; with `depth.draw: micro_batch`, one per micro-batch
+        of the global batch, keyed by its first row whatever the process count (2 processes compute what 1 does)."""
+        global_rows = self.config.batch.global_
+        if not self.recurrent:
+            return {0: (global_rows, (0, 1))}
+        if self.config.depth.draw == "step":
+            return {0: (global_rows, self.schedule.at(step))}
+        share, micro = global_rows // self.processes.world, self.config.batch.micro
+        return {
+            rank * share + start: (min(micro, share - start), self.schedule.at(step, rank * share + start))
+            for rank in range(self.processes.world)
+            for start in range(0, share, micro)
+        }
 
-    def _account(self, step, num_steps, loss, grad_norm, finite, seconds, lrs) -> dict:
+    def _account(self, step, depths, loss, grad_norm, finite, seconds, lrs) -> dict:
         counters, config = self.counters, self.config
         tokens = config.batch.global_ * self.stream.seq_len
         mean_depth = self.schedule.mean_depth(step)
         counters.step += 1
         counters.tokens += tokens
-        step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
+        step_flops = self.stream.seq_len * sum(
+            rows * training_flops_per_token(self.parameter_counts, depth) for rows, depth in depths.values()
+        )
+        num_steps = depths[0][1]
         counters.flops += step_flops
         # As the paper's figures count: the authors' ramp, no adapter or final norm (accounting.paper_training_flops).
         paper_depth = paper_accounting_depth(config, step)
@@ -268,6 +284,8 @@ class Trainer:
             "skipped": counters.skipped,
             "seconds": seconds,
         }
+        if len(depths) > 1:  # one draw per micro-batch: n and k above are the first one's
+            record["depths"] = [list(depth) for _, depth in depths.values()]
         if len(self.optimizers) > 1:
             record["muon_lr"] = lrs[0]
         if peak:
