@@ -58,10 +58,11 @@ PAPER_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes", "paper")
 
 
 @pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
-def test_every_paper_recipe_that_retrofits_starts_the_adapter_as_the_authors_did(path):
-    model = load_config(path).model
-    if model.init_from is None:
-        assert model.adapter_init == "torch-default"
+def test_every_paper_recipe_starts_the_adapter_and_draws_depths_as_the_authors_did(path):
+    config = load_config(path)
+    if config.model.init_from is None:
+        assert config.model.adapter_init == "torch-default"
+    assert config.depth.draw == "micro_batch"
 
 
 # ---------------------------------------------------------------- the paper's FLOPs
