@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import char_tokenizer, tiny_parent, token_batch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from test_paper_runs import small_run
 from test_raven import write_raven_checkpoint
 from test_recipes import suggested_overrides
@@ -23,7 +24,8 @@ from recurfit.errors import RecurfitError
 from recurfit.raven import import_raven
 from recurfit.sampling import Curriculum
 from recurfit.data import TokenStore
-from recurfit.train import load_config, train
+from recurfit.train import Trainer, load_config, train
+from recurfit.train.checkpoint import newest_readable
 from recurfit.train.loop import depth_schedule
 from recurfit.train.metrics import read_log
 from recurfit.train.model import build_model
@@ -371,3 +373,28 @@ def test_one_depth_draw_per_micro_batch_as_the_authors_loop(tmp_path, workspace,
     flops = seq_len * micro * sum(training_flops_per_token(counts, depth) for depth in expected)
     assert steps[-1]["flops"] == flops
     assert load_config(None, [], base=small_run(workspace, tmp_path / "default")).depth.draw == "step"
+
+
+def test_a_chained_run_can_carry_the_optimizer_state_and_data_position(tmp_path, workspace):
+    train(load_config(None, [], base=small_run(workspace, tmp_path / "parent", steps=3)))
+    checkpoint = newest_readable(tmp_path / "parent" / "checkpoints")
+    overrides = ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'parent'}", "steps=2"]
+    carried = Trainer(load_config(None, [*overrides, "model.carry_state=true"], base=small_run(workspace, tmp_path / "b")))
+    fresh = Trainer(load_config(None, overrides, base=small_run(workspace, tmp_path / "c")))
+    assert fresh.stream.position == 0 and all(not optimizer.state for optimizer in fresh.optimizers)
+    # The moments are the parent's; the LR is this run's own schedule, not where the parent's ended.
+    for optimizer, saved in zip(carried.optimizers, checkpoint.optimizer["optimizers"]):
+        state = get_optimizer_state_dict(carried.model, optimizer, options=StateDictOptions(full_state_dict=True))
+        assert state["state"].keys() == saved["state"].keys() and saved["state"]
+        for name, values in saved["state"].items():
+            assert all(torch.equal(state["state"][name][key], value) for key, value in values.items())
+    assert [s.get_last_lr() for s in carried.schedulers] == [s.get_last_lr() for s in fresh.schedulers]
+    assert [g["lr"] for o in carried.optimizers for g in o.param_groups] == [
+        g["lr"] for o in fresh.optimizers for g in o.param_groups
+    ]
+    # The data continue where the parent stopped: its next rows, not the stream's first ones.
+    assert carried.stream.position == checkpoint.trainer["stream"]["position"] > 0
+    fresh.stream.load_state_dict(checkpoint.trainer["stream"])
+    assert torch.equal(carried.stream.next_batch(8, 0, 1), fresh.stream.next_batch(8, 0, 1))
+    with pytest.raises(RecurfitError, match="model.carry_state carries a finished run's state"):
+        load_config(None, ["model.carry_state=true"], base=small_run(workspace, tmp_path / "d"))

@@ -34,6 +34,9 @@ class ModelConfig:
     revision: str | None = None  # of a Hub `path`: a branch, tag or commit (OLMo's intermediate checkpoints)
     # A finished run's folder: start from its `final` weights (phase 2 of a two-phase run, a cooldown).
     init_from: str | None = None
+    # With init_from: also continue that run's optimizer state and data position (its last checkpoint), as a
+    # cooldown resumes a run; the LR schedule and the step count start afresh.
+    carry_state: bool = False
     shape: list[int] | None = None  # [P, R, C]: retrofit `path` with the paper's layer rule
     # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
     prelude: list[int] | None = None
@@ -84,6 +87,8 @@ class ModelConfig:
                     "model.init_from continues a run's final model as it is; drop model.shape/prelude/core/coda, "
                     "model.prune_to and model.init=random"
                 )
+        if self.carry_state and self.init_from is None:
+            problems.append("model.carry_state carries a finished run's state: set model.init_from to that run")
         if self.prune_to is not None:
             if retrofits:
                 problems.append("model.prune_to makes a non-recurrent baseline; drop model.shape/prelude/core/coda")

@@ -34,7 +34,7 @@ from ..loading import optional_tokenizer
 from ..lock import owned
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
-from .checkpoint import gather_state, newest_readable, restore, write_checkpoint
+from .checkpoint import carry_optimizer_states, gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
 from .metrics import MetricsLog, peak_flops, read_log
@@ -133,6 +133,8 @@ class Trainer:
         self.counters = Counters()
         if resume:
             self._resume()
+        if self.counters.step == 0 and config.model.carry_state:
+            self._carry_state()
         self.resumed_at = self.counters.step
         if force and self.processes.is_main:  # the new run is set up: only now is the old one deleted
             self.folder.clear()
@@ -359,6 +361,21 @@ class Trainer:
         trainer = restore(checkpoint, self.model, self.optimizers, self.schedulers)
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
+
+    def _carry_state(self) -> None:
+        """model.carry_state: the optimizer state and data position of the run this one continues."""
+        source = RunFolder(Path(self.config.model.init_from))
+        checkpoint = newest_readable(source.checkpoints, warn=self._say)
+        if checkpoint is None:
+            raise RecurfitError(f"model.carry_state: {source.path} has no checkpoint to carry the state from.")
+        carry_optimizer_states(checkpoint, self.model, self.optimizers)
+        try:
+            self.stream.load_state_dict(checkpoint.trainer["stream"])
+        except RecurfitError:
+            raise RecurfitError(
+                f"model.carry_state continues the data stream of {source.path}, which read other data: give the "
+                "same data.phases sources and seed, or drop model.carry_state."
+            ) from None
 
     def _say(self, message: str) -> None:
         if self.processes.is_main:
