@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import char_tokenizer, tiny_parent, token_batch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from test_paper_runs import small_run
 from test_raven import write_raven_checkpoint
 from test_recipes import suggested_overrides
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -20,10 +20,10 @@ import recurfit.loading
 import recurfit.train.loop
 from recurfit.accounting import paper_ramp, paper_training_flops, training_flops_per_token
 from recurfit.cli import main
+from recurfit.data import TokenStore
 from recurfit.errors import RecurfitError
 from recurfit.raven import import_raven
 from recurfit.sampling import Curriculum
-from recurfit.data import TokenStore
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
 from recurfit.train.loop import depth_schedule
@@ -379,7 +379,9 @@ def test_a_chained_run_can_carry_the_optimizer_state_and_data_position(tmp_path,
     train(load_config(None, [], base=small_run(workspace, tmp_path / "parent", steps=3)))
     checkpoint = newest_readable(tmp_path / "parent" / "checkpoints")
     overrides = ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'parent'}", "steps=2"]
-    carried = Trainer(load_config(None, [*overrides, "model.carry_state=true"], base=small_run(workspace, tmp_path / "b")))
+    carried = Trainer(
+        load_config(None, [*overrides, "model.carry_state=true"], base=small_run(workspace, tmp_path / "b"))
+    )
     fresh = Trainer(load_config(None, overrides, base=small_run(workspace, tmp_path / "c")))
     assert fresh.stream.position == 0 and all(not optimizer.state for optimizer in fresh.optimizers)
     # The moments are the parent's; the LR is this run's own schedule, not where the parent's ended.
