@@ -6,6 +6,8 @@
 - FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
   `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
   run without. A fixed-depth model costs `6·N`.
+`paper_flops_per_token` and `paper_training_flops` count as the paper authors' own scripts did (no adapter,
+no final norm, their curriculum ramp), to reproduce the FLOPs axes of the paper's figures.
 All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns. The rules,
 with the paper's sections: docs/method.md ("FLOPs").
 """
@@ -92,6 +94,74 @@ def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int
 
 
 def training_flops(model_or_counts, tokens: int, mean_recurrence: int = 1, backprop_depth: int = 1) -> int:
-    """The paper's rule: total training FLOPs for `tokens` tokens with N1, N2 taken at the mean depth r̄
-    (split into n without gradient and k with as `sampling.split_depth` does)."""
+    """Total training FLOPs for `tokens` tokens at the mean depth r̄ (split into n without gradient and k with
+    as `sampling.split_depth` does), adapter and final norm counted. The count the paper's figures use, with
+    their curriculum ramps and without adapter or final norm, is `paper_training_flops`."""
     return tokens * training_flops_per_token(model_or_counts, split_depth(mean_recurrence, backprop_depth))
+
+
+# ---------------------------------------------------------------- the paper's accounting, as its figures took it
+
+
+def paper_flops_per_token(model_or_counts, recurrence: int, backprop_depth: int) -> int:
+    """Training FLOPs per token of a step at recurrence r with backprop depth k̄, as the paper authors'
+    `param_counter.py` counts them: `6·N1 + 2·N2` with N1 = prelude + min(r, k̄)·core + coda and
+    N2 = max(r - k̄, 0)·core. Unlike `training_flops_per_token`, the adapter and the final norm are not counted.
+    A fixed-depth model costs 6 × (its layers + final norm), as their baselines."""
+    c = _counts(model_or_counts)
+    if not _is_recurrent(c):
+        return 6 * c["body"]
+    with_grad = c["prelude"] + min(recurrence, backprop_depth) * c["core"] + c["coda"]
+    return 6 * with_grad + 2 * max(recurrence - backprop_depth, 0) * c["core"]
+
+
+def paper_ramp(step: int, target: int, kind: str, fraction: float, total_steps: int) -> int:
+    """The depth the paper's FLOPs accounting gives optimizer step `step` (0-based) of a curriculum to `target`
+    over `fraction` of `total_steps`: the authors' `warmup_hist` puts the steps from int(f⁻¹((d-1)/D)·W) up to
+    int(f⁻¹(d/D)·W) at depth d, W = int(fraction · total_steps), f⁻¹(y) = y (linear) or 1 - (1 - y)² (1-sqrt),
+    and every later step at D. (The steps a run actually takes follow `sampling.Curriculum`, which rounds
+    with ceil instead: the two differ by one depth on some steps of the ramp.)"""
+    for depth, end in enumerate(_ramp_ends(target, kind, fraction, total_steps), start=1):
+        if step < end:
+            return depth
+    return target
+
+
+def _ramp_ends(target: int, kind: str, fraction: float, total_steps: int) -> list[int]:
+    """The first step after depth d, for d = 1 … target, of the authors' ramp (none for a constant depth)."""
+    if kind == "constant":
+        return []
+    ramp_steps = int(fraction * total_steps)
+    inverse = (lambda y: 1.0 - (1.0 - y) ** 2) if kind == "1-sqrt" else (lambda y: y)
+    return [int(inverse(depth / target) * ramp_steps) for depth in range(1, target + 1)]
+
+
+def paper_training_flops(
+    model_or_counts,
+    steps_done: int,
+    tokens_per_step: int,
+    *,
+    total_steps: int,
+    mean_recurrence: int,
+    backprop_depth: int,
+    curriculum: str = "constant",
+    curriculum_fraction: float = 0.0,
+    backprop_curriculum: str = "constant",
+    backprop_curriculum_fraction: float = 0.0,
+) -> float:
+    """Training FLOPs after `steps_done` optimizer steps as the paper's figures count them (the FLOPs column of
+    the authors' `paper_plots/data/*.jsonl`): each step at its `paper_ramp` depth, `paper_flops_per_token`
+    per token, `tokens_per_step` tokens (their plots assume 2²⁰, i.e. 1,024 rows of 1,024 tokens)."""
+    c = _counts(model_or_counts)
+    ramps = [
+        (mean_recurrence, curriculum, curriculum_fraction, total_steps),
+        (backprop_depth, backprop_curriculum, backprop_curriculum_fraction, total_steps),
+    ]
+    # The depths change only where a ramp ends a depth: cost each stretch between two changes at once.
+    changes = {0, *(end for ramp in ramps for end in _ramp_ends(*ramp))}
+    starts = sorted(step for step in changes if step < steps_done)
+    total = 0
+    for start, end in zip(starts, [*starts[1:], steps_done]):
+        recurrence, backprop = (paper_ramp(start, *ramp) for ramp in ramps)
+        total += (end - start) * paper_flops_per_token(c, recurrence, backprop)
+    return float(total * tokens_per_step)

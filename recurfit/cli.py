@@ -124,6 +124,7 @@ def cmd_retrofit(args) -> None:
         calibration=calibration,
         adapter=args.adapter,
         adapter_init=args.adapter_init,
+        seed=args.seed,
         untie_embeddings=not args.tie_embeddings,
         state_init_std=args.state_std,
         mean_recurrence=args.mean_recurrence,
@@ -171,11 +172,12 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_import_raven(args) -> None:
+    from .loading import optional_tokenizer
     from .raven import import_raven
 
     model = import_raven(args.path, family=args.family)
     _print_model(model, defaults.SUMMARY_RECURRENCES)
-    _save(model, None, args.out, args.force)
+    _save(model, optional_tokenizer(args.path), args.out, args.force)  # the tokenizer beside the weights, if any
 
 
 def cmd_demo(args) -> None:
@@ -564,8 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter-init",
         choices=defaults.ADAPTER_INITS,
         default="identity",
-        help="identity: exactly the pruned parent at every r",
+        help="identity: exactly the pruned parent at every r; torch-default: nn.Linear's Kaiming-uniform, as the "
+        "paper's runs started; random: N(0, initializer_range²)",
     )
+    p.add_argument("--seed", type=int, default=0, help="seeds a random --adapter-init")
     p.add_argument("--tie-embeddings", action="store_true", help="keep input and output embeddings tied")
     p.add_argument(
         "--state-std",

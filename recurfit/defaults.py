@@ -17,7 +17,9 @@ CURRICULA = ("constant", "linear", "1-sqrt")  # how r̄ (and k̄) ramp up over t
 DEFAULT_SHAPE = (4, 8, 4)  # (prelude, core, coda) layers: the paper's headline shape (TinyLlama 4,8,4)
 SELECTIONS = ("paper", "shortgpt")  # which parent layers a shape keeps
 ADAPTERS = ("linear", "add")
-ADAPTER_INITS = ("identity", "random")
+# identity: W = [0 | I], the pruned parent exactly (recurfit's default); torch-default: nn.Linear's own
+# Kaiming-uniform, seeded, where the paper's conversions leave the adapter; random: N(0, initializer_range²).
+ADAPTER_INITS = ("identity", "torch-default", "random")
 DEFAULT_STATE_INIT_STD = math.sqrt(2 / (5 * 5280))  # s_0's σ: Huginn-0125's, which the paper's models inherit
 
 # Test-time recurrences that reports and sweeps show by default

@@ -61,11 +61,15 @@ def load_config(name_or_path: str | None) -> PreTrainedConfig:
 
 
 def load_model(
-    name_or_path: str | None, dtype: torch.dtype | str = "auto", device: torch.device | str | None = None
+    name_or_path: str | None,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str | None = None,
+    revision: str | None = None,
 ) -> PreTrainedModel:
     """A causal LM (a parent, or a saved recurfit model: `import recurfit` registered the class), in `dtype`
-    ("auto": as stored) and on `device` (None: the CPU)."""
-    model = _from_hub(AutoModelForCausalLM.from_pretrained, resolve(name_or_path), dtype=dtype).eval()
+    ("auto": as stored) and on `device` (None: the CPU); `revision`: a Hub branch, tag or commit."""
+    pinned = {} if revision is None else {"revision": revision}
+    model = _from_hub(AutoModelForCausalLM.from_pretrained, resolve(name_or_path), dtype=dtype, **pinned).eval()
     return model if device is None else model.to(device)
 
 

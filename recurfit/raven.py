@@ -4,11 +4,16 @@ Their retrofitted Llama and OLMo-2 models name things `transformer.wte`, `transf
 `transformer.adapter`, `transformer.core_block.{i}`, `transformer.coda.{i}`, `transformer.ln_f`, `lm_head`,
 with fused `attn.Wqkv` (rows q; k; v) and `mlp.fc` (rows gate; up). Their code ignores the attention mask
 and applies `ln_f` after the coda only, which is what recurfit computes for unpadded inputs.
+
+Their config class (Huginn-0125's `RavenConfig`) fills what a config.json leaves out: `init_values` (σ of s₀
+= sqrt(2 / 5h), embedding scale sqrt(h)), `qk_bias` (true) and `bias` (false, the adapter's). The import reads
+the same defaults, so it reproduces the checkpoint exactly, or refuses naming the setting it cannot express.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ NORMS = {
     "olmo2": {"norm_1": "post_attention_layernorm", "norm_2": "post_feedforward_layernorm"},
 }
 PARTS = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def read_raven_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -44,13 +50,48 @@ def detect_family(state: dict[str, torch.Tensor]) -> str:
     return "olmo2" if any(k.endswith("attn.q_norm.weight") for k in state) else "llama"
 
 
-def raven_config(raw: dict, family: str, dtype: torch.dtype) -> RecurrentConfig:
-    """Translate their config.json keys to a `RecurrentConfig` over the family's own config."""
+def raven_settings(raw: dict) -> dict:
+    """What their model computes with: the config's values, or `RavenConfig`'s defaults for those it omits."""
+    hidden = raw["n_embd"]
+    init_values = raw.get("init_values") or {}
+    return {
+        "std": init_values.get("std", math.sqrt(2 / (5 * hidden))),
+        "embed_scale": init_values.get("embed_scale", math.sqrt(hidden)),
+        "adapter_bias": raw.get("bias", False),
+    }
+
+
+def has_qk_bias(state: dict[str, torch.Tensor]) -> bool:
+    """Whether their q/k biases change anything: `qk_bias` (on by default) adds `attn.qk_bias` tensors, which
+    start at zero; a missing or all-zero one adds nothing."""
+    return any(k.endswith("attn.qk_bias") and bool(v.any()) for k, v in state.items())
+
+
+def check_supported(raw: dict, state: dict[str, torch.Tensor], family: str) -> None:
+    """Refuse, naming the setting, what recurfit's layers cannot compute exactly."""
+    if raven_settings(raw)["adapter_bias"] or "transformer.adapter.bias" in state:
+        raise RecurfitError(
+            "This checkpoint has an adapter bias (config bias: true), which recurfit's adapter does not have; "
+            "it cannot be imported exactly."
+        )
+    heads = raw.get("num_attention_heads", raw.get("n_heads"))
+    if has_qk_bias(state) and (family != "llama" or raw.get("num_key_value_heads", heads) != heads):
+        kind = "grouped-query attention" if family == "llama" else f"the {family} variant (bias after QK-norm)"
+        raise RecurfitError(
+            f"This checkpoint has non-zero qk_bias tensors, which recurfit reproduces only for the Llama variant "
+            f"without grouped-query attention, not for {kind}; it cannot be imported exactly."
+        )
+
+
+def raven_config(raw: dict, family: str, dtype: torch.dtype, qk_bias: bool = False) -> RecurrentConfig:
+    """Translate their config.json keys to a `RecurrentConfig` over the family's own config (`qk_bias`: the
+    weights carry non-zero q/k biases)."""
     try:
         hidden = raw["n_embd"]
         heads = raw.get("num_attention_heads", raw.get("n_heads"))
         shape = (raw["n_layers_in_prelude"], raw["n_layers_in_recurrent_block"], raw["n_layers_in_coda"])
         theta = raw.get("rope_theta", raw.get("rope_base", 10000.0))
+        settings = raven_settings(raw)
         text = dict(
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -63,19 +104,26 @@ def raven_config(raw: dict, family: str, dtype: torch.dtype) -> RecurrentConfig:
             max_position_embeddings=raw.get("max_position_embeddings", raw.get("block_size", 4096)),
             rope_parameters={"rope_type": "default", **_rope_scaling(raw.get("rope_scaling")), "rope_theta": theta},
             tie_word_embeddings=False,
+            # The checkpoint's own special tokens (None where it has none), never the family config's defaults.
+            **{name: raw.get(name) for name in TOKEN_IDS},
         )
     except KeyError as missing:
         raise RecurfitError(f"Not a huginn_raven config: it has no {missing} key.") from None
-    std = (raw.get("init_values") or {}).get("std", 0.0)
+    if qk_bias:
+        text["attention_bias"] = True  # q and k get theirs; v and o get zero biases (see convert_state)
+    scale = settings["embed_scale"]
     return RecurrentConfig(
         text_config=CONFIG_MAPPING[family](**text),
         num_prelude_layers=shape[0],
         num_core_layers=shape[1],
         num_coda_layers=shape[2],
-        state_init_std=std,
+        # Their s₀ is TruncNormal(0, std², ±3 std) times the embedding scale: the same as σ = std · scale.
+        state_init_std=settings["std"] * scale,
+        embedding_scale=None if scale == 1 else scale,
         mean_recurrence=raw.get("mean_recurrence", MEAN_RECURRENCE),
         backprop_depth=raw.get("mean_backprop_depth", BACKPROP_DEPTH),
         dtype=dtype,
+        **{name: raw.get(name) for name in TOKEN_IDS},
     )
 
 
@@ -118,6 +166,14 @@ def convert_state(state: dict[str, torch.Tensor], config: RecurrentConfig, famil
                 dst + f"{name}.weight": state[src + f"{theirs_norm}.weight"]
                 for theirs_norm, name in NORMS[family].items()
             }
+            if text.attention_bias:  # their per-head q and k biases, added before RoPE as a projection bias is
+                q_bias, k_bias = state[src + "attn.qk_bias"].flatten(1).unbind()
+                out |= {
+                    dst + "self_attn.q_proj.bias": q_bias,
+                    dst + "self_attn.k_proj.bias": k_bias,
+                    dst + "self_attn.v_proj.bias": q_bias.new_zeros(kv_rows),
+                    dst + "self_attn.o_proj.bias": q_bias.new_zeros(text.hidden_size),
+                }
             if family == "olmo2":
                 out[dst + "self_attn.q_norm.weight"] = state[src + "attn.q_norm.weight"]
                 out[dst + "self_attn.k_norm.weight"] = state[src + "attn.k_norm.weight"]
@@ -134,7 +190,11 @@ def import_raven(folder: str | Path, family: str | None = None) -> RecurrentForC
     family = family or detect_family(state)
     if family not in NORMS:
         raise RecurfitError(f"huginn_raven variants are {sorted(NORMS)}, got {family!r}.")
-    config = raven_config(raw, family, state["transformer.wte.weight"].dtype)
+    try:
+        check_supported(raw, state, family)
+    except KeyError as missing:
+        raise RecurfitError(f"Not a huginn_raven config: it has no {missing} key.") from None
+    config = raven_config(raw, family, state["transformer.wte.weight"].dtype, has_qk_bias(state))
     try:
         model = RecurrentForCausalLM.from_state_dict(config, convert_state(state, config, family))
     except (KeyError, RuntimeError) as problem:

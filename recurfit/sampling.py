@@ -112,10 +112,11 @@ class DepthSchedule:
         """`(n, k)` of the step's mean depth r̄ (what the paper's FLOPs rule counts)."""
         return split_depth(self.mean_recurrence.at(step), self.backprop_depth.at(step))
 
-    def at(self, step: int) -> tuple[int, int]:
-        """`(n, k)` that optimizer step `step` runs."""
+    def at(self, step: int, row: int | None = None) -> tuple[int, int]:
+        """`(n, k)` that optimizer step `step` runs; with `row`, that the step's micro-batch starting at this row
+        of the global batch runs (one draw per micro-batch, as the paper authors' loop drew)."""
         n, k = self.mean_depth(step)
         if self.fixed:
             return n, k
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return sample_depth(n + k, k, generator)
+        seed = self.seed * 1_000_003 + step if row is None else hash((self.seed, step, row)) % 2**63
+        return sample_depth(n + k, k, torch.Generator().manual_seed(seed))

@@ -10,6 +10,7 @@ Works on a parent on the meta device too (plan shapes and FLOPs from a config al
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -177,6 +178,7 @@ def retrofit(
     calibration=None,
     adapter: str = "linear",
     adapter_init: str = "identity",
+    seed: int = 0,
     untie_embeddings: bool = True,
     state_init_std: float = DEFAULT_STATE_INIT_STD,
     mean_recurrence: int = MEAN_RECURRENCE,
@@ -186,6 +188,8 @@ def retrofit(
 
     With the identity adapter (`adapter="linear", adapter_init="identity"`), the result computes exactly the
     parent with the dropped layers removed, at every number of recurrences, until it is trained.
+    `adapter_init="torch-default"` starts the adapter where the paper's runs started: `nn.Linear`'s default
+    Kaiming-uniform draw, here from a generator seeded with `seed` (so the same seed gives the same model).
     """
     family_of(parent.config)  # a clear error for unsupported architectures, before any work
     num_layers = parent.config.num_hidden_layers
@@ -211,7 +215,9 @@ def retrofit(
         dtype=parent.dtype,
     )
     config._attn_implementation = parent.config._attn_implementation
-    model = RecurrentForCausalLM.from_state_dict(config, _transfer_weights(parent, selection, config, adapter_init))
+    model = RecurrentForCausalLM.from_state_dict(
+        config, _transfer_weights(parent, selection, config, adapter_init, seed)
+    )
     if parent.generation_config is not None:
         model.generation_config = copy.deepcopy(parent.generation_config)  # the parent's own stays untouched
     return model.train(parent.training)
@@ -236,7 +242,7 @@ def _select_layers(parent, num_layers, shape, prelude, core, coda, select, calib
     return LayerSelection.paper_rule(tuple(shape), num_layers)
 
 
-def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig, adapter_init: str) -> dict:
+def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig, adapter_init: str, seed: int) -> dict:
     """The new model's state dict, copied (not shared) from the parent's kept layers, embeddings and head."""
     embeddings = parent.get_input_embeddings().weight
     state = {
@@ -251,17 +257,23 @@ def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig
                 state[f"model.{part}.{new}.{key}"] = value
     state = {key: value.detach().clone() for key, value in state.items()}
     if config.adapter == "linear":
-        state["model.adapter.weight"] = _adapter_weight(config, embeddings, adapter_init)
+        state["model.adapter.weight"] = _adapter_weight(config, embeddings, adapter_init, seed)
     return state
 
 
-def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str) -> torch.Tensor:
-    adapter = LinearAdapter(config.text_config.hidden_size).to(device=like.device, dtype=like.dtype)
+def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str, seed: int) -> torch.Tensor:
+    adapter = LinearAdapter(config.text_config.hidden_size)  # drawn in fp32, then cast as the parent's weights
+    generator = torch.Generator().manual_seed(seed)
     if init == "identity":
         adapter.reset_to_identity()
+    elif init == "torch-default":
+        # nn.Linear.reset_parameters' draw, from our generator instead of the global one: the same values as
+        # `torch.manual_seed(seed); nn.Linear(2h, h, bias=False)`.
+        nn.init.kaiming_uniform_(adapter.weight, a=math.sqrt(5), generator=generator)
     else:
-        nn.init.normal_(adapter.weight, std=getattr(config.text_config, "initializer_range", 0.02))
-    return adapter.weight.detach()
+        std = getattr(config.text_config, "initializer_range", 0.02)
+        nn.init.normal_(adapter.weight, std=std, generator=generator)
+    return adapter.weight.detach().to(device=like.device, dtype=like.dtype)
 
 
 def prune_layers(parent: PreTrainedModel, keep: int, calibration) -> PreTrainedModel:

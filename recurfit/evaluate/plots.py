@@ -279,13 +279,15 @@ def plot_training(runs: Sequence[Path], path: Path) -> Path:
     for color, (name, records) in zip(cycle(f"C{i}" for i in range(10)), logs.items()):
         train = [record for record in records if record.get("kind") == "train"]
         axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=name)
-        axes[1].plot([r["flops"] for r in train], [r["loss"] for r in train], color=color, label=name)
+        # The paper's accounting, as its figures' FLOPs axes (logs written before it have only `flops`).
+        flops = [r.get("flops_paper", r["flops"]) for r in train]
+        axes[1].plot(flops, [r["loss"] for r in train], color=color, label=name)
         for axis, store in zip(axes[2:], stores):
             _plot_validation(axis, name, color, validation[name].get(store, {}))
     axes[0].set_title("training loss by step", fontsize=9)
     axes[0].set_xlabel("optimizer step")
     axes[1].set_title("training loss by compute", fontsize=9)
-    axes[1].set_xlabel("training FLOPs, from the depths drawn (G = 10⁹, T = 10¹²)")
+    axes[1].set_xlabel("training FLOPs, the paper's accounting (G = 10⁹, T = 10¹²)")
     _log_flops_axis(axes[1].xaxis)
     for axis in axes[:2]:
         axis.set_ylabel("training loss (nats/token)")

@@ -196,3 +196,19 @@ def restore(checkpoint: Checkpoint, model, optimizers, schedulers) -> dict:
     for scheduler, state in zip(schedulers, saved["schedulers"]):
         scheduler.load_state_dict(state)
     return checkpoint.trainer
+
+
+def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers) -> None:
+    """Load a checkpoint's optimiser states (moments, step counts) into `optimizers` while keeping their own
+    hyperparameters (LR, betas, weight decay): a chained run carries the state, its schedule starts afresh."""
+    saved = checkpoint.optimizer["optimizers"]
+    if len(saved) != len(optimizers):
+        raise RecurfitError(
+            f"{checkpoint.folder} was written with another optimizer; give the run it continues the same "
+            "optimizer.name, or drop model.carry_state."
+        )
+    for optimizer, state in zip(optimizers, saved):
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)

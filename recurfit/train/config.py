@@ -31,8 +31,12 @@ from ..errors import RecurfitError
 @dataclass
 class ModelConfig:
     path: str | None = None  # folder or Hub id; None: the embedded SmolLM2-135M
+    revision: str | None = None  # of a Hub `path`: a branch, tag or commit (OLMo's intermediate checkpoints)
     # A finished run's folder: start from its `final` weights (phase 2 of a two-phase run, a cooldown).
     init_from: str | None = None
+    # With init_from: also continue that run's optimizer state and data position (its last checkpoint), as a
+    # cooldown resumes a run; the LR schedule and the step count start afresh.
+    carry_state: bool = False
     shape: list[int] | None = None  # [P, R, C]: retrofit `path` with the paper's layer rule
     # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
     prelude: list[int] | None = None
@@ -48,6 +52,9 @@ class ModelConfig:
     embedding_scale: float | None = None
     untie_embeddings: bool = False  # give a tied parent its own output matrix (the paper's Llama baseline)
     adapter: Literal["linear", "add"] = "linear"
+    # How a retrofit starts its linear adapter: [0 | I] (the pruned parent), or nn.Linear's default draw
+    # (`torch-default`, where the paper's runs started), seeded by the run's seed.
+    adapter_init: Literal["identity", "torch-default", "random"] = "identity"
     state_init_std: float | None = None  # None: keep the model's
     gradient_checkpointing: bool = False
 
@@ -73,13 +80,15 @@ class ModelConfig:
                     "every prelude layer before every core layer, every core layer before every coda layer"
                 )
         if self.init_from is not None:
-            if self.path is not None:
-                problems.append("model.init_from continues a run's final model; drop model.path")
+            if self.path is not None or self.revision is not None:
+                problems.append("model.init_from continues a run's final model; drop model.path and model.revision")
             if retrofits or self.prune_to is not None or self.init == "random":
                 problems.append(
                     "model.init_from continues a run's final model as it is; drop model.shape/prelude/core/coda, "
                     "model.prune_to and model.init=random"
                 )
+        if self.carry_state and self.init_from is None:
+            problems.append("model.carry_state carries a finished run's state: set model.init_from to that run")
         if self.prune_to is not None:
             if retrofits:
                 problems.append("model.prune_to makes a non-recurrent baseline; drop model.shape/prelude/core/coda")
@@ -134,6 +143,8 @@ class DepthConfig:
     backprop_curriculum: Literal["constant", "linear", "1-sqrt"] = "constant"
     backprop_curriculum_fraction: float = 0.1
     fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
+    # step: one (n, k) per optimizer step; micro_batch: one per micro-batch, as the paper authors' loop
+    draw: Literal["step", "micro_batch"] = "step"
 
 
 @dataclass
@@ -223,6 +234,8 @@ class EvalConfig:
     every: int = 0  # steps; 0: only at the end
     steps: list[int] = field(default_factory=lambda: [1, 4, 8])  # test recurrences
     rows: int = 16  # validation rows per store
+    # None: as training runs (`precision`); fp32: without autocast, as the paper authors' multi_recurence_eval.py
+    precision: Literal["auto", "bf16", "fp32"] | None = None
 
 
 @dataclass
@@ -242,6 +255,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 0
     max_bad_steps: int = 5  # non-finite losses in a row before the run stops
+    # skip: a non-finite loss or gradient skips the update (max_bad_steps in a row stop the run); apply: every
+    # update is applied, as the paper authors' loop did (their AdamW run diverges in Fig. 4), and nothing stops
+    nonfinite: Literal["skip", "apply"] = "skip"
 
     def validate(self) -> TrainConfig:
         problems = []

@@ -4,7 +4,8 @@ Per step:
   1. the depth (n, k) from the curriculum and the step-seeded sampler (the same on every rank, and on resume);
   2. the next global batch of rows from the data stream, this rank's share split into micro-batches;
   3. forward (n steps without gradient, k with) and backward per micro-batch, gradients accumulated;
-  4. a non-finite loss or gradient skips the update (counted; too many in a row stop the run);
+  4. a non-finite loss or gradient skips the update (counted; too many in a row stop the run), unless
+     `nonfinite: apply` applies every update as the paper authors' loop did;
   5. clip, optimizer and LR-schedule step; log; validate and checkpoint on their schedule.
 
 Every source of randomness is a function of (seed, step, row): the data order, the depth draw, and the
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import TextColumn
 
-from ..accounting import count_parameters, training_flops_per_token
+from ..accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
 from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
@@ -33,7 +34,7 @@ from ..loading import optional_tokenizer
 from ..lock import owned
 from ..progress import progress_bar
 from ..sampling import Curriculum, DepthSchedule
-from .checkpoint import gather_state, newest_readable, restore, write_checkpoint
+from .checkpoint import carry_optimizer_states, gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes
 from .metrics import MetricsLog, peak_flops, read_log, validation_columns
@@ -81,6 +82,15 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
     )
 
 
+def paper_accounting_depth(config: TrainConfig, step: int) -> tuple[int, int]:
+    """(r, k̄) of optimizer step `step` as the paper's FLOPs accounting counts it (`accounting.paper_ramp`)."""
+    depth, steps = config.depth, config.steps
+    return (
+        paper_ramp(step, depth.mean_recurrence, depth.curriculum, depth.curriculum_fraction, steps),
+        paper_ramp(step, depth.backprop_depth, depth.backprop_curriculum, depth.backprop_curriculum_fraction, steps),
+    )
+
+
 class Trainer:
     def __init__(
         self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False
@@ -123,6 +133,8 @@ class Trainer:
         self.counters = Counters()
         if resume:
             self._resume()
+        if self.counters.step == 0 and config.model.carry_state:
+            self._carry_state()
         self.resumed_at = self.counters.step
         if force and self.processes.is_main:  # the new run is set up: only now is the old one deleted
             self.folder.clear()
@@ -187,26 +199,28 @@ class Trainer:
 
     # ------------------------------------------------------------ one step
 
-    def _autocast(self):
-        precision = self.config.precision
+    def _autocast(self, precision: str | None = None):
+        precision = precision or self.config.precision
         if precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda"):
             return torch.autocast(self.processes.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int) -> torch.Tensor:
+    def _micro_batch_loss(
+        self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, precision: str | None = None
+    ) -> torch.Tensor:
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
         torch.manual_seed(self.config.seed * 1_000_003 + first_row)
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         kwargs = {"num_steps": num_steps} if self.recurrent else {}
-        with self._autocast():
+        with self._autocast(precision):
             logits = self.wrapped(input_ids=inputs, **kwargs).logits
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def train_step(self) -> dict:
         config, processes, counters = self.config, self.processes, self.counters
         step = counters.step
-        num_steps = self._depth(step)
+        depths = self._depths(step)  # {first row in the global batch: (rows, (n, k))}
         started = time.perf_counter()
         batch_start = self.stream.position
         rows = self.stream.next_batch(config.batch.global_, processes.rank, processes.world)
@@ -215,9 +229,10 @@ class Trainer:
         share = rows.shape[0]
         total_loss = torch.zeros((), device=processes.device)
         for index, chunk in enumerate(chunks):
-            first_row = batch_start + processes.rank * share + index * micro
+            offset = processes.rank * share + index * micro
             with processes.no_sync(self.wrapped, index == len(chunks) - 1):
-                loss = self._micro_batch_loss(chunk, num_steps, first_row)
+                num_steps = depths.get(offset, depths[0])[1]
+                loss = self._micro_batch_loss(chunk, num_steps, batch_start + offset)
                 (loss * chunk.shape[0] / share).backward()
             total_loss += loss.detach() * chunk.shape[0] / share
         loss = processes.mean(total_loss).item()
@@ -225,7 +240,7 @@ class Trainer:
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         optimizer_started = time.perf_counter()
-        if finite:
+        if finite or config.nonfinite == "apply":
             for optimizer in self.optimizers:
                 optimizer.step()
             counters.bad_in_row = 0
@@ -241,21 +256,37 @@ class Trainer:
             torch.cuda.synchronize()
         ended = time.perf_counter()
         times = {"seconds": ended - started, "optimizer_s": ended - optimizer_started}
-        return self._account(step, num_steps, loss, grad_norm, finite, times, lrs)
+        return self._account(step, depths, loss, grad_norm, finite, times, lrs)
 
-    def _depth(self, step: int) -> tuple[int, int]:
-        return self.schedule.at(step) if self.recurrent else (0, 1)
+    def _depths(self, step: int) -> dict[int, tuple[int, tuple[int, int]]]:
+        """The step's depth as {0: (global rows, (n, k))}; with `depth.draw: micro_batch`, one per micro-batch
+        of the global batch, keyed by its first row whatever the process count (2 processes compute what 1 does)."""
+        global_rows = self.config.batch.global_
+        if not self.recurrent:
+            return {0: (global_rows, (0, 1))}
+        if self.config.depth.draw == "step":
+            return {0: (global_rows, self.schedule.at(step))}
+        share, micro = global_rows // self.processes.world, self.config.batch.micro
+        return {
+            rank * share + start: (min(micro, share - start), self.schedule.at(step, rank * share + start))
+            for rank in range(self.processes.world)
+            for start in range(0, share, micro)
+        }
 
-    def _account(self, step, num_steps, loss, grad_norm, finite, times, lrs) -> dict:
+    def _account(self, step, depths, loss, grad_norm, finite, times, lrs) -> dict:
         counters, config = self.counters, self.config
         tokens = config.batch.global_ * self.stream.seq_len
         mean_depth = self.schedule.mean_depth(step)
         counters.step += 1
         counters.tokens += tokens
-        step_flops = tokens * training_flops_per_token(self.parameter_counts, num_steps)
+        step_flops = self.stream.seq_len * sum(
+            rows * training_flops_per_token(self.parameter_counts, depth) for rows, depth in depths.values()
+        )
+        num_steps = depths[0][1]
         counters.flops += step_flops
-        # The paper's rule takes N1, N2 at the step's mean depth; a fixed-depth parent costs the same either way.
-        counters.flops_paper += tokens * training_flops_per_token(self.parameter_counts, mean_depth)
+        # As the paper's figures count: the authors' ramp, no adapter or final norm (accounting.paper_training_flops).
+        paper_depth = paper_accounting_depth(config, step)
+        counters.flops_paper += tokens * paper_flops_per_token(self.parameter_counts, *paper_depth)
         peak = peak_flops(self.processes.device)
         record = {
             "kind": "train",
@@ -275,6 +306,8 @@ class Trainer:
             "skipped": counters.skipped,
             **times,  # the step's wall time, and the optimizer step's part of it (clipped gradients to zeroed)
         }
+        if len(depths) > 1:  # one draw per micro-batch: n and k above are the first one's
+            record["depths"] = [list(depth) for _, depth in depths.values()]
         if len(self.optimizers) > 1:
             record["muon_lr"] = lrs[0]
         if peak:
@@ -285,7 +318,8 @@ class Trainer:
                 "Lower optimizer.lr / optimizer.muon_lr, or check the data and precision."
             )
         if not finite and self.processes.is_main:
-            print(f"step {counters.step}: non-finite loss or gradient, update skipped ({counters.skipped} so far)")
+            done = "update skipped" if config.nonfinite == "skip" else "update applied (nonfinite: apply)"
+            print(f"step {counters.step}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)")
         return record
 
     # ------------------------------------------------------------ validation
@@ -302,7 +336,7 @@ class Trainer:
             rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
             for r in depths:
                 losses = [
-                    self._micro_batch_loss(chunk, (0, r), index)
+                    self._micro_batch_loss(chunk, (0, r), index, self.config.eval.precision)
                     for index, chunk in enumerate(rows.split(self.config.batch.micro))
                 ]
                 key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")
@@ -349,6 +383,21 @@ class Trainer:
         self.counters = Counters(**trainer["counters"])
         self.stream.load_state_dict(trainer["stream"])
         self._say(f"Resuming {self.out} from step {self.counters.step} ({checkpoint.folder}).")
+
+    def _carry_state(self) -> None:
+        """model.carry_state: the optimizer state and data position of the run this one continues."""
+        source = RunFolder(Path(self.config.model.init_from))
+        checkpoint = newest_readable(source.checkpoints, warn=self._say)
+        if checkpoint is None:
+            raise RecurfitError(f"model.carry_state: {source.path} has no checkpoint to carry the state from.")
+        carry_optimizer_states(checkpoint, self.model, self.optimizers)
+        try:
+            self.stream.load_state_dict(checkpoint.trainer["stream"])
+        except RecurfitError:
+            raise RecurfitError(
+                f"model.carry_state continues the data stream of {source.path}, which read other data: give the "
+                "same data.phases sources and seed, or drop model.carry_state."
+            ) from None
 
     def _say(self, message: str) -> None:
         if self.processes.is_main:

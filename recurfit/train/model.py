@@ -22,9 +22,9 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     """fp32 master weights on the CPU; the trainer moves them. Recurrent unless `path` is a plain parent with
     no `shape` (the non-recurrent baseline, continued-trained in the same engine)."""
     check_sources(config)
-    model = load_model(config.source, dtype=torch.float32)
+    model = load_model(config.source, dtype=torch.float32, revision=config.revision)
     calibration = calibration_rows(config) if config.select == "shortgpt" else None
-    model = _restructure(model, config, depth, config.select, calibration)
+    model = _restructure(model, config, depth, config.select, calibration, seed)
     if isinstance(model, RecurrentForCausalLM):
         model.config.mean_recurrence = depth.mean_recurrence
         model.config.backprop_depth = depth.backprop_depth
@@ -53,8 +53,11 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     return model.train()
 
 
-def _restructure(model: nn.Module, config: ModelConfig, depth: DepthConfig, select: str, calibration) -> nn.Module:
-    """The pruning and retrofit `config` asks for (the model as it is when it asks for neither)."""
+def _restructure(
+    model: nn.Module, config: ModelConfig, depth: DepthConfig, select: str, calibration, seed: int
+) -> nn.Module:
+    """The pruning and retrofit `config` asks for (the model as it is when it asks for neither); `seed` draws a
+    `torch-default` adapter."""
     if config.prune_to is not None:
         if isinstance(model, RecurrentForCausalLM):
             raise RecurfitError(
@@ -75,6 +78,8 @@ def _restructure(model: nn.Module, config: ModelConfig, depth: DepthConfig, sele
             select=select,
             calibration=calibration,
             adapter=config.adapter,
+            adapter_init=config.adapter_init,
+            seed=seed,
             mean_recurrence=depth.mean_recurrence,
             backprop_depth=depth.backprop_depth,
         )
@@ -94,7 +99,7 @@ def check_plan(config: TrainConfig) -> None:
     check_sources(config.model)
     model = meta_model(load_config(config.model.source))
     # ShortGPT picks layers from weights; any selection fits the same shapes
-    _restructure(model, config.model, config.depth, "paper", None)
+    _restructure(model, config.model, config.depth, "paper", None, config.seed)
 
 
 def check_sources(config: ModelConfig) -> None:

@@ -1,0 +1,71 @@
+"""A paper recipe's training FLOPs three ways, from the config alone (meta-device models, no weights):
+
+    python benchmarks/paper_flops.py recipes/paper/tinyllama-484-math.yaml [key=value ...]
+
+- paper:  the paper's accounting (`accounting.paper_training_flops`), as the FLOPs axes of its figures;
+- drawn:  what the run's `flops` log field adds up: every step's drawn (n, k), with the adapter and final norm;
+- mean:   recurfit's earlier `flops_paper`: each step's mean depth, with the adapter and final norm.
+Only the three parents of the paper recipes are known (their Hub configs, written out below).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import recurfit
+from recurfit.accounting import paper_training_flops, training_flops_per_token
+from recurfit.train import load_config
+from recurfit.train.loop import depth_schedule
+
+PARENTS = {
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+    ),
+    "meta-llama/Llama-3.2-1B": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "allenai/OLMo-2-0425-1B": dict(
+        model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+    ),
+}  # fmt: skip
+
+
+def main(recipe: str, *overrides: str) -> None:
+    config = load_config(recipe, list(overrides))
+    settings = dict(PARENTS[config.model.path])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    model = recurfit.retrofit(parent, shape=tuple(config.model.shape)) if config.model.shape else parent
+    counts = recurfit.count_parameters(model)
+    tokens = config.batch.global_ * 1024  # the recipes' --seq-len 1024
+    depth, schedule = config.depth, depth_schedule(config)
+    paper = paper_training_flops(
+        counts,
+        config.steps,
+        tokens,
+        total_steps=config.steps,
+        mean_recurrence=depth.mean_recurrence,
+        backprop_depth=depth.backprop_depth,
+        curriculum=depth.curriculum,
+        curriculum_fraction=depth.curriculum_fraction,
+        backprop_curriculum=depth.backprop_curriculum,
+        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
+    )
+    drawn = mean = 0
+    for step in range(config.steps):
+        drawn += tokens * training_flops_per_token(counts, schedule.at(step))
+        mean += tokens * training_flops_per_token(counts, schedule.mean_depth(step))
+    print(f"{recipe} {' '.join(overrides)}: {config.steps} steps of {tokens:,} tokens")
+    for name, value in (("paper", paper), ("drawn", drawn), ("mean", mean)):
+        print(f"  {name:6s} {value:.4e}  ({value / paper:.3f} × paper)")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
