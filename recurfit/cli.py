@@ -223,7 +223,7 @@ def cmd_data_prepare(args) -> None:
         workers=args.workers,
         task=args.task,
         packing=args.packing,
-        layout=Layout(shard_documents=args.shard_documents),
+        layout=Layout(args.shard_documents, min(args.shard_documents, defaults.BLOCK_DOCUMENTS)),
         say=lambda line: console.print(line, markup=False, highlight=False),
     )
     meta = result.meta

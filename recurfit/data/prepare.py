@@ -128,9 +128,9 @@ def prepare(
     with owned(out if alone else out.parent / f"{out.name}.task-{task[0]}-of-{task[1]}"):
         if alone and force and building.exists():
             shutil.rmtree(building)  # --force starts over (with tasks, it only replaces the finished store)
-        building.mkdir(parents=True, exist_ok=True)
         records = sh.read_records(building, verify=True, itemsize=np.dtype(encoder.dtype).itemsize)
-        _check_disk(building, job, encoder, task, records, say)
+        _check_disk(out.parent, job, encoder, task, records, say)
+        building.mkdir(exist_ok=True)
         try:
             documents = _build(building, job, encoder, task, records, workers, show_progress)
         except RecurfitError:  # bad input found while reading: keep finished shards (a resume needs them), only
@@ -173,14 +173,15 @@ def _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, l
         raise RecurfitError(f"--task must be I/N with 0 <= I < N, got {index}/{count}.")
     if layout.block_documents < 1 or layout.shard_documents % layout.block_documents:
         raise RecurfitError(
-            f"--shard-documents ({layout.shard_documents}) must be a multiple of {layout.block_documents}."
+            f"--shard-documents ({layout.shard_documents}) must be a multiple of {layout.block_documents} "
+            "(the documents a worker tokenises at a time), or smaller."
         )
 
 
 # ---------------------------------------------------------------- disk
 
 
-def _check_disk(building: Path, job: Job, encoder: BlockEncoder, task, records: dict, say) -> None:
+def _check_disk(where: Path, job: Job, encoder: BlockEncoder, task, records: dict, say) -> None:
     """Print the size the store will take and refuse when the disk has less free (needs a budget to know)."""
     if job.max_tokens is None:
         say("Expected size on disk: unknown without --max-tokens (2 or 4 bytes per token of the sources).")
@@ -191,7 +192,7 @@ def _check_disk(building: Path, job: Job, encoder: BlockEncoder, task, records: 
     share = total / task[1]
     written = sum((record["tokens"]["train"] + record["tokens"]["val"]) * itemsize for record in records.values())
     needed = max(0.0, share - written)
-    free = free_bytes(building)
+    free = free_bytes(where)
     of = f" (this task's share: {_size(share)})" if task[1] > 1 else ""
     say(
         f"Expected size on disk: {_size(total)}{of} for {tokens:,.0f} tokens × {itemsize} bytes; "
@@ -199,7 +200,7 @@ def _check_disk(building: Path, job: Job, encoder: BlockEncoder, task, records: 
     )
     if free < needed:
         raise RecurfitError(
-            f"{building.parent} has {_size(free)} free but the store needs {_size(needed)} more; free space, "
+            f"{where} has {_size(free)} free but the store needs {_size(needed)} more; free space, "
             "lower --max-tokens or choose another --out."
         )
 
