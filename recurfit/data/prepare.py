@@ -344,53 +344,74 @@ def _one_thread_per_worker() -> Iterator[None]:
 
 def _build(building: Path, job: Job, encoder, task, records: dict, workers: int, show_progress: bool) -> int | None:
     """Make this task's missing shards; the sources' document count if they were read to the end."""
-    index, count = task
-    budget, layout = job.max_tokens, job.layout
-    if sh.plan(records, _end(building), budget, layout).ready:
+    if sh.plan(records, _end(building), job.max_tokens, job.layout).ready:
         return _end(building)  # everything is made already (a re-run after a stop while finishing)
+    try:
+        return TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
+    except FileNotFoundError:
+        if building.exists():
+            raise
+        return None  # another task finished the store while this one made a shard the store does not need
 
-    def train_before(shard: int) -> int | None:
+
+class TaskBuild:
+    """One task's part of a build: which shards it makes, and where the budget lets it stop."""
+
+    def __init__(self, building: Path, job: Job, task: tuple[int, int], records: dict):
+        self.building, self.job, self.records = building, job, records
+        self.index, self.count = task
+
+    def wanted(self, shard: int) -> bool:
+        return shard % self.count == self.index and shard not in self.records
+
+    def train_before(self, shard: int) -> int | None:
         """Training tokens of shards before `shard`, if all of them are made (by this task or another)."""
-        if any(i not in records for i in range(shard)):
-            records.update(sh.read_records(building, verify=False, itemsize=0))
-        if any(i not in records for i in range(shard)):
+        if any(i not in self.records for i in range(shard)):
+            self.records.update(sh.read_records(self.building, verify=False, itemsize=0))
+        if any(i not in self.records for i in range(shard)):
             return None
-        return sum(records[i]["tokens"]["train"] for i in range(shard))
+        return sum(self.records[i]["tokens"]["train"] for i in range(shard))
 
-    def stop_before(shard: int) -> bool:
+    def stop_before(self, shard: int) -> bool:
+        """True when the shards before `shard` hold the budget, known or (with other tasks' shards unmade)
+        estimated from those made: each unmade one taken as the average, less one for safety."""
+        budget = self.job.max_tokens
         if budget is None:
             return False
-        known = train_before(shard)
+        known = self.train_before(shard)
         if known is not None:
             return known >= budget
-        made = [record["tokens"]["train"] for i, record in records.items() if i < shard]
-        # Other tasks' shards are not all made yet: assume they hold as much as the ones made, plus one spare.
-        estimate = sum(made) + (shard - len(made) - 1) * (sum(made) / len(made)) if made else 0
-        return estimate >= budget
+        made = [record["tokens"]["train"] for i, record in self.records.items() if i < shard]
+        return bool(made) and sum(made) + (shard - len(made) - 1) * sum(made) / len(made) >= budget
 
-    blocks = DocumentBlocks(job, lambda shard: shard % count == index and shard not in records, stop_before)
-    writer, before = None, None
-    with _one_thread_per_worker(), Workers(encoder, workers) as pool, progress_bar(disable=not show_progress) as bar:
-        progress = bar.add_task("tokenising", total=math.ceil(budget / count) if budget else None)
-        try:
-            for block, (train, val) in pool.map(blocks):
-                if writer is None or writer.index != block.shard:
-                    if writer is not None:
-                        records[writer.index] = writer.finish()
-                    writer, before = sh.ShardWriter(building, block.shard), train_before(block.shard)
-                writer.add(block.documents, train, val, block.filter_counts)
-                bar.update(progress, advance=len(train), description=f"tokenising shard {block.shard}")
-                if budget is not None and before is not None and before + writer.tokens["train"] >= budget:
-                    break
-            if writer is not None:
-                records[writer.index] = writer.finish()
+    def run(self, encoder, workers: int, show_progress: bool) -> int | None:
+        budget = self.job.max_tokens
+        blocks = DocumentBlocks(self.job, self.wanted, self.stop_before)
+        writer, before = None, None
+        pool = Workers(encoder, workers)
+        with _one_thread_per_worker(), pool, progress_bar(disable=not show_progress) as bar:
+            progress = bar.add_task("tokenising", total=math.ceil(budget / self.count) if budget else None)
+            try:
+                for block, (train, val) in pool.map(blocks):
+                    if writer is None or writer.index != block.shard:
+                        self._finish(writer)
+                        writer, before = sh.ShardWriter(self.building, block.shard), self.train_before(block.shard)
+                    writer.add(block.documents, train, val, block.filter_counts)
+                    bar.update(progress, advance=len(train), description=f"tokenising shard {block.shard}")
+                    if budget is not None and before is not None and before + writer.tokens["train"] >= budget:
+                        break
+                self._finish(writer)
                 writer = None
-        finally:
-            if writer is not None:
-                writer.abandon()
-    if blocks.documents is not None:
-        sh.write_json(building / sh.END, {"documents": blocks.documents})
-    return _end(building)
+            finally:
+                if writer is not None:
+                    writer.abandon()
+        if blocks.documents is not None:
+            sh.write_json(self.building / sh.END, {"documents": blocks.documents})
+        return _end(self.building)
+
+    def _finish(self, writer: sh.ShardWriter | None) -> None:
+        if writer is not None:
+            self.records[writer.index] = writer.finish()
 
 
 def _end(building: Path) -> int | None:

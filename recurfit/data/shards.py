@@ -106,7 +106,7 @@ class ShardWriter:
 
     def __init__(self, folder: Path, index: int):
         self.folder, self.index = folder, index
-        (folder / SHARDS).mkdir(parents=True, exist_ok=True)
+        (folder / SHARDS).mkdir(exist_ok=True)  # not parents: a build folder another task published is gone
         self.paths = {split: shard_path(folder, shard_name(index), split) for split in SPLITS}
         self.files = {split: open(f"{path}.partial", "wb") for split, path in self.paths.items()}
         self.hashes = {split: hashlib.sha256() for split in SPLITS}
