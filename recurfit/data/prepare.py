@@ -132,28 +132,35 @@ def prepare(
         _check_disk(out.parent, job, encoder, task, records, say)
         building.mkdir(exist_ok=True)
         try:
-            documents = _build(building, job, encoder, task, records, workers, show_progress)
+            _build(building, job, encoder, task, records, workers, show_progress)
         except RecurfitError:  # bad input found while reading: keep finished shards (a resume needs them), only
             if not records:  # an empty build folder goes
                 shutil.rmtree(building, ignore_errors=True)
             raise
         with owned(out, wait=True):  # the last of several tasks to finish writes the store
             if (out / META).is_file() and read_meta(out).get("fingerprint") == digest and not force:
-                return PrepareResult(out, read_meta(out), skipped=True)
-            records = sh.read_records(building, verify=False, itemsize=0)
-            plan = sh.plan(records, documents, max_tokens, layout)
-            if not plan.ready:
-                return PrepareResult(out, None, skipped=False, missing=plan.missing)
-            try:
-                meta = _finish(building, out, plan, job, encoder, digest, tokenizer_name, tokenizer)
-            except RecurfitError:  # the sources make no usable store with these settings: leave nothing behind
-                shutil.rmtree(building, ignore_errors=True)
-                raise
-    if max_tokens is not None and not plan.budget_reached:
+                return PrepareResult(out, read_meta(out), skipped=True)  # another task wrote it
+            result = _store_if_complete(building, out, job, encoder, digest, tokenizer_name, tokenizer)
+    if result.meta is not None and max_tokens is not None and not result.meta["budget_reached"]:
+        got = result.meta["tokens"]["train"]
         say(
-            f"The sources ran dry at {meta['tokens']['train']:,} training tokens, "
-            f"{meta['tokens']['train'] / max_tokens:.1%} of the --max-tokens budget of {max_tokens:,}."
+            f"The sources ran dry at {got:,} training tokens, {got / max_tokens:.1%} of the --max-tokens budget "
+            f"of {max_tokens:,}."
         )
+    return result
+
+
+def _store_if_complete(building: Path, out: Path, job: Job, encoder, digest, tokenizer_name, tokenizer):
+    """Write the store when every shard it needs is made (by any task); else say which shards are missing."""
+    records = sh.read_records(building, verify=False, itemsize=0)
+    plan = sh.plan(records, _end(building), job.max_tokens, job.layout)
+    if not plan.ready:
+        return PrepareResult(out, None, skipped=False, missing=plan.missing)
+    try:
+        meta = _finish(building, out, plan, job, encoder, digest, tokenizer_name, tokenizer)
+    except RecurfitError:  # the sources make no usable store with these settings: leave nothing behind
+        shutil.rmtree(building, ignore_errors=True)
+        raise
     return PrepareResult(out, meta, skipped=False)
 
 
@@ -342,16 +349,16 @@ def _one_thread_per_worker() -> Iterator[None]:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _build(building: Path, job: Job, encoder, task, records: dict, workers: int, show_progress: bool) -> int | None:
-    """Make this task's missing shards; the sources' document count if they were read to the end."""
+def _build(building: Path, job: Job, encoder, task, records: dict, workers: int, show_progress: bool) -> None:
+    """Make this task's missing shards (and `end.json` if the sources were read to their end)."""
     if sh.plan(records, _end(building), job.max_tokens, job.layout).ready:
-        return _end(building)  # everything is made already (a re-run after a stop while finishing)
+        return  # everything is made already (a re-run after a stop while finishing)
     try:
-        return TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
+        TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
     except FileNotFoundError:
         if building.exists():
             raise
-        return None  # another task finished the store while this one made a shard the store does not need
+        # else another task finished the store while this one made a shard the store does not need
 
 
 class TaskBuild:
@@ -384,7 +391,7 @@ class TaskBuild:
         made = [record["tokens"]["train"] for i, record in self.records.items() if i < shard]
         return bool(made) and sum(made) + (shard - len(made) - 1) * sum(made) / len(made) >= budget
 
-    def run(self, encoder, workers: int, show_progress: bool) -> int | None:
+    def run(self, encoder, workers: int, show_progress: bool) -> None:
         budget = self.job.max_tokens
         blocks = DocumentBlocks(self.job, self.wanted, self.stop_before)
         writer, before = None, None
@@ -407,7 +414,6 @@ class TaskBuild:
                     writer.abandon()
         if blocks.documents is not None:
             sh.write_json(self.building / sh.END, {"documents": blocks.documents})
-        return _end(self.building)
 
     def _finish(self, writer: sh.ShardWriter | None) -> None:
         if writer is not None:
