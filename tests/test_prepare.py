@@ -282,3 +282,51 @@ def test_command_line_budget_workers_and_tasks(tmp_path, documents, workspace, c
             run_cli(capsys, *args, *bad, "--out", tmp_path / "bad")
         assert stopped.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+TASK = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from conftest import char_tokenizer
+from recurfit.data import packing, prepare
+from recurfit.data.shards import Layout
+slow = packing.BlockEncoder.__call__
+packing.BlockEncoder.__call__ = lambda self, texts: time.sleep(0.01) or slow(self, texts)
+result = prepare(char_tokenizer(), [{source!r}], 16, {out!r}, val_fraction=0.1, layout=Layout(16, 4),
+                 max_tokens=9000, task=({index}, 2), show_progress=False)
+print("wrote the store" if result.meta is not None and not result.skipped else "waited")
+"""
+
+
+def test_two_tasks_running_at_once_make_the_store_once(tmp_path, documents):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tasks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                TASK.format(tests=str(REPO / "tests"), source=documents[0], out=str(tmp_path / "s"), index=index),
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for index in (0, 1)
+    ]
+    said = [task.communicate(timeout=300)[0].strip() for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0]
+    assert sorted(said) == ["waited", "wrote the store"]  # exactly one task wrote meta.json
+    reference = prepare(
+        char_tokenizer(),
+        documents,
+        16,
+        tmp_path / "one",
+        val_fraction=0.1,
+        layout=SMALL,
+        max_tokens=9000,
+        show_progress=False,
+    )
+    assert reference.meta["budget_reached"]
+    assert store_contents(tmp_path / "s") == store_contents(tmp_path / "one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "one", "s"]
