@@ -128,11 +128,18 @@ def prepare(
     with owned(out if alone else out.parent / f"{out.name}.task-{task[0]}-of-{task[1]}"):
         if alone and force and building.exists():
             shutil.rmtree(building)  # --force starts over (with tasks, it only replaces the finished store)
-        records = sh.read_records(building, verify=True, itemsize=np.dtype(encoder.dtype).itemsize)
+        with owned(out, wait=True):  # not while another task cuts the last shard and publishes the store
+            if _finishing(building).exists() and not building.exists():
+                _finishing(building).rename(building)  # the task finishing the store died: finish it again
+            records = sh.read_records(building, verify=True, itemsize=np.dtype(encoder.dtype).itemsize)
         _check_disk(out.parent, job, encoder, task, records, say)
         building.mkdir(exist_ok=True)
         try:
             _build(building, job, encoder, task, records, workers, show_progress)
+        except FileNotFoundError:
+            with owned(out, wait=True):  # another task may have finished the store, removing what this one made
+                if not (out / META).is_file() or read_meta(out).get("fingerprint") != digest:
+                    raise
         except RecurfitError:  # bad input found while reading: keep finished shards (a resume needs them), only
             if not records:  # an empty build folder goes
                 shutil.rmtree(building, ignore_errors=True)
@@ -156,12 +163,19 @@ def _store_if_complete(building: Path, out: Path, job: Job, encoder, digest, tok
     plan = sh.plan(records, _end(building), job.max_tokens, job.layout)
     if not plan.ready:
         return PrepareResult(out, None, skipped=False, missing=plan.missing)
+    finishing = _finishing(building)
+    building.rename(finishing)  # from here on, a task still making a shard the store does not need adds nothing
     try:
-        meta = _finish(building, out, plan, job, encoder, digest, tokenizer_name, tokenizer)
+        meta = _finish(finishing, out, plan, job, encoder, digest, tokenizer_name, tokenizer)
     except RecurfitError:  # the sources make no usable store with these settings: leave nothing behind
-        shutil.rmtree(building, ignore_errors=True)
+        shutil.rmtree(finishing, ignore_errors=True)
         raise
     return PrepareResult(out, meta, skipped=False)
+
+
+def _finishing(building: Path) -> Path:
+    """Where the build folder is finished: a name other tasks do not write to (a crash there is undone)."""
+    return building.with_name(building.name.replace(".building-", ".finishing-"))
 
 
 def _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout) -> None:
@@ -353,12 +367,7 @@ def _build(building: Path, job: Job, encoder, task, records: dict, workers: int,
     """Make this task's missing shards (and `end.json` if the sources were read to their end)."""
     if sh.plan(records, _end(building), job.max_tokens, job.layout).ready:
         return  # everything is made already (a re-run after a stop while finishing)
-    try:
-        TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
-    except FileNotFoundError:
-        if building.exists():
-            raise
-        # else another task finished the store while this one made a shard the store does not need
+    TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
 
 
 class TaskBuild:
@@ -477,7 +486,8 @@ def _finish(building: Path, out: Path, plan: sh.Plan, job: Job, encoder, digest,
     sh.remove_unused(building, used)
     sh.write_json(building / META, meta)
     publish_directory(building, out)
-    for stale in out.parent.glob(f".{out.name}.building-*"):  # builds of other jobs aimed here
+    # Builds of other jobs aimed at this store, which it replaces:
+    for stale in [*out.parent.glob(f".{out.name}.building-*"), *out.parent.glob(f".{out.name}.finishing-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     return meta
 

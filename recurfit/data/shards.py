@@ -279,5 +279,5 @@ def remove_unused(folder: Path, used: Iterable[dict]) -> None:
     names = {record["name"] for record in used}
     for path in (folder / SHARDS).iterdir():
         if path.name.split(".")[0] not in names or path.name.endswith((".partial", ".json")):
-            path.unlink()
+            path.unlink(missing_ok=True)  # another task may be renaming its partial file at this moment
     (folder / END).unlink(missing_ok=True)
