@@ -11,7 +11,8 @@
 3. `prepare` with --workers 1 and 2 (the same store, checked), from the JSON-lines file: reading, hashing
    for the validation split, packing and writing included.
 
-Each is timed twice (the best is kept); ratios of tokens per second are printed at the end.
+Each is timed --repeats times, interleaved (the best is kept); ratios of tokens per second are printed at the
+end, with the load average, since others' work on a shared machine slows every measurement.
 """
 
 from __future__ import annotations
@@ -77,24 +78,28 @@ def main() -> None:
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     print(f"corpus: {corpus} ({len(texts):,} documents, {corpus.stat().st_size / 1e6:.0f} MB), cores: {os.cpu_count()}")
 
-    alone, tokens = best([tokenizer_alone(tokenizer, texts, threads=False) for _ in range(args.repeats)])
-    threaded, _ = best([tokenizer_alone(tokenizer, texts, threads=True) for _ in range(args.repeats)])
-    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    # Interleaved repeats, best of each: on a shared machine, load from others then hurts every kind alike.
+    runs: dict = {"alone": [], "threads": [], 1: [], 2: []}
+    for _ in range(args.repeats):
+        runs["alone"].append(tokenizer_alone(tokenizer, texts, threads=False))
+        runs["threads"].append(tokenizer_alone(tokenizer, texts, threads=True))
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        for workers in (1, 2):
+            runs[workers].append(prepare_time(tokenizer, corpus, workers, args.corpus / f"store-{workers}"))
+    (alone, tokens), (threaded, _) = best(runs["alone"]), best(runs["threads"])
     print(f"tokenizer alone, 1 thread:        {tokens / alone / 1e6:5.2f} M tokens/s ({tokens:,} tokens)")
     print(f"tokenizer alone, all threads:     {tokens / threaded / 1e6:5.2f} M tokens/s")
-
-    rates, metas = {}, {}
+    rates = {}
     for workers in (1, 2):
-        seconds, meta = best(
-            [prepare_time(tokenizer, corpus, workers, args.corpus / f"store-{workers}") for _ in range(args.repeats)]
-        )
+        seconds, meta = best(runs[workers])
         # The documents' tokens, as the tokenizer alone counts them: every EOS left out, every row's tail kept.
         made = sum(s["tokens"]["train"] + s["tokens"]["val"] for s in meta["shards"]) - meta["documents"]
-        rates[workers], metas[workers] = made / seconds, meta
+        rates[workers] = made / seconds
         print(f"prepare --workers {workers}:              {rates[workers] / 1e6:5.2f} M tokens/s ({seconds:.1f} s)")
-    assert metas[1] == metas[2], "1 and 2 workers made different stores"
+    assert runs[1][0][1] == runs[2][0][1], "1 and 2 workers made different stores"
     print(f"one worker / tokenizer alone (1 thread): {rates[1] / (tokens / alone):.3f}   (target >= 0.90)")
     print(f"two workers / one worker:                {rates[2] / rates[1]:.3f}   (target >= 1.8 on 2 cores)")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
