@@ -31,3 +31,9 @@ TASK_RECURRENCES = (1, 4, 32)
 CACHE_POLICIES = ("all", "latest")
 EXIT_CRITERIA = ("kl", "state", "argmax")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Data preparation (`data prepare`; recurfit/data/packing.py and shards.py say more)
+PACKINGS = ("bos-eos", "eos")  # the tokenizer's special tokens (its BOS) + document + EOS, as the authors; or + EOS
+DEFAULT_PACKING = "bos-eos"
+SHARD_DOCUMENTS = 1 << 17  # ≈ 130 M tokens of FineWeb-Edu: the unit of resume and of --task
+BLOCK_DOCUMENTS = 1024  # what one worker tokenises at a time; a --max-tokens budget stops at a block's end

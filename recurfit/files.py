@@ -39,16 +39,21 @@ def staged_directory(target: Path, replace: bool = False, wait: bool = False) ->
         staging = _new_staging_folder(target)
         try:
             yield staging
-            _finish_files(staging)
-            if target.exists():
-                retired = staging.with_name(staging.name.replace(".partial-", ".old-"))
-                target.rename(retired)
-                staging.rename(target)
-                shutil.rmtree(retired)
-            else:
-                staging.rename(target)
+            publish_directory(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_directory(staging: Path, target: Path) -> None:
+    """Sync `staging`'s files and rename it to `target`, replacing a `target` that exists (hold its lock)."""
+    _finish_files(staging)
+    if target.exists():
+        retired = target.parent / f".{target.name}.old-{secrets.token_hex(4)}"
+        target.rename(retired)
+        staging.rename(target)
+        shutil.rmtree(retired)
+    else:
+        staging.rename(target)
 
 
 def _new_staging_folder(target: Path) -> Path:

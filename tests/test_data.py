@@ -36,10 +36,10 @@ def test_prepare_is_idempotent_and_refuses_other_jobs(tmp_path):
     write_documents(tmp_path / "docs.jsonl", 40)
     source, settings = [str(tmp_path / "docs.jsonl")], {"show_progress": False, "val_fraction": 0.2}
     first = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
-    mtime = (tmp_path / "store" / "train.bin").stat().st_mtime_ns
+    mtime = (tmp_path / "store" / "shards" / "00000.train.bin").stat().st_mtime_ns
     again = prepare(tokenizer, source, 16, tmp_path / "store", **settings)
     assert again.skipped and not first.skipped
-    assert (tmp_path / "store" / "train.bin").stat().st_mtime_ns == mtime
+    assert (tmp_path / "store" / "shards" / "00000.train.bin").stat().st_mtime_ns == mtime
     with pytest.raises(RecurfitError, match="already exists"):
         prepare(tokenizer, source, 8, tmp_path / "store", **settings)
     assert TokenStore(tmp_path / "store").seq_len == 16  # untouched
@@ -47,7 +47,7 @@ def test_prepare_is_idempotent_and_refuses_other_jobs(tmp_path):
 
 
 def test_validation_split_follows_the_text_not_the_order(tmp_path):
-    from recurfit.data.prepare import _split_of
+    from recurfit.data.packing import split_of as _split_of
 
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "a.jsonl", 200)
@@ -72,7 +72,7 @@ def test_damaged_store_and_bad_sources_are_clear_errors(tmp_path):
     tokenizer = char_tokenizer()
     write_documents(tmp_path / "docs.jsonl", 20)
     prepare(tokenizer, [str(tmp_path / "docs.jsonl")], 8, tmp_path / "store", show_progress=False, val_fraction=0.3)
-    with open(tmp_path / "store" / "train.bin", "ab") as file:
+    with open(tmp_path / "store" / "shards" / "00000.train.bin", "ab") as file:
         file.write(b"\0\0")
     with pytest.raises(RecurfitError, match="incomplete or damaged"):
         TokenStore(tmp_path / "store")

@@ -313,7 +313,7 @@ def test_outputs_get_the_permissions_of_the_umask(tmp_path, workspace):
     for path in (tmp_path / "store", checkpoint, tmp_path / "run" / "final"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o755, path
     for path in (
-        tmp_path / "store" / "train.bin",
+        tmp_path / "store" / "shards" / "00000.train.bin",
         checkpoint / "model.safetensors",
         tmp_path / "run" / "final" / "model.safetensors",
     ):
@@ -334,13 +334,13 @@ def _copy_store(workspace: Path, tmp_path: Path, edit) -> Path:
 
 def test_bad_stores_are_refused_before_training(tmp_path, workspace):
     def no_training_rows(store, meta):
-        meta["rows"]["train"] = 0
-        (store / "train.bin").write_bytes(b"")
+        meta["rows"]["train"] = meta["shards"][0]["tokens"]["train"] = 0
+        (store / "shards" / "00000.train.bin").write_bytes(b"")
 
     def foreign_ids(store, meta):
-        rows = np.fromfile(store / "train.bin", dtype=np.uint16)
+        rows = np.fromfile(store / "shards" / "00000.train.bin", dtype=np.uint16)
         rows[33 * 5 + 7] = 200  # row 5 holds an id the 97-token model has no embedding for
-        rows.tofile(store / "train.bin")
+        rows.tofile(store / "shards" / "00000.train.bin")
 
     for edit, message in (
         (no_training_rows, "has no training rows"),

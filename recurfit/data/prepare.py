@@ -1,9 +1,19 @@
 """`recurfit data prepare`: tokenise documents with the parent's tokenizer and pack them into a token store.
 
-Re-running the same job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
-an existing store is refused unless `force`. The store appears atomically: a crash leaves nothing behind.
-A row filter (`filters.py`) is checked against every source before anything is written, and what it dropped
-and kept is recorded in the store's `meta.json` under `filter`.
+- **Budget.** `max_tokens` stops reading the sources once the training split holds that many tokens (at the
+  end of a block of documents); sources that run dry first give a store of what they held, and say so.
+- **Workers.** Blocks of documents are tokenised by `workers` processes while this one reads the sources and
+  writes the shards in order, so the store does not depend on the number of workers.
+- **Machines.** `task=(i, n)` makes the shards j with j mod n = i (see `shards.py`); n such tasks, started
+  by any launcher (a Slurm array, torchrun ranks), fill one store folder on a shared file system, and the
+  last one to finish writes `meta.json`. Every task reads the sources from the start (reading is cheap next
+  to tokenising) and tokenises only its shards.
+- **Resume.** Finished shards are kept, checked by their SHA-256; a re-run of a killed job redoes only the
+  unfinished ones, and gives the same store as an uninterrupted run.
+
+Re-running a finished job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
+an existing store is refused unless `force`. A row filter (`filters.py`) is checked against every source
+before anything is written, and what it dropped and kept is recorded in `meta.json` under `filter`.
 """
 
 from __future__ import annotations
@@ -11,27 +21,68 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import RecurfitError
-from ..files import staged_directory
+from ..files import check_output, publish_directory
+from ..lock import owned
 from ..progress import progress_bar
+from . import shards as sh
 from .filters import FilterStats
+from .packing import DEFAULT_PACKING, BlockEncoder
 from .sources import check_filter, fingerprint, iter_documents
 from .store import FORMAT_VERSION, META, SPLITS, read_meta
 
-BATCH_DOCUMENTS = 512
+DEFAULT_LAYOUT = sh.Layout()
 
 
 @dataclass
 class PrepareResult:
     folder: Path
-    meta: dict
+    meta: dict | None  # None: this task's shards are done, and the store waits for other tasks
     skipped: bool  # True: the store already held exactly this job
+    missing: list[int] | None = None  # shards other tasks have yet to make (when meta is None)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What defines a store's contents; its fingerprint names the build folder and marks the finished store."""
+
+    sources: tuple[str, ...]
+    seq_len: int
+    val_fraction: float
+    text_field: str | None
+    seed: int
+    packing: str
+    max_tokens: int | None
+    layout: sh.Layout
+    row_filter: object = None
+
+    def fingerprint(self, tokenizer) -> str:
+        job = {
+            "sources": [fingerprint(source, self.text_field) for source in self.sources],
+            "tokenizer": _tokenizer_fingerprint(tokenizer),
+            "seq_len": self.seq_len,
+            "val_fraction": self.val_fraction,
+            "seed": self.seed,
+            "packing": self.packing,
+            "max_tokens": self.max_tokens,
+            "shard_documents": self.layout.shard_documents,
+            "block_documents": self.layout.block_documents,
+            "format": FORMAT_VERSION,
+        }
+        if self.row_filter is not None:
+            job["filter"] = self.row_filter.settings()
+        return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def prepare(
@@ -47,82 +98,398 @@ def prepare(
     force: bool = False,
     show_progress: bool = True,
     row_filter=None,
+    max_tokens: int | None = None,
+    workers: int = 1,
+    task: tuple[int, int] = (0, 1),
+    packing: str = DEFAULT_PACKING,
+    layout: sh.Layout = DEFAULT_LAYOUT,
+    say: Callable[[str], None] = lambda line: None,
 ) -> PrepareResult:
     """Tokenise `sources` (see `sources.py`) and pack them into rows of `seq_len + 1` tokens in `out`.
 
     A document goes to the validation split when a hash of its text falls in `val_fraction`: the split does
     not depend on document order, and the same document always lands in the same split. `row_filter` (see
-    `filters.make_filter`) drops and rewrites rows of every source before tokenising."""
+    `filters.make_filter`) drops and rewrites rows of every source before tokenising. `say` receives the
+    lines worth printing (the expected size, a budget the sources could not fill, a task's share done)."""
+    _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout)
+    encoder = BlockEncoder(tokenizer, packing, val_fraction)
+    job = Job(tuple(sources), seq_len, val_fraction, text_field, seed, packing, max_tokens, layout, row_filter)
+    out = Path(out)
+    digest = job.fingerprint(tokenizer)
+    if (out / META).is_file() and not force:
+        existing = read_meta(out)
+        if existing.get("fingerprint") == digest:
+            return PrepareResult(out, existing, skipped=True)
+    check_output(out, force)
+    for source in sources if row_filter is not None else ():
+        check_filter(source, text_field, row_filter)
+    building = out.parent / f".{out.name}.building-{digest}"
+    alone = task[1] == 1
+    with owned(out if alone else out.parent / f"{out.name}.task-{task[0]}-of-{task[1]}"):
+        if alone and force and building.exists():
+            shutil.rmtree(building)  # --force starts over (with tasks, it only replaces the finished store)
+        with owned(out, wait=True):  # not while another task cuts the last shard and publishes the store
+            if _finishing(building).exists() and not building.exists():
+                _finishing(building).rename(building)  # the task finishing the store died: finish it again
+            records = sh.read_records(building, verify=True, itemsize=np.dtype(encoder.dtype).itemsize)
+        _check_disk(out.parent, job, encoder, task, records, say)
+        building.mkdir(exist_ok=True)
+        try:
+            _build(building, job, encoder, task, records, workers, show_progress)
+        except FileNotFoundError:
+            with owned(out, wait=True):  # another task may have finished the store, removing what this one made
+                if not (out / META).is_file() or read_meta(out).get("fingerprint") != digest:
+                    raise
+        except RecurfitError:  # bad input found while reading: keep finished shards (a resume needs them), only
+            if not records:  # an empty build folder goes
+                shutil.rmtree(building, ignore_errors=True)
+            raise
+        with owned(out, wait=True):  # the last of several tasks to finish writes the store
+            if (out / META).is_file() and read_meta(out).get("fingerprint") == digest and not force:
+                return PrepareResult(out, read_meta(out), skipped=True)  # another task wrote it
+            result = _store_if_complete(building, out, job, encoder, digest, tokenizer_name, tokenizer)
+    if result.meta is not None and max_tokens is not None and not result.meta["budget_reached"]:
+        got = result.meta["tokens"]["train"]
+        say(
+            f"The sources ran dry at {got:,} training tokens, {got / max_tokens:.1%} of the --max-tokens budget "
+            f"of {max_tokens:,}."
+        )
+    return result
+
+
+def _store_if_complete(building: Path, out: Path, job: Job, encoder, digest, tokenizer_name, tokenizer):
+    """Write the store when every shard it needs is made (by any task); else say which shards are missing."""
+    records = sh.read_records(building, verify=False, itemsize=0)
+    plan = sh.plan(records, _end(building), job.max_tokens, job.layout)
+    if not plan.ready:
+        return PrepareResult(out, None, skipped=False, missing=plan.missing)
+    finishing = _finishing(building)
+    building.rename(finishing)  # from here on, a task still making a shard the store does not need adds nothing
+    try:
+        meta = _finish(finishing, out, plan, job, encoder, digest, tokenizer_name, tokenizer)
+    except RecurfitError:  # the sources make no usable store with these settings: leave nothing behind
+        shutil.rmtree(finishing, ignore_errors=True)
+        raise
+    return PrepareResult(out, meta, skipped=False)
+
+
+def _finishing(building: Path) -> Path:
+    """Where the build folder is finished: a name other tasks do not write to (a crash there is undone)."""
+    return building.with_name(building.name.replace(".building-", ".finishing-"))
+
+
+def _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout) -> None:
     if seq_len < 1:
         raise RecurfitError(f"--seq-len must be at least 1, got {seq_len}.")
     if not 0 <= val_fraction < 1:
         raise RecurfitError(f"--val-fraction must be in [0, 1), got {val_fraction}.")
     if not sources:
         raise RecurfitError("Give at least one --source.")
-    if tokenizer.eos_token_id is None:
-        raise RecurfitError("The tokenizer has no EOS token, which separates packed documents.")
-    out = Path(out)
-    job = {
-        "sources": [fingerprint(source, text_field) for source in sources],
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "seq_len": seq_len,
-        "val_fraction": val_fraction,
-        "seed": seed,
-    }
-    if row_filter is not None:  # only then, so that unfiltered stores keep their fingerprints
-        job["filter"] = row_filter.settings()
-    digest = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
-    if (out / META).is_file():
-        existing = read_meta(out)
-        if existing.get("fingerprint") == digest and not force:
-            return PrepareResult(out, existing, skipped=True)
-    stats = {source: FilterStats() for source in sources} if row_filter is not None else {}
-    for source in stats:
-        check_filter(source, text_field, row_filter)
+    if max_tokens is not None and max_tokens < seq_len + 1:
+        raise RecurfitError(f"--max-tokens must be at least one row (seq_len + 1 = {seq_len + 1}), got {max_tokens}.")
+    if workers < 1:
+        raise RecurfitError(f"--workers must be at least 1, got {workers}.")
+    index, count = task
+    if not (count >= 1 and 0 <= index < count):
+        raise RecurfitError(f"--task must be I/N with 0 <= I < N, got {index}/{count}.")
+    if layout.block_documents < 1 or layout.shard_documents % layout.block_documents:
+        raise RecurfitError(
+            f"--shard-documents ({layout.shard_documents}) must be a multiple of {layout.block_documents} "
+            "(the documents a worker tokenises at a time), or smaller."
+        )
 
-    vocab_size = len(tokenizer)
-    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
-    with staged_directory(out, replace=force) as staging:
-        packers = {split: _Packer(staging / f"{split}.bin", seq_len + 1, dtype) for split in SPLITS}
-        documents = 0
-        with progress_bar(disable=not show_progress) as bar:
-            task = bar.add_task("tokenising", total=None)
-            for batch in _batches(_all_documents(sources, text_field, seed, row_filter, stats), BATCH_DOCUMENTS):
-                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
-                for text, tokens in zip(batch, ids):
-                    packers[_split_of(text, val_fraction)].add(tokens + [tokenizer.eos_token_id])
-                documents += len(batch)
-                bar.update(task, advance=len(batch), description=f"tokenising ({packers['train'].tokens:,} tokens)")
-        tokens = {split: packer.tokens for split, packer in packers.items()}
-        rows = {split: packer.close() for split, packer in packers.items()}
-        if rows["train"] == 0:
-            kept = sum(one.kept for one in stats.values())
-            why = f" after the {row_filter.name} filter kept {kept:,} rows" if row_filter is not None else ""
-            raise RecurfitError(
-                f"The sources hold fewer than seq_len + 1 = {seq_len + 1} tokens of training text{why}; "
-                "add data or lower --seq-len."
-            )
-        if rows["val"] == 0 and val_fraction > 0:
-            raise RecurfitError(_no_validation_row(out, val_fraction, documents, tokens, seq_len))
-        meta = {
-            "format": FORMAT_VERSION,
-            "fingerprint": digest,
-            "seq_len": seq_len,
-            "dtype": np.dtype(dtype).name,
-            "rows": rows,
-            "tokens": {split: n * (seq_len + 1) for split, n in rows.items()},
-            "documents": documents,
-            "vocab_size": vocab_size,
-            "eos_token_id": tokenizer.eos_token_id,
-            "tokenizer": tokenizer_name,
-            "sources": list(sources),
-            "val_fraction": val_fraction,
-            "seed": seed,
-        }
-        if row_filter is not None:
-            meta["filter"] = _filter_report(row_filter, stats)
-        (staging / META).write_text(json.dumps(meta, indent=2) + "\n")
-    return PrepareResult(out, meta, skipped=False)
+
+# ---------------------------------------------------------------- disk
+
+
+def _check_disk(where: Path, job: Job, encoder: BlockEncoder, task, records: dict, say) -> None:
+    """Print the size the store will take and refuse when the disk has less free (needs a budget to know)."""
+    if job.max_tokens is None:
+        say("Expected size on disk: unknown without --max-tokens (2 or 4 bytes per token of the sources).")
+        return
+    itemsize = np.dtype(encoder.dtype).itemsize
+    tokens = job.max_tokens / (1 - job.val_fraction)  # the training budget and the held-out share beside it
+    total = tokens * itemsize
+    share = total / task[1]
+    written = sum((record["tokens"]["train"] + record["tokens"]["val"]) * itemsize for record in records.values())
+    needed = max(0.0, share - written)
+    free = free_bytes(where)
+    of = f" (this task's share: {_size(share)})" if task[1] > 1 else ""
+    say(
+        f"Expected size on disk: {_size(total)}{of} for {tokens:,.0f} tokens × {itemsize} bytes; "
+        f"{_size(free)} free where it is written."
+    )
+    if free < needed:
+        raise RecurfitError(
+            f"{where} has {_size(free)} free but the store needs {_size(needed)} more; free space, "
+            "lower --max-tokens or choose another --out."
+        )
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _size(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{count:.0f} B"
+        count /= 1000
+    raise AssertionError
+
+
+# ---------------------------------------------------------------- tokenising this task's shards
+
+
+@dataclass
+class Block:
+    shard: int
+    documents: int
+    texts: list[str] | None  # None once handed to a worker
+    filter_counts: dict
+
+
+class DocumentBlocks:
+    """The sources' documents in blocks; only the blocks of shards `wanted` are yielded (with their texts),
+    and reading stops once `stop_before(shard)` says no later shard is needed. `documents` is the count of
+    the sources' documents once they have been read to their end (None until then)."""
+
+    def __init__(self, job: Job, wanted: Callable[[int], bool], stop_before: Callable[[int], bool]):
+        self.job, self.wanted, self.stop_before = job, wanted, stop_before
+        self.documents: int | None = None
+
+    def __iter__(self) -> Iterator[Block]:
+        job, layout = self.job, self.job.layout
+        stats = {source: FilterStats() for source in job.sources} if job.row_filter is not None else {}
+        documents = _all_documents(job.sources, job.text_field, job.seed, job.row_filter, stats)
+        counted = previous = _snapshot(stats)
+        texts: list[str] = []
+        pending: Block | None = None  # the last full block, yielded once another document shows it is not last
+        read = 0
+        for text in documents:
+            if pending is not None:
+                yield pending
+                pending = None
+            shard = layout.shard_of(read)
+            if read % layout.shard_documents == 0 and self.stop_before(shard):
+                return
+            read += 1
+            if self.wanted(shard):
+                texts.append(text)
+            if layout.ends_block(read):
+                previous, counted = counted, _snapshot(stats)
+                pending = self._block(shard, read, texts, sh.counts_minus(counted, previous))
+                texts = []
+        self.documents = read
+        end = _snapshot(stats)
+        if texts:  # a last, short block; the rows the filter read after its last document count with it
+            pending = self._block(layout.shard_of(read - 1), read, texts, sh.counts_minus(end, counted))
+        elif pending is not None:
+            pending.filter_counts = sh.counts_minus(end, previous)
+        if pending is not None:
+            yield pending
+
+    def _block(self, shard: int, read: int, texts: list[str], counts: dict) -> Block | None:
+        size = (read - 1) % self.job.layout.block_documents + 1
+        return Block(shard, size, texts, counts) if self.wanted(shard) else None
+
+
+def _snapshot(stats: dict[str, FilterStats]) -> dict:
+    return {source: one.as_dict() for source, one in stats.items()}
+
+
+class Workers:
+    """Runs the encoder on blocks in `count` processes (in this one when count is 1), results in order."""
+
+    def __init__(self, encoder: BlockEncoder, count: int):
+        self.encoder, self.count, self.pool = encoder, count, None
+
+    def __enter__(self) -> Workers:
+        if self.count > 1:
+            # fork: the workers start at once with the tokenizer already loaded; spawn where there is no fork.
+            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+            context = multiprocessing.get_context(method)
+            self.pool = context.Pool(self.count, initializer=_start_worker, initargs=(self.encoder,))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, blocks) -> Iterator[tuple[Block, tuple[np.ndarray, np.ndarray]]]:
+        if self.pool is None:
+            for block in blocks:
+                if block is not None:
+                    yield block, self.encoder(block.texts)
+            return
+        window: deque = deque()
+        for block in blocks:
+            if block is None:
+                continue
+            window.append((block, self.pool.apply_async(_encode, (block.texts,))))
+            block.texts = None
+            if len(window) >= 2 * self.count:  # enough queued to keep every worker busy, no more in memory
+                done, result = window.popleft()
+                yield done, result.get()
+        while window:
+            done, result = window.popleft()
+            yield done, result.get()
+
+
+_worker_encoder: BlockEncoder | None = None
+
+
+def _start_worker(encoder: BlockEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _worker_encoder(texts)
+
+
+@contextmanager
+def _one_thread_per_worker() -> Iterator[None]:
+    """The Rust tokenizer would use every core in each worker; one thread each makes --workers the core count."""
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _build(building: Path, job: Job, encoder, task, records: dict, workers: int, show_progress: bool) -> None:
+    """Make this task's missing shards (and `end.json` if the sources were read to their end)."""
+    if sh.plan(records, _end(building), job.max_tokens, job.layout).ready:
+        return  # everything is made already (a re-run after a stop while finishing)
+    TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
+
+
+class TaskBuild:
+    """One task's part of a build: which shards it makes, and where the budget lets it stop."""
+
+    def __init__(self, building: Path, job: Job, task: tuple[int, int], records: dict):
+        self.building, self.job, self.records = building, job, records
+        self.index, self.count = task
+
+    def wanted(self, shard: int) -> bool:
+        return shard % self.count == self.index and shard not in self.records
+
+    def train_before(self, shard: int) -> int | None:
+        """Training tokens of shards before `shard`, if all of them are made (by this task or another)."""
+        if any(i not in self.records for i in range(shard)):
+            self.records.update(sh.read_records(self.building, verify=False, itemsize=0))
+        if any(i not in self.records for i in range(shard)):
+            return None
+        return sum(self.records[i]["tokens"]["train"] for i in range(shard))
+
+    def stop_before(self, shard: int) -> bool:
+        """True when the shards before `shard` hold the budget, known or (with other tasks' shards unmade)
+        estimated from those made: each unmade one taken as the average, less one for safety."""
+        budget = self.job.max_tokens
+        if budget is None:
+            return False
+        known = self.train_before(shard)
+        if known is not None:
+            return known >= budget
+        made = [record["tokens"]["train"] for i, record in self.records.items() if i < shard]
+        return bool(made) and sum(made) + (shard - len(made) - 1) * sum(made) / len(made) >= budget
+
+    def run(self, encoder, workers: int, show_progress: bool) -> None:
+        budget = self.job.max_tokens
+        blocks = DocumentBlocks(self.job, self.wanted, self.stop_before)
+        writer, before = None, None
+        pool = Workers(encoder, workers)
+        with _one_thread_per_worker(), pool, progress_bar(disable=not show_progress) as bar:
+            progress = bar.add_task("tokenising", total=math.ceil(budget / self.count) if budget else None)
+            try:
+                for block, (train, val) in pool.map(blocks):
+                    if writer is None or writer.index != block.shard:
+                        self._finish(writer)
+                        writer, before = sh.ShardWriter(self.building, block.shard), self.train_before(block.shard)
+                    writer.add(block.documents, train, val, block.filter_counts)
+                    bar.update(progress, advance=len(train), description=f"tokenising shard {block.shard}")
+                    if budget is not None and before is not None and before + writer.tokens["train"] >= budget:
+                        break
+                self._finish(writer)
+                writer = None
+            finally:
+                if writer is not None:
+                    writer.abandon()
+        if blocks.documents is not None:
+            sh.write_json(self.building / sh.END, {"documents": blocks.documents})
+
+    def _finish(self, writer: sh.ShardWriter | None) -> None:
+        if writer is not None:
+            self.records[writer.index] = writer.finish()
+
+
+def _end(building: Path) -> int | None:
+    path = building / sh.END
+    return json.loads(path.read_text())["documents"] if path.is_file() else None
+
+
+def _all_documents(sources, text_field, seed, row_filter=None, stats: dict | None = None) -> Iterator[str]:
+    for source in sources:
+        yield from iter_documents(source, text_field, seed, row_filter, (stats or {}).get(source))
+
+
+# ---------------------------------------------------------------- the finished store
+
+
+def _finish(building: Path, out: Path, plan: sh.Plan, job: Job, encoder, digest, tokenizer_name, tokenizer) -> dict:
+    itemsize = np.dtype(encoder.dtype).itemsize
+    used = list(plan.shards)
+    if plan.last_blocks is not None:
+        used[-1] = sh.cut(building, used[-1], plan.last_blocks, itemsize)
+    row = job.seq_len + 1
+    tokens = {split: sum(record["tokens"][split] for record in used) for split in SPLITS}
+    rows = {split: tokens[split] // row for split in SPLITS}
+    documents = sum(record["documents"] for record in used)
+    if rows["train"] == 0:
+        kept = sum(one.get("kept", 0) for one in sh.filter_counts(used).values())
+        why = f" after the {job.row_filter.name} filter kept {kept:,} rows" if job.row_filter is not None else ""
+        raise RecurfitError(
+            f"The sources hold fewer than seq_len + 1 = {row} tokens of training text{why}; "
+            "add data or lower --seq-len."
+        )
+    if rows["val"] == 0 and job.val_fraction > 0:
+        raise RecurfitError(_no_validation_row(out, job.val_fraction, documents, tokens, job.seq_len))
+    meta = {
+        "format": FORMAT_VERSION,
+        "fingerprint": digest,
+        "seq_len": job.seq_len,
+        "dtype": np.dtype(encoder.dtype).name,
+        "rows": rows,
+        "tokens": {split: n * row for split, n in rows.items()},
+        "documents": documents,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "packing": job.packing,
+        "bos_token_id": encoder.bos_token_id(),
+        "tokenizer": tokenizer_name,
+        "sources": list(job.sources),
+        "val_fraction": job.val_fraction,
+        "seed": job.seed,
+        "max_tokens": job.max_tokens,
+        "budget_reached": plan.budget_reached if job.max_tokens is not None else None,
+        "shard_documents": job.layout.shard_documents,
+        "shards": [{key: record[key] for key in ("name", "documents", "tokens", "sha256")} for record in used],
+    }
+    if job.row_filter is not None:
+        meta["filter"] = _filter_report(job.row_filter, sh.filter_counts(used), job.sources)
+    sh.remove_unused(building, used)
+    sh.write_json(building / META, meta)
+    publish_directory(building, out)
+    # Builds of other jobs aimed at this store, which it replaces:
+    for stale in [*out.parent.glob(f".{out.name}.building-*"), *out.parent.glob(f".{out.name}.finishing-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return meta
 
 
 def _no_validation_row(out: Path, val_fraction: float, documents: int, tokens: dict, seq_len: int) -> str:
@@ -143,59 +510,12 @@ def _tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def _all_documents(
-    sources: Sequence[str], text_field: str | None, seed: int, row_filter=None, stats: dict | None = None
-) -> Iterator[str]:
-    for source in sources:
-        yield from iter_documents(source, text_field, seed, row_filter, (stats or {}).get(source))
-
-
-def _filter_report(row_filter, stats: dict[str, FilterStats]) -> dict:
+def _filter_report(row_filter, per_source: dict, sources: Sequence[str]) -> dict:
     """The filter's settings, its counts over all sources, and the counts of each source."""
-    total = FilterStats()
-    for one in stats.values():
-        total.add(one)
+    blank = {"all": FilterStats().as_dict()}
+    per_source = {source: sh.counts_plus(blank, {"all": per_source.get(source, {})})["all"] for source in sources}
+    total = blank
+    for counts in per_source.values():
+        total = sh.counts_plus(total, {"all": counts})
     # The top-level generator_field is the one asked for (None: detected); each source's is the one it used.
-    return {**total.as_dict(), **row_filter.settings(), "sources": {src: one.as_dict() for src, one in stats.items()}}
-
-
-def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def _split_of(text: str, val_fraction: float) -> str:
-    bucket = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
-    return "val" if bucket < val_fraction else "train"
-
-
-class _Packer:
-    """Appends a token stream to a file in whole rows; the tail shorter than a row is dropped at close."""
-
-    def __init__(self, path: Path, row_length: int, dtype):
-        self.file = open(path, "wb")
-        self.row_length, self.dtype = row_length, dtype
-        self.pending: list[int] = []
-        self.rows = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.rows * self.row_length + len(self.pending)
-
-    def add(self, tokens: list[int]) -> None:
-        self.pending.extend(tokens)
-        whole = len(self.pending) // self.row_length * self.row_length
-        if whole:
-            np.asarray(self.pending[:whole], dtype=self.dtype).tofile(self.file)
-            self.rows += whole // self.row_length
-            del self.pending[:whole]
-
-    def close(self) -> int:
-        self.file.close()
-        return self.rows
+    return {**total["all"], **row_filter.settings(), "sources": per_source}

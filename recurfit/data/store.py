@@ -1,16 +1,24 @@
 """The token store `data prepare` writes: packed rows of `seq_len + 1` token ids, memory-mapped.
 
-    DATA/meta.json    seq_len, dtype, rows per split, tokenizer, vocab size, eos id, sources, fingerprint
-    DATA/train.bin    rows × (seq_len + 1) ids, row-major
-    DATA/val.bin      the held-out documents, packed the same way
+    DATA/meta.json                 seq_len, dtype, rows per split, tokenizer, packing, sources, fingerprint,
+                                   and each shard's documents, token counts and SHA-256 checksums
+    DATA/shards/00000.train.bin    the tokens of the shard's training documents, one after another
+    DATA/shards/00000.val.bin      its held-out documents, the same way
+    ...
 
-A row holds `seq_len + 1` tokens so that inputs `row[:-1]` and targets `row[1:]` are both `seq_len` long.
-Documents are concatenated with EOS between them, as in the paper's pretraining data.
+A split is the concatenation of its shard files in order, cut into rows of `seq_len + 1` tokens (the tail
+shorter than a row is not used), so a row may begin in one shard and end in the next, and a sharded store
+reads exactly as one made in one piece. A row holds `seq_len + 1` tokens so that inputs `row[:-1]` and targets
+`row[1:]` are both `seq_len` long. Each document is followed by EOS (and, with `bos-eos` packing, preceded by
+the tokenizer's BOS), as in the paper's pretraining data.
+
+Stores of format 1 (before shards) hold one `train.bin` and `val.bin` of whole rows; they still load.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 from functools import cached_property
 from pathlib import Path
 
@@ -20,7 +28,13 @@ from ..errors import RecurfitError
 
 META = "meta.json"
 SPLITS = ("train", "val")
-FORMAT_VERSION = 1
+SHARDS = "shards"
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+
+
+def shard_path(folder: str | Path, name: str, split: str) -> Path:
+    return Path(folder) / SHARDS / f"{name}.{split}.bin"
 
 
 def read_meta(folder: str | Path) -> dict:
@@ -31,7 +45,7 @@ def read_meta(folder: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as problem:
         raise RecurfitError(f"{path} is corrupt ({problem.msg}); prepare the data again with --force.") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise RecurfitError(f"{folder} was written by another recurfit version; prepare it again with --force.")
     problem = _meta_problem(meta)
     if problem:
@@ -55,6 +69,8 @@ def _meta_problem(meta: dict) -> str | None:
         ),
         ("vocab_size", lambda v: whole(v, 1), "a whole number >= 1"),
     )
+    if meta["format"] >= 2:
+        checks += (("shards", lambda v: isinstance(v, list) and all(_valid_shard(s) for s in v), "a list of shards"),)
     for key, valid, expected in checks:
         if key not in meta:
             return f"{key!r} is missing"
@@ -63,8 +79,25 @@ def _meta_problem(meta: dict) -> str | None:
     return None
 
 
+def _valid_shard(shard) -> bool:
+    tokens = shard.get("tokens") if isinstance(shard, dict) else None
+    return (
+        isinstance(shard.get("name"), str)
+        and isinstance(tokens, dict)
+        and all(isinstance(tokens.get(split), int) and tokens[split] >= 0 for split in SPLITS)
+    )
+
+
+def split_files(folder: Path, meta: dict, split: str) -> list[tuple[Path, int]]:
+    """The files of a split, in order, each with the number of tokens of it the store uses."""
+    if meta["format"] == 1:
+        return [(folder / f"{split}.bin", meta["rows"][split] * (meta["seq_len"] + 1))]
+    return [(shard_path(folder, shard["name"], split), shard["tokens"][split]) for shard in meta["shards"]]
+
+
 class TokenStore:
-    """One split of a prepared folder: `store[i]` is row i as a numpy array of `seq_len + 1` ids."""
+    """One split of a prepared folder: `store[i]` is row i as a numpy array of `seq_len + 1` ids; a slice of
+    rows is a 2-D array."""
 
     def __init__(self, folder: str | Path, split: str = "train"):
         if split not in SPLITS:
@@ -73,27 +106,61 @@ class TokenStore:
         self.meta = read_meta(folder)
         self.seq_len: int = self.meta["seq_len"]
         self.num_rows: int = self.meta["rows"][split]
-        path = self.folder / f"{split}.bin"
-        expected = self.num_rows * (self.seq_len + 1) * np.dtype(self.meta["dtype"]).itemsize
-        actual = path.stat().st_size if path.is_file() else -1
-        if actual != expected:
-            raise RecurfitError(
-                f"{path} should hold {expected} bytes ({self.num_rows} rows) but holds {max(actual, 0)}: "
-                "the store is incomplete or damaged; prepare it again with --force."
-            )
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.files = split_files(self.folder, self.meta, split)
+        for path, tokens in self.files:
+            expected = tokens * self.dtype.itemsize
+            actual = path.stat().st_size if path.is_file() else -1
+            if actual != expected:
+                raise RecurfitError(
+                    f"{path} should hold {expected} bytes ({tokens} tokens) but holds {max(actual, 0)}: "
+                    "the store is incomplete or damaged; prepare it again with --force."
+                )
+        if self.num_rows * (self.seq_len + 1) > sum(tokens for _, tokens in self.files):
+            raise RecurfitError(f"{self.folder}/{META} counts more {split} rows than its files hold; prepare it again.")
 
     @cached_property
-    def rows(self) -> np.ndarray:
-        if self.num_rows == 0:
-            return np.zeros((0, self.seq_len + 1), dtype=self.meta["dtype"])
-        path = self.folder / f"{self.split}.bin"
-        return np.memmap(path, dtype=self.meta["dtype"], mode="r", shape=(self.num_rows, self.seq_len + 1))
+    def _maps(self) -> list[np.ndarray]:
+        return [np.memmap(path, dtype=self.dtype, mode="r", shape=(tokens,)) for path, tokens in self.files if tokens]
+
+    @cached_property
+    def _starts(self) -> np.ndarray:
+        """The position of each non-empty file's first token in the split's token sequence."""
+        return np.cumsum([0] + [len(tokens) for tokens in self._maps])
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split: a view into one file, or a copy across files."""
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            offset = start - int(self._starts[first])
+            piece = self._maps[first][offset : offset + stop - start]
+            pieces.append(piece)
+            start += len(piece)
+            first += 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)
 
     def __len__(self) -> int:
         return self.num_rows
 
     def __getitem__(self, index) -> np.ndarray:
-        return self.rows[index]
+        width = self.seq_len + 1
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.num_rows)
+            rows = range(start, stop, step)
+            if not rows:
+                return np.zeros((0, width), dtype=self.dtype)
+            if step == 1:
+                return self._tokens(start * width, stop * width).reshape(-1, width)
+            return np.stack([self[i] for i in rows])
+        row = operator.index(index)
+        if row < 0:
+            row += self.num_rows
+        if not 0 <= row < self.num_rows:
+            raise IndexError(f"row {index} of {self.num_rows}")
+        return self._tokens(row * width, (row + 1) * width)
 
     @property
     def vocab_size(self) -> int:

@@ -1,0 +1,85 @@
+"""How a block of documents becomes tokens: tokenised, framed with special tokens, split into train and val.
+
+Two packings (`data prepare --packing`):
+
+- `bos-eos` (the default): each document stripped of surrounding whitespace and tokenised with the
+  tokenizer's own special tokens, then EOS appended. For tokenizers that add a BOS (Llama, TinyLlama,
+  Gemma) every document starts with BOS, as the parents were pretrained and as evaluation prompts them; for
+  tokenizers that add none (SmolLM2, Qwen) it is the document and EOS. This is the paper authors' packing
+  (`preprocess_data_packing.py` at their release commit e21042a tokenises `text.strip() + eos_token` with
+  `add_special_tokens=True`).
+- `eos`: the document as it is, tokenised without special tokens, then EOS (recurfit's packing before BOS
+  packing existed; stores made then were packed this way).
+
+`BlockEncoder` is what worker processes run: it holds the tokenizer, and turns a list of texts into two
+arrays of token ids (the training and the held-out documents, each followed by EOS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..defaults import DEFAULT_PACKING, PACKINGS
+from ..errors import RecurfitError
+
+__all__ = ["DEFAULT_PACKING", "PACKINGS", "BlockEncoder", "split_of", "token_dtype"]
+
+
+def split_of(text: str, val_fraction: float) -> str:
+    """`val` for a document whose text hashes into the held-out share: independent of order and of sharding."""
+    bucket = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") / 2**64
+    return "val" if bucket < val_fraction else "train"
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+
+class BlockEncoder:
+    """Texts → (train ids, val ids), each a flat array of whole documents followed by EOS."""
+
+    def __init__(self, tokenizer, packing: str, val_fraction: float):
+        if packing not in PACKINGS:
+            raise RecurfitError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}.")
+        if tokenizer.eos_token_id is None:
+            raise RecurfitError("The tokenizer has no EOS token, which separates packed documents.")
+        self.packing, self.val_fraction = packing, val_fraction
+        self.eos = tokenizer.eos_token_id
+        self.dtype = token_dtype(len(tokenizer))
+        # The Rust tokenizer's batch call without offsets is the fastest way to the same ids as tokenizer(...).
+        self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        self.tokenizer = None if self.backend is not None else tokenizer
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.packing == "bos-eos"
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, framed as the packing says (EOS not yet appended)."""
+        if self.special_tokens:
+            texts = [text.strip() for text in texts]
+        if self.backend is not None:
+            encodings = self.backend.encode_batch_fast(texts, add_special_tokens=self.special_tokens)
+            return [encoding.ids for encoding in encodings]
+        return self.tokenizer(list(texts), add_special_tokens=self.special_tokens)["input_ids"]
+
+    def bos_token_id(self) -> int | None:
+        """The token this packing puts before every document, or None when the tokenizer adds none."""
+        if not self.special_tokens:
+            return None
+        plain = self.backend.encode("a", add_special_tokens=False).ids if self.backend else None
+        if plain is None:
+            plain = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        framed = self.encode(["a"])[0]
+        return framed[0] if len(framed) > len(plain) and framed[1 : 1 + len(plain)] == plain else None
+
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        streams: dict[str, list[int]] = {"train": [], "val": []}
+        for text, ids in zip(texts, self.encode(texts)):
+            stream = streams[split_of(text, self.val_fraction)]
+            stream.extend(ids)
+            stream.append(self.eos)
+        return np.asarray(streams["train"], dtype=self.dtype), np.asarray(streams["val"], dtype=self.dtype)
