@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, generate_adaptive, tiny_parent
+from conftest import VOCAB, generate_adaptive, placed, tiny_parent
 
 import recurfit
 from recurfit.cache import RecurrentCache
@@ -19,7 +19,7 @@ def model_with_state(family: str = "llama", shape=(2, 2, 2)):
 
 
 def prompts(batch=2, length=11, seed=0):
-    ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    ids = placed(torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed)))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
     return ids, mask

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, char_tokenizer, generate_adaptive, tiny_parent
+from conftest import VOCAB, char_tokenizer, generate_adaptive, placed, tiny_parent
 from conftest import run_cli as run
 from transformers import AutoModel
 from transformers.utils import ModelOutput
@@ -23,7 +23,7 @@ def model_with_state(family: str = "llama", shape=(2, 2, 2), **kwargs):
 
 
 def prompts(batch=2, length=11, seed=0):
-    ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    ids = placed(torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed)))
     mask = torch.ones_like(ids)
     mask[1:, :4] = 0  # left padding
     return ids, mask

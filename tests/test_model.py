@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_parent, token_batch
+from conftest import close, placed, tiny_parent, token_batch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import recurfit
@@ -24,7 +24,7 @@ def test_truncated_backprop_equals_restarting_from_the_detached_state():
     """(n, k): the n no-grad steps act as a constant initial state for the k steps that get gradient."""
     model = trained_like().train()
     ids = token_batch()
-    s0 = torch.randn(2, 12, 64) * 0.01
+    s0 = placed(torch.randn(2, 12, 64) * 0.01)
     model(ids, labels=ids, num_steps=(3, 2), initial_state=s0).loss.backward()
     truncated = grads(model)
     model.zero_grad()
@@ -35,7 +35,7 @@ def test_truncated_backprop_equals_restarting_from_the_detached_state():
     assert truncated.keys() == restarted.keys()
     assert any(k.startswith("model.prelude") for k in truncated)  # the prelude learns through e
     for name in truncated:
-        torch.testing.assert_close(truncated[name], restarted[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(truncated[name], restarted[name], **close(1e-5, 1e-7), msg=name)
 
 
 def test_no_grad_steps_change_the_output_but_not_the_graph():
@@ -55,7 +55,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model(ids, labels=ids, num_steps=(1, 3)).loss.backward()
     for name, grad in grads(model).items():
-        torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(grad, plain[name], **close(1e-5, 1e-7), msg=name)
 
 
 def test_default_depth_is_sampled_in_training_and_the_mean_in_eval():
