@@ -49,6 +49,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Largest |Δlogit| between two bf16 computations of the same function on the tiny models (logits of order 1;
 # a bf16 rounding is 2**-8 of the value, and a few accumulate through the layers).
 BF16_LOGIT_TOLERANCE = 5e-2
+# Tests that compare greedy tokens of two computation orders: exact in float32, not in bf16.
+GREEDY_TOKENS = (
+    "compares the greedy tokens of two computation orders, and a bf16 near-tie flips an argmax; in bf16 the "
+    "cache is checked on logits (test_incremental_decoding_equals_the_full_forward)"
+)
 
 
 @dataclass
@@ -71,13 +76,16 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cpu_only(reason): skipped under --device/--dtype, with the reason")
+    config.addinivalue_line("markers", "cpu_only(reason): skipped under --device cuda, with the reason")
+    config.addinivalue_line("markers", "float32_only(reason): skipped under --dtype bfloat16, with the reason")
     try:
         device = torch.device(config.getoption("--device"))
     except RuntimeError:
         raise pytest.UsageError(f"--device {config.getoption('--device')!r}: not a torch device; use cpu or cuda.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: no CUDA GPU is visible here; leave --device out to test on the CPU.")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # what tensors report: cuda:0, not cuda
     PLACEMENT.device, PLACEMENT.dtype = device, DTYPES[config.getoption("--dtype")]
 
 
@@ -87,14 +95,20 @@ def pytest_collection_modifyitems(config, items):
         return
     modules = DEVICE_MODULES if PLACEMENT.device.type != "cpu" else DTYPE_MODULES
     for item in items:
-        marker = item.get_closest_marker("cpu_only")
-        if item.module.__name__ not in modules:
-            reason = "not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)"
-        elif marker:
-            reason = marker.args[0]
-        else:
-            continue
-        item.add_marker(pytest.mark.skip(reason=f"{PLACEMENT.device} {PLACEMENT.dtype}: {reason}"))
+        reason = skip_reason(item, modules)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"{PLACEMENT.device} {PLACEMENT.dtype}: {reason}"))
+
+
+def skip_reason(item, modules: set[str]) -> str | None:
+    if item.module.__name__ not in modules:
+        return "not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)"
+    cpu_only, float32_only = item.get_closest_marker("cpu_only"), item.get_closest_marker("float32_only")
+    if cpu_only and PLACEMENT.device.type != "cpu":
+        return cpu_only.args[0]
+    if float32_only and PLACEMENT.dtype != torch.float32:
+        return float32_only.args[0]
+    return None
 
 
 def placed(value):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import close, placed, tiny_parent, token_batch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -85,7 +86,7 @@ def test_loss_follows_the_hf_convention_and_ignores_padding():
     ids = token_batch()
     with torch.no_grad():
         out = model(ids, labels=ids, num_steps=2)
-        manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+        manual = F.cross_entropy(out.logits[:, :-1].float().reshape(-1, 97), ids[:, 1:].reshape(-1))  # loss in fp32
         torch.testing.assert_close(out.loss, manual)
         mask = torch.ones_like(ids)
         mask[0, :5] = 0
@@ -109,7 +110,7 @@ def test_save_and_load_round_trip(tmp_path, model_type):
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "recurfit"
-    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    again = placed(AutoModelForCausalLM.from_pretrained(tmp_path))
     assert isinstance(again, recurfit.RecurrentForCausalLM) and not again.training
     assert again.config.source_layers == model.config.source_layers and again.config.mean_recurrence == 5
     assert isinstance(AutoConfig.from_pretrained(tmp_path), recurfit.RecurrentConfig)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import placed, pruned, tiny_parent, token_batch, tolerance
+from conftest import PLACEMENT, placed, pruned, tiny_parent, token_batch, tolerance
 
 import recurfit
 
@@ -95,3 +95,11 @@ def test_attention_implementations_agree(implementation, model_type):
         other = model(ids, attention_mask=mask, num_steps=3).logits
     real = mask.bool()
     assert max_diff(eager[real], other[real]) <= tolerance(1e-4)
+
+
+def test_the_tests_models_and_tokens_are_where_the_options_put_them():
+    """Under --device/--dtype the tests above must really run there, not silently on the CPU in float32."""
+    parent = tiny_parent("llama")
+    model = recurfit.retrofit(parent, shape=(2, 2, 1))
+    assert {p.device for p in model.parameters()} == {PLACEMENT.device} == {token_batch().device}
+    assert {p.dtype for p in model.parameters()} == {PLACEMENT.dtype}
