@@ -81,7 +81,9 @@ def pytest_configure(config):
     try:
         device = torch.device(config.getoption("--device"))
     except RuntimeError:
-        raise pytest.UsageError(f"--device {config.getoption('--device')!r}: not a torch device; use cpu or cuda.")
+        raise pytest.UsageError(
+            f"--device {config.getoption('--device')!r}: not a torch device; use cpu or cuda."
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: no CUDA GPU is visible here; leave --device out to test on the CPU.")
     if device.type == "cuda" and device.index is None:

@@ -116,7 +116,8 @@ def test_save_and_load_round_trip(tmp_path, model_type):
     assert isinstance(AutoConfig.from_pretrained(tmp_path), recurfit.RecurrentConfig)
     ids = token_batch()
     with torch.no_grad():
-        assert torch.equal(model.eval()(ids, num_steps=3).logits, again(ids, num_steps=3).logits)
+        # exact in float32; in bf16 the reloaded RoPE frequencies round differently
+        torch.testing.assert_close(model.eval()(ids, num_steps=3).logits, again(ids, num_steps=3).logits, **close(0, 0))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, again.state_dict()[name]), name
 
