@@ -1,4 +1,4 @@
-"""The GPU suite (issue 26): CUDA tests, training and decoding throughput, a profile, an NCCL run, in two calls.
+"""The GPU suite: CUDA tests, training and decoding throughput, a profile, an NCCL run, in two calls.
 
 On the device machine (torch 2.11, transformers 5.17, no network, no lm-eval), from the repository root:
 
