@@ -1,6 +1,7 @@
 """Decoding with the step-aware KV cache: speed, cache memory, and the quality and speed of each decoding mode.
 
     python benchmarks/decode.py [MODEL]          # default: the embedded SmolLM2 retrofitted to (4,8,4)
+    python benchmarks/decode.py --parent tinyllama --device cuda --dtype bf16 --sequences 32   # GPU suite
 
 Teacher-forced decoding of English passages (embedded:prose): each sequence's first `--prompt` tokens are a
 prefill, then the next `--decode` tokens are fed one at a time through the cache, scoring each prediction.
@@ -13,6 +14,9 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
    plain greedy decoding at the same r, and whether the outputs are identical.
 5. Adaptive depth in a batch of `--batch` sequences: time per token against fixed r, as a ratio to the
    compute the rows' own depths predict (the core runs only on rows still recurring).
+`--parent tinyllama` retrofits TinyLlama-1.1B's shape with random weights (no download) and decodes random
+tokens: its times are real, its NLL and agreement are not. `--bandwidth` (GB/s, measured) adds the time
+per token that reading the weights once per layer call takes at that bandwidth, the decode floor at batch 1.
 Use a trained model for 2, 3 and 5: an untrained identity-adapter retrofit ignores its state, so every step
 computes the same thing, no option can cost anything, and every row exits at the same step.
 Times are medians over the decoded tokens of this one run, modes interleaved (the machine is noisy).
@@ -33,8 +37,14 @@ from recurfit.generation import ExitRule
 from recurfit.generation.speculative import speculative_generate
 from recurfit.loading import load_model, load_tokenizer
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-def passages(tokenizer, count: int, length: int, skip: int = 0) -> torch.Tensor:
+
+def passages(tokenizer, count: int, length: int, skip: int = 0, vocab_size: int = 32000) -> torch.Tensor:
+    """English passages of `length` tokens; random tokens (seeded by `skip`) when there is no tokenizer."""
+    if tokenizer is None:
+        generator = torch.Generator().manual_seed(skip)
+        return torch.randint(3, vocab_size, (count, length), generator=generator)
     rows = []
     for text in embedded_prose():
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -104,26 +114,36 @@ def main() -> None:
     parser.add_argument("--batch-threshold", default="1e-3", help="KL threshold for the batch measurement")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--parent", default="embedded", help="embedded | tinyllama (random weights) | a folder")
+    parser.add_argument("--random-tokens", action="store_true", help="decode random tokens (tinyllama: always)")
+    parser.add_argument("--shape", default="4,8,4", help="the retrofit of the parent (without MODEL)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="which of the measurements above to run")
+    parser.add_argument("--bandwidth", type=float, help="measured memory bandwidth in GB/s: print the decode floor")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
-    parent = load_model(None, dtype=torch.float32)
-    model = recurfit.retrofit(parent, (4, 8, 4)) if args.model is None else load_model(args.model, dtype=torch.float32)
-    model, parent = model.eval().to(args.device), parent.to(args.device)
-    tokenizer = load_tokenizer(args.model)
-    ids = passages(tokenizer, args.sequences, args.prompt + args.decode).to(args.device)
+    model, parent, tokenizer = models(args)
+    ids = passages(tokenizer, args.sequences, args.prompt + args.decode, vocab_size=parent.config.vocab_size)
+    ids = ids.to(args.device)
     P, R, C = model.config.shape
+    sections = {int(x) for x in args.sections.split(",")}
     print(
-        f"{args.model or 'embedded SmolLM2 (4,8,4), untrained'}; {args.sequences} sequences, prefill {args.prompt}, "
-        f"decode {args.decode} tokens, CPU threads {torch.get_num_threads()}, torch {torch.__version__}\n"
+        f"{args.model or f'{args.parent} {model.config.shape}, untrained'}; {args.sequences} sequences, prefill "
+        f"{args.prompt}, decode {args.decode} tokens, {args.device} {args.dtype}, CPU threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}\n"
     )
 
     base = teacher_forced(parent, ids, args.prompt)
     layers = parent.config.num_hidden_layers
     print(
         f"1. speed   parent ({layers} layers): {base['ms_per_token']:.1f} ms/token, cache {base['memory_mib']:.1f} MiB"
+        + (f", weights-read floor {weight_floor_ms(parent, args.bandwidth):.2f} ms" if args.bandwidth else "")
     )
-    print("   r   ms/token  ratio to parent  depth ratio  cache all (MiB)  cache latest (MiB)")
+    print(
+        "   r   ms/token  ratio to parent  depth ratio  cache all (MiB)  cache latest (MiB)"
+        + ("  floor (ms)  ms / floor" if args.bandwidth else "")
+    )
     depths = [int(r) for r in args.depths.split(",")]
     full = {}
     for r in depths:
@@ -131,11 +151,54 @@ def main() -> None:
         latest = teacher_forced(model, ids, args.prompt, num_steps=r, policy="latest")
         full[r]["latest"] = latest
         ratio = full[r]["ms_per_token"] / base["ms_per_token"]
+        floor = ""
+        if args.bandwidth:
+            ms = weight_floor_ms(model, args.bandwidth, r)
+            floor = f"  {ms:10.2f}  {full[r]['ms_per_token'] / ms:9.2f}"
         print(
             f"  {r:>2}  {full[r]['ms_per_token']:8.1f}  {ratio:15.2f}  {(P + r * R + C) / layers:11.2f}  "
-            f"{full[r]['memory_mib']:15.1f}  {latest['memory_mib']:18.1f}"
+            f"{full[r]['memory_mib']:15.1f}  {latest['memory_mib']:18.1f}{floor}"
         )
+    if sections & {2, 3}:
+        policy_and_exit(model, ids, full, depths, args)
+    if 4 in sections:
+        speculative(model, ids[:, : args.prompt], args)
+    if 5 in sections:
+        batched_exit(model, tokenizer, args)
 
+
+def models(args):
+    """The retrofit (MODEL, or the parent retrofitted to --shape), the parent, and the tokenizer (None: random)."""
+    dtype = DTYPES[args.dtype]
+    if args.parent == "tinyllama":
+        from train_step import parent_model  # benchmarks/ is on the path when this file runs
+
+        parent, tokenizer = parent_model("tinyllama"), None
+    else:
+        folder = None if args.parent == "embedded" else args.parent
+        parent = load_model(folder, dtype=torch.float32)
+        tokenizer = None if args.random_tokens else load_tokenizer(args.model or folder)
+    shape = tuple(int(x) for x in args.shape.split(","))
+    model = recurfit.retrofit(parent, shape) if args.model is None else load_model(args.model, dtype=torch.float32)
+    return model.eval().to(args.device, dtype), parent.eval().to(args.device, dtype), tokenizer
+
+
+def weight_floor_ms(model, bandwidth_gbs: float, r: int | None = None) -> float:
+    """Milliseconds to read, at the measured bandwidth, the weights one decoded token touches: each layer once
+    per call (the adapter and core r times) and the LM head; the embedding reads one row only."""
+
+    def nbytes(modules) -> int:
+        return sum(p.nbytes for module in modules for p in module.parameters())
+
+    if r is None:  # the parent
+        layers = nbytes(model.model.layers)
+    else:
+        body = model.model
+        layers = nbytes([*body.prelude, *body.coda]) + r * nbytes([body.adapter, *body.core])
+    return (layers + model.lm_head.weight.nbytes) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def policy_and_exit(model, ids, full, depths, args) -> None:
     print("\n2. memory policy: latest against all (teacher-forced)")
     print("   r   NLL all  NLL latest  next-token agreement")
     for r in depths:
@@ -155,9 +218,6 @@ def main() -> None:
             print(f"   {threshold:9.0e}  {start:5}  {run['steps']:16.1f}  {run['nll']:6.3f}  {agree:22.1%}")
     for r in depths:
         print(f"   fixed r={r:<3}{r:23.1f}  {full[r]['nll']:6.3f}")
-
-    speculative(model, ids[:, : args.prompt], args)
-    batched_exit(model, tokenizer, args)
 
 
 def speculative(model, prompts, args) -> None:
@@ -191,7 +251,8 @@ def speculative(model, prompts, args) -> None:
 def batched_exit(model, tokenizer, args) -> None:
     """A batch whose rows exit at different depths: measured time per token against the predicted compute."""
     r = max(int(d) for d in args.depths.split(","))
-    ids = passages(tokenizer, args.batch, args.prompt + args.decode, skip=args.sequences).to(args.device)
+    vocab_size = model.config.text_config.vocab_size
+    ids = passages(tokenizer, args.batch, args.prompt + args.decode, args.sequences, vocab_size).to(args.device)
     rule = ExitRule("kl", float(args.batch_threshold))
     fixed, adaptive = [], []
     for _ in range(args.repeats):

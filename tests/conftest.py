@@ -1,8 +1,14 @@
-"""Tiny random parents of every supported family, and the reference they must match after surgery."""
+"""Tiny random parents of every supported family, and the reference they must match after surgery.
+
+`pytest --device cuda [--dtype bfloat16]` runs the model, cache, generation and training tests on that device
+and precision (the GPU suite, benchmarks/gpu_suite.py); the other tests are skipped there, as are the tests
+marked `cpu_only`. Without the options every test runs on the CPU in float32.
+"""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -33,8 +39,105 @@ FAMILY_KWARGS = {
 }
 FAMILIES = list(FAMILY_KWARGS)
 
+# ---------------------------------------------------------------- --device and --dtype
 
-def tiny_parent(model_type: str, num_layers: int = 6, seed: int = 0, **overrides) -> torch.nn.Module:
+# The test modules that follow --device (training runs through `recurfit train`, which picks the GPU itself)
+# and --dtype (the models the tests build directly).
+DEVICE_MODULES = {"test_parity", "test_model", "test_cache", "test_generation", "test_train"}
+DTYPE_MODULES = DEVICE_MODULES - {"test_train"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Largest |Δlogit| between two bf16 computations of the same function on the tiny models (logits of order 1;
+# a bf16 rounding is 2**-8 of the value, and a few accumulate through the layers).
+BF16_LOGIT_TOLERANCE = 5e-2
+# Tests that compare greedy tokens of two computation orders: exact in float32, not in bf16.
+GREEDY_TOKENS = (
+    "compares the greedy tokens of two computation orders, and a bf16 near-tie flips an argmax; in bf16 the "
+    "cache is checked on logits (test_incremental_decoding_equals_the_full_forward)"
+)
+
+
+@dataclass
+class Placement:
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def is_default(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32
+
+
+PLACEMENT = Placement()
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("recurfit")
+    group.addoption("--device", default="cpu", help="run the model, cache, generation and training tests here")
+    group.addoption("--dtype", default="float32", choices=list(DTYPES), help="precision of the tests' models")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only(reason): skipped under --device cuda, with the reason")
+    config.addinivalue_line("markers", "float32_only(reason): skipped under --dtype bfloat16, with the reason")
+    try:
+        device = torch.device(config.getoption("--device"))
+    except RuntimeError:
+        raise pytest.UsageError(
+            f"--device {config.getoption('--device')!r}: not a torch device; use cpu or cuda."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: no CUDA GPU is visible here; leave --device out to test on the CPU.")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # what tensors report: cuda:0, not cuda
+    PLACEMENT.device, PLACEMENT.dtype = device, DTYPES[config.getoption("--dtype")]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under --device/--dtype, run only the tests those options change; say why each other one is skipped."""
+    if PLACEMENT.is_default:
+        return
+    modules = DEVICE_MODULES if PLACEMENT.device.type != "cpu" else DTYPE_MODULES
+    for item in items:
+        reason = skip_reason(item, modules)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"{PLACEMENT.device} {PLACEMENT.dtype}: {reason}"))
+
+
+def skip_reason(item, modules: set[str]) -> str | None:
+    if item.module.__name__ not in modules:
+        return "not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)"
+    cpu_only, float32_only = item.get_closest_marker("cpu_only"), item.get_closest_marker("float32_only")
+    if cpu_only and PLACEMENT.device.type != "cpu":
+        return cpu_only.args[0]
+    if float32_only and PLACEMENT.dtype != torch.float32:
+        return float32_only.args[0]
+    return None
+
+
+def placed(value):
+    """A module or tensor moved to the tests' device (floating-point ones also to the tests' dtype)."""
+    if isinstance(value, torch.nn.Module) or value.is_floating_point():
+        return value.to(PLACEMENT.device, PLACEMENT.dtype)
+    return value.to(PLACEMENT.device)
+
+
+def tolerance(float32: float) -> float:
+    """The largest |Δlogit| a test allows: its own float32 bound, or the bf16 one under --dtype bfloat16."""
+    return float32 if PLACEMENT.dtype == torch.float32 else max(float32, BF16_LOGIT_TOLERANCE)
+
+
+def close(float32_rtol: float, float32_atol: float) -> dict:
+    """assert_close's rtol/atol: the test's own in float32, torch's bf16 defaults under --dtype bfloat16."""
+    if PLACEMENT.dtype == torch.float32:
+        return {"rtol": float32_rtol, "atol": float32_atol}
+    return {"rtol": max(float32_rtol, 1.6e-2), "atol": max(float32_atol, BF16_LOGIT_TOLERANCE)}
+
+
+# ---------------------------------------------------------------- tiny models
+
+
+def tiny_parent(
+    model_type: str, num_layers: int = 6, seed: int = 0, place: bool = True, **overrides
+) -> torch.nn.Module:
     config = CONFIG_MAPPING[model_type](
         num_hidden_layers=num_layers, **{**COMMON, **FAMILY_KWARGS[model_type], **overrides}
     )
@@ -44,7 +147,7 @@ def tiny_parent(model_type: str, num_layers: int = 6, seed: int = 0, **overrides
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return placed(model) if place else model
 
 
 def pruned(parent: torch.nn.Module, kept: list[int]) -> torch.nn.Module:
@@ -65,7 +168,7 @@ def family(request) -> str:
 
 def token_batch(batch: int = 2, length: int = 12, seed: int = 1) -> torch.LongTensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+    return placed(torch.randint(1, VOCAB, (batch, length), generator=generator))
 
 
 # ---------------------------------------------------------------- training fixtures
@@ -105,7 +208,7 @@ def workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("workspace")
     tokenizer = char_tokenizer()
-    parent = tiny_parent("llama", num_layers=6)
+    parent = tiny_parent("llama", num_layers=6, place=False)  # saved in float32: `train` places it itself
     parent.save_pretrained(root / "parent")
     tokenizer.save_pretrained(root / "parent")
     for name, seed, words in (("prose", 0, WORDS), ("math", 1, list("0123456789") + ["plus", "is"])):

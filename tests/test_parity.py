@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import pruned, tiny_parent, token_batch
+from conftest import PLACEMENT, placed, pruned, tiny_parent, token_batch, tolerance
 
 import recurfit
 
-TOLERANCE = 1e-5  # fp32; reusing the family's own layers gives 0.0 in practice
+TOLERANCE = 1e-5  # fp32; reusing the family's own layers gives 0.0 in practice (bf16: conftest.tolerance)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -22,7 +22,7 @@ def test_identity_adapter_equals_pruned_parent(family, num_steps):
     with torch.no_grad():
         expected = pruned(parent, [0, 1, 4, 5, 6])(ids).logits
         got = model(ids, num_steps=num_steps).logits
-    assert max_diff(got, expected) <= TOLERANCE
+    assert max_diff(got, expected) <= tolerance(TOLERANCE)
 
 
 def test_keeping_every_layer_equals_the_parent(family):
@@ -30,7 +30,7 @@ def test_keeping_every_layer_equals_the_parent(family):
     model = recurfit.retrofit(parent, shape=(2, 3, 1))
     ids = token_batch()
     with torch.no_grad():
-        assert max_diff(model(ids, num_steps=4).logits, parent(ids).logits) <= TOLERANCE
+        assert max_diff(model(ids, num_steps=4).logits, parent(ids).logits) <= tolerance(TOLERANCE)
 
 
 def test_explicit_indices_match_the_paper_rule():
@@ -48,7 +48,7 @@ def test_add_adapter_with_zero_state_equals_pruned_parent_at_one_step():
     ids = token_batch()
     with torch.no_grad():
         expected = pruned(parent, [0, 1, 3, 4, 5])(ids).logits
-        assert max_diff(model(ids, num_steps=1).logits, expected) <= TOLERANCE
+        assert max_diff(model(ids, num_steps=1).logits, expected) <= tolerance(TOLERANCE)
         # From the second step on, s + e feeds the state back: no longer the pruned parent.
         assert max_diff(model(ids, num_steps=2).logits, expected) > 1e-3
 
@@ -69,7 +69,7 @@ def test_left_padded_batch_equals_each_sequence_alone(model_type):
     model = recurfit.retrofit(parent, shape=(2, 2, 1), adapter_init="random", state_init_std=0.0)
     lengths = [12, 7, 3]
     rows = [token_batch(1, n, seed=n)[0] for n in lengths]
-    ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+    ids = placed(torch.zeros(len(rows), max(lengths), dtype=torch.long))
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
         ids[i, -len(row) :], mask[i, -len(row) :] = row, 1
@@ -77,16 +77,29 @@ def test_left_padded_batch_equals_each_sequence_alone(model_type):
         batched = model(ids, attention_mask=mask, num_steps=4).logits
         for i, row in enumerate(rows):
             alone = model(row[None], num_steps=4).logits[0]
-            assert max_diff(batched[i, -len(row) :], alone) <= TOLERANCE
+            assert max_diff(batched[i, -len(row) :], alone) <= tolerance(TOLERANCE)
 
 
-def test_attention_implementations_agree():
-    parent = tiny_parent("olmo2")
+@pytest.mark.parametrize("implementation", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("model_type", ["olmo2", "mistral"])  # mistral: a sliding window shorter than the batch
+def test_attention_implementations_agree(implementation, model_type):
+    parent = tiny_parent(model_type)
     model = recurfit.retrofit(parent, shape=(2, 2, 2), adapter_init="random", state_init_std=0.0)
     ids = token_batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
     with torch.no_grad():
         model.set_attn_implementation("eager")
-        eager = model(ids, num_steps=3).logits
-        model.set_attn_implementation("sdpa")
-        sdpa = model(ids, num_steps=3).logits
-    assert max_diff(eager, sdpa) <= 1e-4
+        eager = model(ids, attention_mask=mask, num_steps=3).logits
+        model.set_attn_implementation(implementation)
+        other = model(ids, attention_mask=mask, num_steps=3).logits
+    real = mask.bool()
+    assert max_diff(eager[real], other[real]) <= tolerance(1e-4)
+
+
+def test_the_tests_models_and_tokens_are_where_the_options_put_them():
+    """Under --device/--dtype the tests above must really run there, not silently on the CPU in float32."""
+    parent = tiny_parent("llama")
+    model = recurfit.retrofit(parent, shape=(2, 2, 1))
+    assert {p.device for p in model.parameters()} == {PLACEMENT.device} == {token_batch().device}
+    assert {p.dtype for p in model.parameters()} == {PLACEMENT.dtype}

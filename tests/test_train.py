@@ -21,6 +21,8 @@ from recurfit.train.metrics import read_log
 from recurfit.train.optim import AdamWStar, split_parameters
 
 REPO = Path(__file__).resolve().parents[1]
+# Skipped under --device cuda: the GPU suite (benchmarks/gpu_suite.py) runs one NCCL process instead.
+TWO_PROCESSES = "2 processes need 2 GPUs under --device cuda, and the suite's machine has 1"
 
 
 def tiny_config(workspace: Path, out: Path, **overrides) -> dict:
@@ -203,7 +205,7 @@ def test_baselines_train_in_the_same_engine(tmp_path, workspace):
 
 
 def test_mismatched_vocabulary_and_existing_runs_are_refused(tmp_path, workspace):
-    small = tiny_parent("llama", vocab_size=40)
+    small = tiny_parent("llama", vocab_size=40, place=False)
     small.save_pretrained(tmp_path / "small")
     config = tiny_config(workspace, tmp_path / "run", model={"path": str(tmp_path / "small"), "shape": [2, 2, 2]})
     with pytest.raises(RecurfitError, match="46-token vocabulary .* larger than the model's 40"):
@@ -265,6 +267,7 @@ def one_and_two_processes(tmp_path, config: dict, two_processes: dict) -> tuple[
     return one, two
 
 
+@pytest.mark.cpu_only(TWO_PROCESSES)
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, workspace):
     # AdamW: Muon orthogonalises in bf16, which amplifies the all-reduce's float rounding (measured: 6e-5
     # relative after 5 steps), so it would test bf16 rounding rather than the engine.
@@ -280,6 +283,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, workspace)
     assert all(eval_two[key] == pytest.approx(value, rel=1e-5) for key, value in eval_one.items() if key != "kind")
 
 
+@pytest.mark.cpu_only(TWO_PROCESSES)
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "muon_fused"])
 def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace, fused):
     """FSDP2 shards every matrix over 2 gloo processes; Muon must still orthogonalise whole matrices

@@ -1,6 +1,8 @@
 """Processes and devices: torchrun's environment, DDP or FSDP2 applied from outside the model (torchtitan style).
 
-One process (no torchrun) needs no process group. Under torchrun, gloo on CPU and NCCL on GPU.
+One process (no torchrun) needs no process group. Under torchrun, gloo on CPU and NCCL on GPU, with DDP or FSDP2
+applied even to a single process (`torchrun --nproc-per-node 1`), so that the distributed path can be checked on a
+machine with one GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Processes:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    grouped: bool = False  # in a process group: under torchrun, even with one process
 
     @classmethod
     def from_environment(cls) -> Processes:
@@ -30,11 +33,12 @@ class Processes:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        if world > 1 and not dist.is_initialized():
+        grouped = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun sets it, also for one process
+        if grouped and not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
             )
-        return cls(rank, world, local_rank, device)
+        return cls(rank, world, local_rank, device, grouped)
 
     @property
     def is_main(self) -> bool:
@@ -42,7 +46,7 @@ class Processes:
 
     def wrap(self, model: nn.Module, strategy: str) -> nn.Module:
         """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` each layer and the root, in place."""
-        if self.world == 1:
+        if not self.grouped:
             return model
         if strategy == "fsdp":
             from torch.distributed.fsdp import fully_shard
@@ -63,16 +67,16 @@ class Processes:
         return wrapped.no_sync()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
+        if self.grouped:
             value = value.clone()
             dist.all_reduce(value)
             value /= self.world
         return value
 
     def barrier(self) -> None:
-        if self.world > 1:
+        if self.grouped:
             dist.barrier()
 
     def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
+        if self.grouped and dist.is_initialized():
             dist.destroy_process_group()

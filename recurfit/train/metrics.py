@@ -24,8 +24,16 @@ PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300": 1307e12, 
 
 
 def peak_flops(device: torch.device) -> float | None:
+    """The GPU's bf16 peak: `RECURFIT_PEAK_FLOPS` (FLOP/s, e.g. measured by benchmarks/device_peaks.py), else the
+    spec sheet's for known GPUs; None on a CPU."""
     if device.type != "cuda":
         return None
+    measured = os.environ.get("RECURFIT_PEAK_FLOPS")
+    if measured:
+        try:
+            return float(measured)
+        except ValueError:
+            raise RecurfitError(f"RECURFIT_PEAK_FLOPS={measured!r} is no number; give FLOP/s, e.g. 7.9e14.") from None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 
