@@ -106,6 +106,12 @@ def part_one(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
         sizes.depth,
         "--throughput-steps",
         sizes.throughput_steps,
+        "--sections",  # the optimizer step (Muon in bf16 and fp32, AdamW) beside forward+backward, at the paper's step
+        "step,memory,optimizer",
+        "--step-tokens",
+        1048576,
+        "--step-depth",
+        sizes.depth,
         "--attn",
         "sdpa",
         "--repeats",
