@@ -157,13 +157,14 @@ class BatchedMuon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             units = [[p for p in unit if p.grad is not None] for unit in self._units(group)]
-            units = [unit for unit in units if unit]
-            updates = [self._momentum_update(group, unit) for unit in units]
-            orthogonal = newton_schulz(
-                updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
-            )
-            for unit, update in zip(units, orthogonal):
-                self._apply(group, unit, update)
+            # Chunk by chunk, so the extra memory is one chunk's updates, not one of every matrix.
+            for chunk in same_shape_chunks([unit for unit in units if unit]):
+                updates = torch.stack([self._momentum_update(group, unit) for unit in chunk])
+                orthogonal = newton_schulz(
+                    updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                )
+                for unit, update in zip(chunk, orthogonal.unbind()):
+                    self._apply(group, unit, update)
         return loss
 
     def _units(self, group):
@@ -212,24 +213,23 @@ class BatchedMuon(torch.optim.Muon):
 NS_BATCH_ELEMENTS = 2**22
 
 
-def newton_schulz(updates: list[torch.Tensor], coefficients, steps: int, eps: float, dtype) -> list[torch.Tensor]:
-    """Orthogonalise each matrix as `torch.optim.Muon` does (its quintic iteration, its normalisation, a tall
-    matrix transposed first), the matrices of one shape stacked into one batched matmul; in `dtype`."""
-    results: list[torch.Tensor | None] = [None] * len(updates)
-    by_shape: dict[tuple, list[int]] = {}
-    for index, update in enumerate(updates):
-        by_shape.setdefault((tuple(update.shape), update.device), []).append(index)
-    for (shape, _), indices in by_shape.items():
+def same_shape_chunks(units: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
+    """The units (a matrix, or a fused group as its row-wise concatenation) in chunks of one shape and device,
+    each of at most NS_BATCH_ELEMENTS elements (one unit if a single one is larger)."""
+    by_shape: dict[tuple, list] = {}
+    for unit in units:
+        shape = (sum(p.shape[0] for p in unit), unit[0].shape[1])
+        by_shape.setdefault((shape, unit[0].device), []).append(unit)
+    chunks = []
+    for (shape, _), members in by_shape.items():
         per_chunk = max(1, NS_BATCH_ELEMENTS // math.prod(shape))
-        for start in range(0, len(indices), per_chunk):
-            chunk = indices[start : start + per_chunk]
-            batch = _newton_schulz_batch(torch.stack([updates[i] for i in chunk]), coefficients, steps, eps, dtype)
-            for index, matrix in zip(chunk, batch.unbind()):
-                results[index] = matrix
-    return results
+        chunks += [members[start : start + per_chunk] for start in range(0, len(members), per_chunk)]
+    return chunks
 
 
-def _newton_schulz_batch(batch: torch.Tensor, coefficients, steps: int, eps: float, dtype) -> torch.Tensor:
+def newton_schulz(batch: torch.Tensor, coefficients, steps: int, eps: float, dtype) -> torch.Tensor:
+    """Orthogonalise each matrix of a (batch, m, n) stack as `torch.optim.Muon` does (its quintic iteration,
+    its normalisation, a tall matrix transposed first), as batched matmuls in `dtype`."""
     a, b, c = coefficients
     x = batch.to(dtype)
     tall = batch.shape[-2] > batch.shape[-1]
