@@ -84,24 +84,21 @@ def install_step(smoke: bool) -> Step:
     return Step("install", 120, python(*install, *(["--dry-run"] if smoke else [])))
 
 
+def model_arguments(sizes: Sizes) -> list:
+    """The parent, placement and batch that train_step.py and profile_step.py both take."""
+    return ["--parent", sizes.parent, "--device", sizes.device, "--dtype", sizes.dtype, "--batch", sizes.batch,
+            "--seq-len", sizes.seq_len]  # fmt: skip
+
+
 def part_one(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "--device", sizes.device]
     if smoke:  # the options' plumbing on two quick tests
         tests = [*tests, "tests/test_parity.py", "-k", "where_the_options or attention_implementations and sdpa"]
     train_step = [
         BENCH / "train_step.py",
-        "--parent",
-        sizes.parent,
+        *model_arguments(sizes),
         "--shape",
         "4,8,4",
-        "--device",
-        sizes.device,
-        "--dtype",
-        sizes.dtype,
-        "--batch",
-        sizes.batch,
-        "--seq-len",
-        sizes.seq_len,
         "--steps",
         sizes.depth,
         "--throughput-steps",
@@ -155,21 +152,7 @@ def part_two(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     bandwidth = f"{peaks(work)['bandwidth_bytes'] / 1e9:.0f}" if (work / "peaks.json").exists() else "0"
     decode = [BENCH / "decode.py", "--parent", sizes.parent, "--random-tokens", "--device", sizes.device]
     decode += ["--dtype", sizes.dtype, *sizes.decode, *(["--bandwidth", bandwidth] if bandwidth != "0" else [])]
-    profile = [
-        BENCH / "profile_step.py",
-        "--parent",
-        sizes.parent,
-        "--device",
-        sizes.device,
-        "--dtype",
-        sizes.dtype,
-        "--batch",
-        sizes.batch,
-        "--seq-len",
-        sizes.seq_len,
-        "--depth",
-        sizes.depth,
-    ]
+    profile = [BENCH / "profile_step.py", *model_arguments(sizes), "--depth", sizes.depth]
     return [
         Step("decode-batch-1", 110, python(*decode, "--sequences", 1)),
         Step("decode-batch-32", 70, python(*decode, "--sequences", 2 if smoke else 32, "--sections", "1,4")),
