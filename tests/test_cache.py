@@ -152,10 +152,14 @@ def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
     assert torch.all(adaptive.steps_per_token[:, 1:] == 4)
     cache = RecurrentCache(model.config)
     tokens, current_mask = ids, mask
+    eos = torch.tensor(model.generation_config.eos_token_id, device=ids.device).flatten()
+    finished = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, num_steps=12, past_key_values=cache).logits
         for _ in range(6):
-            token = logits[:, -1].argmax(-1, keepdim=True)
+            # as generate: a row that has produced EOS gets padding (0) from then on
+            token = torch.where(finished, 0, logits[:, -1].argmax(-1, keepdim=True))
+            finished |= torch.isin(token, eos)
             tokens = torch.cat([tokens, token], 1)
             current_mask = torch.cat([current_mask, torch.ones_like(token)], 1)
             logits = model(token, attention_mask=current_mask, num_steps=4, past_key_values=cache).logits
