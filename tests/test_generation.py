@@ -196,7 +196,7 @@ def test_speculative_greedy_equals_plain_greedy_at_the_full_recurrence(family):
 
     model = model_with_state(family)
     with torch.no_grad():
-        model.model.adapter.weight[:, :64] *= 0.3  # a state that settles: shallow drafts are sometimes right
+        model.model.adapter.weight[:, :64] *= 0.1  # a state that settles: shallow drafts are sometimes right
     ids, mask = prompts(length=9)  # the drafts run past the sliding windows (5), which the rollback must handle
     plain = model.generate(
         ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_steps=6, pad_token_id=0, eos_token_id=None
