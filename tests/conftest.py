@@ -46,9 +46,10 @@ FAMILIES = list(FAMILY_KWARGS)
 DEVICE_MODULES = {"test_parity", "test_model", "test_cache", "test_generation", "test_train"}
 DTYPE_MODULES = DEVICE_MODULES - {"test_train"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Largest |Δlogit| between two bf16 computations of the same function on the tiny models (logits of order 1;
-# a bf16 rounding is 2**-8 of the value, and a few accumulate through the layers).
-BF16_LOGIT_TOLERANCE = 5e-2
+# Largest |Δlogit| between two bf16 computations of the same function on the tiny models: logits reach about
+# 1.5, where one bf16 rounding is 2**-8 · 1.5 ≈ 0.006, and the two orders differ by up to ~16 such roundings
+# accumulated through the layers (0.051 measured for OLMo-2's sdpa against eager attention on a CPU).
+BF16_LOGIT_TOLERANCE = 0.1
 # Tests that compare greedy tokens of two computation orders: exact in float32, not in bf16.
 GREEDY_TOKENS = (
     "compares the greedy tokens of two computation orders, and a bf16 near-tie flips an argmax; in bf16 the "
