@@ -116,13 +116,15 @@ def test_training_prints_its_steps_to_a_file_while_it_runs(workspace, tmp_path):
 
 
 def test_data_prepare_prints_its_progress_to_a_file_while_it_runs(workspace, tmp_path):
-    write_documents(tmp_path / "docs.jsonl", 1500)  # three batches of 512 documents
+    write_documents(tmp_path / "docs.jsonl", 3000)  # three blocks of at most 1,024 documents, in one shard
     argv = ["data", "prepare", "--tokenizer", str(workspace / "parent"), "--source", str(tmp_path / "docs.jsonl")]
-    argv += ["--seq-len", "32", "--out", str(tmp_path / "store")]
-    seen = run_until_lines(tmp_path, argv, "recurfit.data.prepare:_Packer.close", "tokenising (", 3)
-    lines = [line for line in seen.splitlines() if line.startswith("tokenising (")]
-    assert [line.split(": ")[1].split("  ")[0] for line in lines] == ["512", "1,024", "1,500"]
-    assert all(" tokens)" in line and "elapsed " in line for line in lines)
+    argv += ["--seq-len", "32", "--workers", "1", "--out", str(tmp_path / "store")]
+    # held as the shard is finished: after every block is tokenised, before the store exists
+    seen = run_until_lines(tmp_path, argv, "recurfit.data.shards:ShardWriter.finish", "tokenising shard 0: ", 3)
+    lines = [line for line in seen.splitlines() if line.startswith("tokenising shard 0: ")]
+    counts = [int(line.split(": ")[1].split("  ")[0].replace(",", "")) for line in lines]
+    assert len(counts) == 3 and 0 < counts[0] < counts[1] < counts[2]  # training tokens so far, growing
+    assert all("elapsed " in line for line in lines)
     assert "training rows" not in seen
 
 

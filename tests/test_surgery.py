@@ -63,8 +63,9 @@ def test_unsupported_architecture_names_the_supported_ones():
 
 def test_retrofit_on_the_meta_device_matches_real_weights():
     real = recurfit.retrofit(tiny_parent("olmo2", num_layers=8), shape=(2, 3, 2))
+    config = tiny_parent("olmo2", num_layers=8).config
     with torch.device("meta"):
-        parent = AutoModelForCausalLM.from_config(tiny_parent("olmo2", num_layers=8).config)
+        parent = AutoModelForCausalLM.from_config(config)
     planned = recurfit.retrofit(parent, shape=(2, 3, 2))
     assert all(p.is_meta for p in planned.parameters())
     assert recurfit.count_parameters(planned) == recurfit.count_parameters(real)
