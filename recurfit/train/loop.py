@@ -161,10 +161,12 @@ class Trainer:
         muon = next((o for o in self.optimizers if isinstance(o, BatchedMuon)), None)
         if muon is not None:
             record["muon_dtype"] = str(muon.ns_dtype).removeprefix("torch.")
-            why = {
-                (True, "float32"): f"auto: this CPU ({record.get('cpu_capability')}) has no native bf16 matmul",
-                (True, "bfloat16"): "auto",
-            }.get((self.config.optimizer.muon_dtype == "auto", record["muon_dtype"]), "optimizer.muon_dtype")
+            if self.config.optimizer.muon_dtype != "auto":
+                why = "optimizer.muon_dtype"
+            elif record["muon_dtype"] == "float32":
+                why = f"auto: this CPU ({record.get('cpu_capability')}) has no native bf16 matmul"
+            else:
+                why = "auto"
             self._say(f"Muon orthogonalises in {record['muon_dtype']} ({why}).")
         return record
 
