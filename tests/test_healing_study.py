@@ -43,6 +43,8 @@ def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path):
     for arm in ("ce-identity", "distill", "depth-supervision"):
         row = results[arm]["0"]
         assert 2 <= row["mean_depth"] <= 16 and set(row["prose_by_r"]) == {"1", "2", "4", "8", "16", "32"}
+        # The second seed's final model is evaluated at the training mean only: it gives the seed spread.
+        assert set(results[arm]["1"]["prose_by_r"]) == {str(config["depth"]["mean_recurrence"])}
     assert "mean_depth" not in results["parent"]["0"]
     # The chained arm: an adapter-only run, then everything from its final model.
     first = out / "runs" / "adapter-then-all-s0-adapter"

@@ -116,6 +116,38 @@ def test_a_run_is_evaluated_per_snapshot_and_a_stopped_evaluation_continues(runs
     assert code == 2 and "not a run folder" in text and not (tmp_path / "y").exists()
 
 
+def test_a_continued_run_counts_the_runs_it_continued(runs, workspace, tmp_path, capsys, drawn):
+    """Phase 2 of a chained training (model.init_from) starts on the FLOPs axis where phase 1 ended, and a third
+    phase counts both: curves over training FLOPs compare chained and single runs at equal cost."""
+    chained = ["model.shape=null", "model.path=null", "steps=2", "snapshots.every=1", "checkpoint.every=0"]
+    for name, earlier in (("then", runs / "recurrent"), ("last", tmp_path / "then")):
+        base = tiny_config(workspace, tmp_path / name)
+        train(load_config(None, [*chained, f"model.init_from={earlier}"], base=base))
+    first, then, last = (
+        json.loads((folder / "final" / "training.json").read_text())
+        for folder in (runs / "recurrent", tmp_path / "then", tmp_path / "last")
+    )
+    counted = ("tokens", "flops", "flops_paper", "flops_teacher")
+    assert first["earlier"] is None
+    assert then["earlier"] == {"runs": ["recurrent"], **{key: first[key] for key in counted}}
+    assert last["earlier"] == {"runs": ["recurrent", "then"], **{key: first[key] + then[key] for key in counted}}
+
+    out = tmp_path / "eval"
+    code, text = run_cli(
+        capsys, "eval", "loss", tmp_path / "last", "--data", workspace / "prose", "-r", "4", "--limit", "2",
+        "--out", out,
+    )  # fmt: skip
+    assert code == 0, text
+    code, text = run_cli(capsys, "plot", out, "--out", tmp_path / "figures")
+    assert code == 0, text
+    axis = next(f for f in drawn if f.get_suptitle().endswith("over training")).axes[0]
+    steps = [s.details for s in RunEvaluation.load(out).sweeps]
+    assert [d["step"] for d in steps] == [0, 1, 2]
+    start = first["flops_paper"] + then["flops_paper"]
+    assert list(axis.get_lines()[0].get_xdata()) == [start + d["flops_paper"] for d in steps]
+    assert "model.init_from" in axis.get_xlabel()
+
+
 def test_figures_over_training_from_two_runs(runs, tmp_path, capsys, drawn):
     evaluations = []
     for name in ("recurrent", "parent"):

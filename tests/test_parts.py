@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_parent
 from safetensors.torch import load_file
-from test_train import tiny_config
+from test_train import one_and_two_processes, tiny_config
 
 from recurfit import retrofit
 from recurfit.errors import RecurfitError
@@ -17,6 +17,7 @@ from recurfit.loading import load_model
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import checkpoint_folders
 from recurfit.train.lora import merged
+from recurfit.train.metrics import read_log
 from recurfit.train.model import check_plan
 from recurfit.train.parts import part_modules, select_parts
 
@@ -112,6 +113,24 @@ def test_frozen_parts_stay_bit_equal_and_hold_no_optimizer_state(tmp_path, works
     saved = torch.load(checkpoint_folders(tmp_path / "run" / "checkpoints")[-1] / "optimizer.pt", weights_only=True)
     assert {key.partition(".")[0] for o in saved["optimizers"] for key in o["state"]} == {"model"}
     assert all(part_of(key) in trains for o in saved["optimizers"] for key in o["state"])
+
+
+def test_fsdp2_with_frozen_parts_matches_one_process(tmp_path, workspace):
+    """Frozen and trained parameters in the same FSDP2 units (the coda's layers beside the frozen prelude, the
+    core's beside the trained adapter): 2 gloo processes give one process's losses and the same final weights,
+    the frozen ones the parent's bit for bit (AdamW: no bf16 Newton-Schulz rounding to amplify)."""
+    optimizer = {"name": "adamw", "lr": 0.003, "warmup": 2}
+    base = tiny_config(workspace, tmp_path / "x", steps=4, checkpoint={"every": 0, "keep": 1}, optimizer=optimizer)
+    base["model"]["trainable"] = ["adapter", "coda"]
+    one, two = one_and_two_processes(tmp_path, base, {"distributed": "fsdp"})
+    expected, got = ([r["loss"] for r in read_log(run) if r["kind"] == "train"] for run in (one, two))
+    assert len(got) == 4 and got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    start = retrofit(load_model(base["model"]["path"]), tuple(base["model"]["shape"])).state_dict()
+    single, sharded = (load_file(run / "final" / "model.safetensors") for run in (one, two))
+    for name, tensor in sharded.items():
+        assert torch.allclose(tensor, single[name], rtol=1e-4, atol=1e-6), name
+        if part_of(name) not in {"adapter", "coda", "norm"}:
+            assert torch.equal(tensor, start[name]), name
 
 
 def trainer_name(trainer, parameter) -> str:

@@ -177,8 +177,9 @@ def evaluate_run(
     return [out / s.folder_name for s in chosen]
 
 
-# What each model's results record of its training (`details`): the x axes of the curves.
-TRAINING_FIELDS = ("step", "tokens", "flops", "flops_paper", "flops_teacher", "mean_recurrence", "recurrent")
+# What each model's results record of its training (`details`): the x axes of the curves ("earlier": the runs
+# it continued from, model.init_from, whose FLOPs the curves count too).
+TRAINING_FIELDS = ("step", "tokens", "flops", "flops_paper", "flops_teacher", "earlier", "mean_recurrence", "recurrent")
 
 
 def _claim(out: Path, recorded: dict, force: bool) -> None:

@@ -120,16 +120,24 @@ def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, s
         axis.set_xlim(left=0)
         axis.margins(x=0.05)
         axis.xaxis.set_major_formatter(EngFormatter(sep=" "))
-        teacher = any(s.details.get("flops_teacher") for e in evaluations for s in e.sweeps)
+        teacher = any(_flops_of(s.details, "flops_teacher") for e in evaluations for s in e.sweeps)
         what = "the paper's accounting" + (" + distillation teachers' forwards" if teacher else "")
+        if any(s.details.get("earlier") for e in evaluations for s in e.sweeps):
+            what += "\nwith the runs each continued (model.init_from)"
         _finish_metric_axis(axis, metric, f"training FLOPs, {what}\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
     return _save(figure, path, _legend_columns(figure))
 
 
 def _training_flops(sweep) -> float:
     """What training had cost when the model was saved: the paper's accounting, and a teacher's forwards, if any
-    (distillation's compute counts when runs are compared per FLOP)."""
-    return sweep.details["flops_paper"] + (sweep.details.get("flops_teacher") or 0.0)
+    (distillation's compute counts when runs are compared per FLOP), counted from the first of the runs it
+    continued (a run from `model.init_from` starts where that run ended)."""
+    records = (sweep.details, sweep.details.get("earlier") or {})
+    return sum(_flops_of(record, key) for record in records for key in ("flops_paper", "flops_teacher"))
+
+
+def _flops_of(record: dict, key: str) -> float:
+    return record.get(key) or 0.0
 
 
 def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], path: Path) -> Path:

@@ -44,7 +44,7 @@ from .metrics import MetricsLog, peak_flops, read_log, validation_columns
 from .model import build_model, is_recurrent
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
 from .parts import check_carry, select_parts, summary
-from .run_folder import TRAINING_RECORD, RunFolder, changed_settings
+from .run_folder import TRAINING_RECORD, RunFolder, changed_settings, earlier_training
 
 
 @dataclass
@@ -131,6 +131,7 @@ class Trainer:
         self._check_vocabulary()
         self._check_validation()
         self.schedule = depth_schedule(config)
+        self.earlier = earlier_training(config.model.init_from)
         if config.compile:
             for layer in self._layers():
                 layer.compile()
@@ -472,6 +473,7 @@ class Trainer:
             "flops_teacher": counters.flops_teacher,  # distillation's teacher forwards (0 without), not in either
             "mean_recurrence": self.config.depth.mean_recurrence if self.recurrent else None,
             "recurrent": self.recurrent,
+            "earlier": self.earlier,  # the runs this one continues (model.init_from): not in the counters above
         }
 
     def _save_model(self, target: Path, card_validation: dict | None = None, card: bool = False) -> None:

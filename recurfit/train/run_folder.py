@@ -40,6 +40,21 @@ RESUMABLE_CHANGES = (
 )
 
 
+def earlier_training(init_from: str | None) -> dict | None:
+    """What the runs this one continues (`model.init_from`, and theirs) cost: their tokens and FLOPs summed, and
+    their names, first run first; recorded in `training.json` so that curves over training FLOPs count them.
+    None when the run starts from a parent, or from a final model saved before `training.json` existed."""
+    record = Path(init_from) / "final" / TRAINING_RECORD if init_from else None
+    if record is None or not record.is_file():
+        return None
+    final = json.loads(record.read_text())
+    before = final.get("earlier") or {}
+    earlier = {"runs": [*before.get("runs", []), final["run"]]}
+    for key in ("tokens", "flops", "flops_paper", "flops_teacher"):
+        earlier[key] = before.get(key, 0) + final.get(key, 0)
+    return earlier
+
+
 class RunFolder:
     def __init__(self, path: Path):
         self.path = Path(path)
