@@ -126,10 +126,9 @@ def exit_depths(model_folder: Path, store: str, rows: int, chunk: int = 4) -> di
 def summarise(folder: Path, evaluations: dict[str, Path], exits: dict) -> dict:
     """One run's numbers: training FLOPs (teacher included), final losses at r̄, start loss, exit depth."""
     records = [r for r in read_log(folder) if r["kind"] == "train"]
-    flops = records[-1]["flops_paper"] + records[-1].get("flops_teacher", 0.0)
-    if folder.name.startswith("adapter-then-all"):  # the first, adapter-only run's compute counts too
-        first = [r for r in read_log(folder.with_name(folder.name + "-adapter")) if r["kind"] == "train"]
-        flops += first[-1]["flops_paper"]
+    final = json.loads((folder / "final" / "training.json").read_text())
+    earlier = final["earlier"] or {}  # adapter-then-all: the first, adapter-only run's compute counts too
+    flops = sum(record.get(key, 0.0) for record in (final, earlier) for key in ("flops_paper", "flops_teacher"))
     row = {"flops": flops, "seconds": sum(r["seconds"] for r in records), **exits}
     for store, path in evaluations.items():
         evaluation = RunEvaluation.load(path)
