@@ -42,6 +42,7 @@ ARMS = {
     "distill": ["distill.alpha=0.5", "distill.temperature=2.0"],  # KL to the parent's next-token distribution
     "adapter-then-all": [],
     "ce-adamw": ["optimizer.name=adamw", "optimizer.lr=5e-4"],  # every part under LoRA's optimizer: the control
+    "ce-muon-5x": ["optimizer.muon_lr=5e-3", "optimizer.lr=2.5e-4"],  # the recipe's Muon, 5 times its rates
     "lora": [  # rank-16 LoRA on every kept layer, the adapter trained fully; AdamW (LoRA does not take Muon)
         "optimizer.name=adamw",
         "optimizer.lr=5e-4",
