@@ -23,12 +23,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .assets import public_name
-from .config import RecurrentConfig
 from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
 from .errors import RecurfitError
-from .families import config_for_layers, family_of
 from .layer_scores import LayerScores, core_window, knees, measure
-from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
+from .model.config import RecurrentConfig
+from .model.families import config_for_layers, family_of
+from .model.modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 
 PARITY_TOLERANCE = 1e-4  # max |Δlogit| (fp32) under which a retrofit counts as equal to its pruned parent
 PARITY_SAMPLES = (

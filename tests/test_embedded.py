@@ -5,7 +5,7 @@ import torch
 
 import recurfit
 from recurfit.cli import main
-from recurfit.loading import load_model, load_tokenizer
+from recurfit.model.loading import load_model, load_tokenizer
 from recurfit.surgery import parity
 
 pytestmark = pytest.mark.slow

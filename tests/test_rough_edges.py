@@ -198,9 +198,10 @@ def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path,
 def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypatch, offline):
     import socket
 
-    from recurfit import hub, loading
+    from recurfit import hub
     from recurfit.data.sources import iter_documents
     from recurfit.errors import RecurfitError
+    from recurfit.model import loading
 
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)

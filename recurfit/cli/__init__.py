@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_error(error)
     _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
-        from ..config import DEFAULT_STATE_INIT_STD
+        from ..model.config import DEFAULT_STATE_INIT_STD
 
         args.state_std = DEFAULT_STATE_INIT_STD
     try:

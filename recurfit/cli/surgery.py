@@ -103,7 +103,7 @@ def _add_import_raven(commands) -> None:
 
 def cmd_retrofit(args) -> None:
     """The parent loaded in the precision the retrofit is saved in (--dtype; auto: as the parent is stored)."""
-    from ..loading import load_config, load_model, optional_tokenizer, stored_dtype
+    from ..model.loading import load_config, load_model, optional_tokenizer, stored_dtype
     from ..surgery import check_parity, retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
@@ -140,7 +140,7 @@ def cmd_retrofit(args) -> None:
 
 
 def _calibration_ids(args):
-    from ..loading import load_tokenizer
+    from ..model.loading import load_tokenizer
     from ..surgery import calibration_ids
 
     if args.calibration is None:
@@ -153,7 +153,7 @@ def _calibration_ids(args):
 
 def cmd_inspect(args) -> None:
     """Parts, parameters and FLOPs from the config alone (meta device), or with --load from the weights."""
-    from ..loading import load_config, load_model, meta_model
+    from ..model.loading import load_config, load_model, meta_model
     from ..surgery import retrofit
 
     config = load_config(args.model)
@@ -180,8 +180,8 @@ def cmd_inspect(args) -> None:
 def _inspect_layers(args, config) -> None:
     """Score every parent layer on calibration text; what each layer-selection rule keeps; a figure."""
     from ..layer_scores import measure, plot_layer_scores
-    from ..loading import load_model
-    from ..summary import layer_scores_table
+    from ..model.loading import load_model
+    from ..model.summary import layer_scores_table
     from ..surgery import EMBEDDED_PROSE, LayerSelection, selections_by_rule
 
     if config.model_type == "recurfit":
@@ -217,7 +217,7 @@ def _inspect_layers(args, config) -> None:
 
 
 def cmd_import_raven(args) -> None:
-    from ..loading import optional_tokenizer
+    from ..model.loading import optional_tokenizer
     from ..raven import import_raven
 
     model = import_raven(args.path, family=args.family)
@@ -230,7 +230,7 @@ def _parent_name(args) -> str:
 
 
 def _print_model(model, steps) -> None:
-    from ..summary import flops_table, parts_table
+    from ..model.summary import flops_table, parts_table
 
     console.print(parts_table(model))
     console.print(flops_table(model, steps))
