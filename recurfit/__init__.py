@@ -14,7 +14,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LayerSelection": "surgery",
+    "LayerSelection": "surgery.retrofit",
     "RecurrentCache": "model.cache",
     "RecurrentConfig": "model.config",
     "RecurrentForCausalLM": "model.modeling",
@@ -22,7 +22,7 @@ _EXPORTS = {
     "count_parameters": "model.accounting",
     "effective_parameters": "model.accounting",
     "inference_flops_per_token": "model.accounting",
-    "retrofit": "surgery",
+    "retrofit": "surgery.retrofit",
     "sample_depth": "model.sampling",
     "training_flops": "model.accounting",
 }

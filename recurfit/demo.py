@@ -31,7 +31,7 @@ from .evaluate.suite import task_sweep
 from .generation import GenerationSettings, generate_text
 from .model.accounting import inference_flops_per_token
 from .model.loading import load_model, load_tokenizer, resolve_placement
-from .surgery import check_parity, retrofit
+from .surgery.retrofit import check_parity, retrofit
 from .train import load_config, train
 from .train.metrics import read_log
 from .train.optim import newton_schulz_dtype

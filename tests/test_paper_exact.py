@@ -23,7 +23,7 @@ from recurfit.data import TokenStore
 from recurfit.errors import RecurfitError
 from recurfit.model.accounting import paper_ramp, paper_training_flops, training_flops_per_token
 from recurfit.model.sampling import Curriculum
-from recurfit.raven import import_raven
+from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
 from recurfit.train.loop import depth_schedule

@@ -91,7 +91,7 @@ def load_recurrent_model(
     """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
     retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
     from ..defaults import DEFAULT_SHAPE
-    from ..surgery import retrofit
+    from ..surgery.retrofit import retrofit
 
     if name_or_path is not None:
         return load_model(name_or_path, dtype, device)
