@@ -114,7 +114,7 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
     import json
 
     from ..evaluate.plots import plot_flops, plot_recurrence
-    from ..files import staged_directory
+    from ..io.files import staged_directory
 
     with staged_directory(out, replace=force) as staging:
         sweep.save(staging / "results.json")
@@ -131,7 +131,7 @@ def _evaluations(args) -> tuple[bool, Path]:
     """Whether MODEL is a training run (evaluated snapshot by snapshot) and the output folder; refuses
     run-only options for a model folder and an existing --out for a model (before anything is loaded)."""
     from ..evaluate.over_training import is_run
-    from ..files import check_output
+    from ..io.files import check_output
 
     over_training = is_run(args.model)
     if not over_training:

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
 from .. import defaults
-from ..assets import embedded_model_dir
 from ..errors import RecurfitError
-from ..hub import hub_unavailable
+from ..io.assets import embedded_model_dir
+from ..io.hub import hub_unavailable
 
 
 def resolve(name_or_path: str | None) -> str:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..assets import public_name
 from ..defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
 from ..errors import RecurfitError
+from ..io.assets import public_name
 from ..model.config import RecurrentConfig
 from ..model.families import config_for_layers, family_of
 from ..model.modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask

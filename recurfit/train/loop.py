@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from rich.progress import TextColumn
 
-from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
-from ..files import staged_directory
-from ..lock import owned
+from ..io.card import write_model_card
+from ..io.files import staged_directory
+from ..io.lock import owned
 from ..model.accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
 from ..model.loading import optional_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule
