@@ -31,11 +31,11 @@ import time
 import torch
 
 import recurfit
-from recurfit.cache import RecurrentCache
 from recurfit.data.sources import embedded_prose
 from recurfit.generation import ExitRule
 from recurfit.generation.speculative import speculative_generate
-from recurfit.loading import load_model, load_tokenizer
+from recurfit.model.cache import RecurrentCache
+from recurfit.model.loading import load_model, load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -22,7 +22,7 @@ import torch
 
 import recurfit
 from recurfit.evaluate.suite import task_sweep
-from recurfit.loading import load_model, load_tokenizer
+from recurfit.model.loading import load_model, load_tokenizer
 
 
 def instrument(model) -> dict:

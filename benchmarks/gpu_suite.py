@@ -302,7 +302,7 @@ def environment() -> None:
         print(f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs")
     missing = [name for name in MISSING_ON_DEVICE if not importable(name)]
     print(f"recurfit dependencies missing here: {', '.join(missing) or 'none'}")
-    for module in ("recurfit.cli", "recurfit.train", "recurfit.generation", "recurfit.cache", "recurfit.data"):
+    for module in ("recurfit.cli", "recurfit.train", "recurfit.generation", "recurfit.model.cache", "recurfit.data"):
         importlib.import_module(module)
     print("recurfit imports: cli, train, generation, cache, data")
 

@@ -17,7 +17,7 @@ import torch
 
 import recurfit
 from recurfit.evaluate.loss import Examples, batches, load_examples, summed_nll, sweep_nll
-from recurfit.loading import load_model, load_tokenizer
+from recurfit.model.loading import load_model, load_tokenizer
 
 
 def separate_forwards(model, ids, mask, steps, s0) -> dict:

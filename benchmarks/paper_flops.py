@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
-from recurfit.accounting import paper_training_flops, training_flops_per_token
+from recurfit.model.accounting import paper_training_flops, training_flops_per_token
 from recurfit.train import load_config
 from recurfit.train.loop import depth_schedule
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from recurfit.data import prepare
 from recurfit.data.sources import embedded_prose
-from recurfit.loading import load_tokenizer
+from recurfit.model.loading import load_tokenizer
 
 
 def make_corpus(path: Path, documents: int, seed: int = 0) -> None:

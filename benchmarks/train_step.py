@@ -34,9 +34,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import recurfit
-from recurfit.accounting import count_parameters, training_flops_per_token
-from recurfit.loading import load_model
-from recurfit.sampling import sample_depth
+from recurfit.model.accounting import count_parameters, training_flops_per_token
+from recurfit.model.loading import load_model
+from recurfit.model.sampling import sample_depth
 from recurfit.train import optim
 from recurfit.train.config import OptimizerConfig
 from recurfit.train.metrics import peak_flops

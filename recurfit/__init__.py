@@ -14,17 +14,17 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LayerSelection": "surgery",
-    "RecurrentCache": "cache",
-    "RecurrentConfig": "config",
-    "RecurrentForCausalLM": "modeling",
-    "RecurrentModel": "modeling",
-    "count_parameters": "accounting",
-    "effective_parameters": "accounting",
-    "inference_flops_per_token": "accounting",
-    "retrofit": "surgery",
-    "sample_depth": "sampling",
-    "training_flops": "accounting",
+    "LayerSelection": "surgery.retrofit",
+    "RecurrentCache": "model.cache",
+    "RecurrentConfig": "model.config",
+    "RecurrentForCausalLM": "model.modeling",
+    "RecurrentModel": "model.modeling",
+    "count_parameters": "model.accounting",
+    "effective_parameters": "model.accounting",
+    "inference_flops_per_token": "model.accounting",
+    "retrofit": "surgery.retrofit",
+    "sample_depth": "model.sampling",
+    "training_flops": "model.accounting",
 }
 __all__ = [  # noqa: RUF022 (as _EXPORTS lists them)
     "LayerSelection",
@@ -54,8 +54,8 @@ def register_auto_classes() -> None:
     """Make model_type "recurfit" loadable by transformers' Auto classes (idempotent)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    from .config import RecurrentConfig
-    from .modeling import RecurrentForCausalLM, RecurrentModel
+    from .model.config import RecurrentConfig
+    from .model.modeling import RecurrentForCausalLM, RecurrentModel
 
     AutoConfig.register(RecurrentConfig.model_type, RecurrentConfig, exist_ok=True)
     AutoModel.register(RecurrentConfig, RecurrentModel, exist_ok=True)

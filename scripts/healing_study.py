@@ -31,7 +31,7 @@ import yaml
 from recurfit.cli import main as recurfit
 from recurfit.evaluate.loss import load_examples
 from recurfit.evaluate.over_training import RunEvaluation
-from recurfit.loading import load_model
+from recurfit.model.loading import load_model
 from recurfit.train.metrics import read_log
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,9 +7,9 @@ import torch
 from conftest import GREEDY_TOKENS, VOCAB, generate_adaptive, placed, tiny_parent
 
 import recurfit
-from recurfit.cache import RecurrentCache
 from recurfit.errors import RecurfitError
 from recurfit.generation import ExitRule
+from recurfit.model.cache import RecurrentCache
 
 
 def model_with_state(family: str = "llama", shape=(2, 2, 2)):

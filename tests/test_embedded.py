@@ -5,8 +5,8 @@ import torch
 
 import recurfit
 from recurfit.cli import main
-from recurfit.loading import load_model, load_tokenizer
-from recurfit.surgery import parity
+from recurfit.model.loading import load_model, load_tokenizer
+from recurfit.surgery.retrofit import parity
 
 pytestmark = pytest.mark.slow
 

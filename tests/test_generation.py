@@ -11,8 +11,8 @@ from transformers import AutoModel
 from transformers.utils import ModelOutput
 
 import recurfit
-from recurfit.cache import RecurrentCache
 from recurfit.generation import ExitRule, GenerationSettings, generate_text
+from recurfit.model.cache import RecurrentCache
 
 
 def model_with_state(family: str = "llama", shape=(2, 2, 2), **kwargs):

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from test_recovery import config_for, stopped_run
 from test_train import TWO_PROCESSES, one_and_two_processes, tiny_config, train_losses
 
-from recurfit.accounting import training_flops_per_token
 from recurfit.errors import RecurfitError
+from recurfit.model.accounting import training_flops_per_token
 from recurfit.train import Trainer, train
 from recurfit.train.losses import depth_weights, supervised_steps
 from recurfit.train.metrics import read_log

@@ -60,7 +60,7 @@ def test_exit_depths_follow_the_kl_rule(workspace, tmp_path, monkeypatch):
     import recurfit
 
     healing = study()
-    parent = recurfit.loading.load_model(str(workspace / "parent"))
+    parent = recurfit.model.loading.load_model(str(workspace / "parent"))
     model = recurfit.retrofit(parent, (2, 2, 2))  # [0 | I] adapter: every readout is the pruned parent's
     model.save_pretrained(tmp_path / "model")
     identical = healing.exit_depths(tmp_path / "model", str(workspace / "math"), rows=4)

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM
 
 import recurfit
 from recurfit.errors import RecurfitError
-from recurfit.layer_scores import LayerScores, core_window, kneedle, knees, measure, plot_layer_scores
-from recurfit.loading import load_tokenizer
-from recurfit.surgery import LayerSelection, block_influence, check_parity, selections_by_rule
+from recurfit.model.loading import load_tokenizer
+from recurfit.surgery.layer_scores import LayerScores, core_window, kneedle, knees, measure, plot_layer_scores
+from recurfit.surgery.retrofit import LayerSelection, block_influence, check_parity, selections_by_rule
 from recurfit.train.config import load_config
 from recurfit.train.model import build_model, calibration_rows, check_plan
 

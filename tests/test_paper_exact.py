@@ -16,14 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
-import recurfit.loading
+import recurfit.model.loading
 import recurfit.train.loop
-from recurfit.accounting import paper_ramp, paper_training_flops, training_flops_per_token
 from recurfit.cli import main
 from recurfit.data import TokenStore
 from recurfit.errors import RecurfitError
-from recurfit.raven import import_raven
-from recurfit.sampling import Curriculum
+from recurfit.model.accounting import paper_ramp, paper_training_flops, training_flops_per_token
+from recurfit.model.sampling import Curriculum
+from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
 from recurfit.train.loop import depth_schedule
@@ -268,7 +268,7 @@ def test_import_raven_command_copies_the_tokenizer_beside_the_weights(tmp_path, 
 
 def test_model_revision_reaches_from_pretrained_and_the_model_card(tmp_path, workspace, monkeypatch):
     seen = []
-    real = recurfit.loading.load_model
+    real = recurfit.model.loading.load_model
 
     def recording(name, *args, revision=None, **kwargs):
         seen.append(revision)

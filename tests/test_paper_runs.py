@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from test_train import tiny_config
 
 from recurfit.errors import RecurfitError
-from recurfit.init import scaled_init_
-from recurfit.sampling import Curriculum
-from recurfit.surgery import block_influence, prune_layers, retrofit, untie_embeddings
+from recurfit.model.init import scaled_init_
+from recurfit.model.sampling import Curriculum
+from recurfit.surgery.retrofit import block_influence, prune_layers, retrofit, untie_embeddings
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.loop import depth_schedule
 from recurfit.train.model import build_model
@@ -155,7 +155,7 @@ def test_embedding_scale_multiplies_the_token_embeddings_and_is_saved(tmp_path):
     model.config.embedding_scale = math.sqrt(64)
     torch.testing.assert_close(model.model.embed(ids), embedded * 8)
     model.save_pretrained(tmp_path / "scaled")
-    from recurfit.modeling import RecurrentForCausalLM
+    from recurfit.model.modeling import RecurrentForCausalLM
 
     reloaded = RecurrentForCausalLM.from_pretrained(tmp_path / "scaled")
     assert reloaded.model.embed_scale == 8

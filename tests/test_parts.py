@@ -13,7 +13,7 @@ from test_train import one_and_two_processes, tiny_config
 
 from recurfit import retrofit
 from recurfit.errors import RecurfitError
-from recurfit.loading import load_model
+from recurfit.model.loading import load_model
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import checkpoint_folders
 from recurfit.train.lora import merged

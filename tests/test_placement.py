@@ -1,4 +1,4 @@
-"""--device, --dtype and --threads: one resolution (recurfit.loading.resolve_placement) behind every command.
+"""--device, --dtype and --threads: one resolution (recurfit.model.loading.resolve_placement) behind every command.
 No GPU here: the resolution is tested with CUDA faked, and the precision end to end on the CPU."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import recurfit.generation
 from recurfit.cli import build_parser
 from recurfit.defaults import DTYPES as DTYPE_NAMES
 from recurfit.errors import RecurfitError
-from recurfit.loading import DTYPES, resolve_placement
+from recurfit.model.loading import DTYPES, resolve_placement
 
 COMMANDS = [
     ["generate", "--prompt", "x"],

@@ -248,7 +248,7 @@ def test_bos_packing_frames_each_document_as_the_authors_did(tmp_path):
 def test_the_fast_path_gives_the_tokenizers_own_ids(tmp_path):
     """Workers call the Rust tokenizer's batch encoder directly: the ids must be those of tokenizer(...)."""
     from recurfit.data.packing import BlockEncoder
-    from recurfit.loading import load_tokenizer
+    from recurfit.model.loading import load_tokenizer
 
     texts = ["Hello world, this is a test.", "  Leading spaces\nand lines ", "数字 123 and émojis 🙂"]
     for tokenizer in (load_tokenizer(None), bos_tokenizer()):

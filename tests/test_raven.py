@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import recurfit
 from recurfit.errors import RecurfitError
-from recurfit.raven import import_raven
+from recurfit.surgery.raven import import_raven
 
 THEIR_NORMS = {
     "llama": ("input_layernorm", "post_attention_layernorm"),

@@ -220,7 +220,7 @@ def test_resume_refuses_changed_settings_and_accepts_changed_resources(tmp_path,
 
 HOLD = """
 import os, sys, time
-from recurfit.lock import owned
+from recurfit.io.lock import owned
 with owned(sys.argv[1]):
     if len(sys.argv) > 2:
         os.mkdir(sys.argv[2])  # a staging folder, as a job killed mid-write leaves it
@@ -288,7 +288,7 @@ def test_a_second_train_on_a_live_run_names_the_first_ones_pid(tmp_path, workspa
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    from recurfit.lock import owned
+    from recurfit.io.lock import owned
 
     with owned(tmp_path / "run"):  # the killed run left no lock behind
         pass

@@ -198,9 +198,10 @@ def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path,
 def test_a_hub_id_is_refused_at_once_when_the_hub_is_off_or_unreachable(monkeypatch, offline):
     import socket
 
-    from recurfit import hub, loading
     from recurfit.data.sources import iter_documents
     from recurfit.errors import RecurfitError
+    from recurfit.io import hub
+    from recurfit.model import loading
 
     for name in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
@@ -235,7 +236,7 @@ def test_a_saved_retrofit_names_no_local_folder_as_its_parent(workspace, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from recurfit import retrofit
-    from recurfit.assets import EMBEDDED_HUB_ID
+    from recurfit.io.assets import EMBEDDED_HUB_ID
 
     local = AutoModelForCausalLM.from_pretrained(workspace / "parent")
     assert retrofit(local, (2, 2, 2)).config.parent_name_or_path is None

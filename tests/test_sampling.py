@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from recurfit.sampling import parse_num_steps, sample_depth
+from recurfit.model.sampling import parse_num_steps, sample_depth
 
 
 def draws(mean, depth, count=4000, seed=0):
@@ -34,7 +34,7 @@ def test_parse_num_steps():
 
 
 def test_curricula_are_staircases_from_one_to_the_target():
-    from recurfit.sampling import Curriculum
+    from recurfit.model.sampling import Curriculum
 
     linear = Curriculum(32, "linear", ramp_steps=100)
     one_minus_sqrt = Curriculum(32, "1-sqrt", ramp_steps=100)
@@ -49,7 +49,7 @@ def test_curricula_are_staircases_from_one_to_the_target():
 
 
 def test_curriculum_rejects_bad_settings():
-    from recurfit.sampling import Curriculum
+    from recurfit.model.sampling import Curriculum
 
     with pytest.raises(ValueError, match="curriculum must be one of"):
         Curriculum(8, "cosine", 10)
@@ -58,7 +58,7 @@ def test_curriculum_rejects_bad_settings():
 
 
 def test_depth_schedule_draws_depend_only_on_seed_and_step():
-    from recurfit.sampling import Curriculum, DepthSchedule
+    from recurfit.model.sampling import Curriculum, DepthSchedule
 
     schedule = DepthSchedule(Curriculum(16, "linear", 50), Curriculum(4), seed=3)
     first = [schedule.at(step) for step in range(80)]
@@ -72,8 +72,8 @@ def test_depth_schedule_draws_depend_only_on_seed_and_step():
 
 
 def test_one_schedule_decides_the_depth_the_model_runs_and_the_flops_count():
-    from recurfit.accounting import training_flops, training_flops_per_token
-    from recurfit.sampling import Curriculum, DepthSchedule
+    from recurfit.model.accounting import training_flops, training_flops_per_token
+    from recurfit.model.sampling import Curriculum, DepthSchedule
 
     counts = {"prelude": 10, "core": 100, "coda": 10, "adapter": 5, "final_norm": 1, "body": 120}
     # Early in a curriculum r̄ = 2 < k̄ = 8: the step runs (0, 2), and the paper's FLOPs rule counts the same.

@@ -123,7 +123,7 @@ def test_adamw_star_minimises_and_decays_with_the_schedule():
 
 def test_scaled_init_statistics():
     from recurfit import retrofit
-    from recurfit.init import scaled_init_
+    from recurfit.model.init import scaled_init_
 
     model = scaled_init_(
         retrofit(tiny_parent("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4), (2, 2, 2))
@@ -164,7 +164,7 @@ def test_tiny_run_learns_logs_and_exports(tmp_path, workspace):
 
 
 def test_flops_follow_the_drawn_depths(tmp_path, workspace):
-    from recurfit.accounting import training_flops_per_token
+    from recurfit.model.accounting import training_flops_per_token
 
     trainer = Trainer(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "run")))
     trainer.run()

@@ -68,7 +68,7 @@ def _check_before_imports(args) -> None:
     """Checks that need neither torch nor transformers: a taken output folder or a missing config fails in a
     fraction of a second, not after the imports (or the work)."""
     from ..evaluate.over_training import is_run
-    from ..files import check_output
+    from ..io.files import check_output
 
     command = getattr(args, "command", None)  # none for `lm-eval`, which parses its own arguments
     continues = command == "eval" and is_run(args.model)  # an evaluation of a run continues in its --out
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_error(error)
     _library_output(args.verbose)
     if getattr(args, "state_std", 0) is None:
-        from ..config import DEFAULT_STATE_INIT_STD
+        from ..model.config import DEFAULT_STATE_INIT_STD
 
         args.state_std = DEFAULT_STATE_INIT_STD
     try:

@@ -100,7 +100,7 @@ def add_placement_arguments(p, dtype_help: str = DTYPE_HELP) -> None:
 
 def _placement(args, dtype=None):
     """The device and precision the arguments ask for (`dtype` overrides --dtype, e.g. a resolved `auto`)."""
-    from ..loading import resolve_placement
+    from ..model.loading import resolve_placement
 
     return resolve_placement(args.device, dtype or args.dtype, args.threads)
 

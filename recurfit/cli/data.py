@@ -86,7 +86,7 @@ def cmd_data_prepare(args) -> None:
     from ..data import prepare
     from ..data.filters import make_filter, summary
     from ..data.shards import Layout
-    from ..loading import load_tokenizer
+    from ..model.loading import load_tokenizer
 
     row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)

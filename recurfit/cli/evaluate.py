@@ -93,7 +93,7 @@ def _add_tasks_arguments(p) -> None:
 def _eval_models(args, model: bool = True):
     """The model under test (default: the embedded SmolLM2 retrofitted, untrained; None unless `model`) and the
     --baseline parent, both on --device in --dtype."""
-    from ..loading import load_model, load_recurrent_model
+    from ..model.loading import load_model, load_recurrent_model
 
     placement = _placement(args)
     model = load_recurrent_model(args.model, placement.dtype, placement.device) if model else None
@@ -114,7 +114,7 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
     import json
 
     from ..evaluate.plots import plot_flops, plot_recurrence
-    from ..files import staged_directory
+    from ..io.files import staged_directory
 
     with staged_directory(out, replace=force) as staging:
         sweep.save(staging / "results.json")
@@ -131,7 +131,7 @@ def _evaluations(args) -> tuple[bool, Path]:
     """Whether MODEL is a training run (evaluated snapshot by snapshot) and the output folder; refuses
     run-only options for a model folder and an existing --out for a model (before anything is loaded)."""
     from ..evaluate.over_training import is_run
-    from ..files import check_output
+    from ..io.files import check_output
 
     over_training = is_run(args.model)
     if not over_training:
@@ -148,7 +148,7 @@ def _evaluations(args) -> tuple[bool, Path]:
 def _evaluate_run(args, settings: dict, sweep_one) -> None:
     """`eval loss|tasks RUN`: `sweep_one(model, recurrences, name, baseline)` on each snapshot not yet done."""
     from ..evaluate.over_training import evaluate_run
-    from ..loading import load_model
+    from ..model.loading import load_model
 
     placement = _placement(args)
     parent = _eval_models(args, model=False)[1]
@@ -174,7 +174,7 @@ def _evaluate_run(args, settings: dict, sweep_one) -> None:
 def cmd_eval_loss(args) -> None:
     from ..evaluate.loss import load_examples, loss_sweep
     from ..evaluate.over_training import find_snapshots
-    from ..loading import load_tokenizer
+    from ..model.loading import load_tokenizer
 
     over_training, out = _evaluations(args)
     tokens_from = args.tokenizer or (str(find_snapshots(args.model)[0].path) if over_training else args.model)
@@ -203,7 +203,7 @@ def cmd_eval_loss(args) -> None:
 
 def cmd_eval_tasks(args) -> None:
     from ..evaluate.suite import check_tasks, task_sweep
-    from ..loading import load_tokenizer
+    from ..model.loading import load_tokenizer
 
     over_training, out = _evaluations(args)
     check_tasks(args.tasks, args.data)  # before loading anything

@@ -103,8 +103,8 @@ def _add_import_raven(commands) -> None:
 
 def cmd_retrofit(args) -> None:
     """The parent loaded in the precision the retrofit is saved in (--dtype; auto: as the parent is stored)."""
-    from ..loading import load_config, load_model, optional_tokenizer, stored_dtype
-    from ..surgery import check_parity, retrofit
+    from ..model.loading import load_config, load_model, optional_tokenizer, stored_dtype
+    from ..surgery.retrofit import check_parity, retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
     explicit = any(v is not None for v in indices.values())
@@ -140,8 +140,8 @@ def cmd_retrofit(args) -> None:
 
 
 def _calibration_ids(args):
-    from ..loading import load_tokenizer
-    from ..surgery import calibration_ids
+    from ..model.loading import load_tokenizer
+    from ..surgery.retrofit import calibration_ids
 
     if args.calibration is None:
         raise RecurfitError(
@@ -153,8 +153,8 @@ def _calibration_ids(args):
 
 def cmd_inspect(args) -> None:
     """Parts, parameters and FLOPs from the config alone (meta device), or with --load from the weights."""
-    from ..loading import load_config, load_model, meta_model
-    from ..surgery import retrofit
+    from ..model.loading import load_config, load_model, meta_model
+    from ..surgery.retrofit import retrofit
 
     config = load_config(args.model)
     if args.layers:
@@ -179,10 +179,10 @@ def cmd_inspect(args) -> None:
 
 def _inspect_layers(args, config) -> None:
     """Score every parent layer on calibration text; what each layer-selection rule keeps; a figure."""
-    from ..layer_scores import measure, plot_layer_scores
-    from ..loading import load_model
-    from ..summary import layer_scores_table
-    from ..surgery import EMBEDDED_PROSE, LayerSelection, selections_by_rule
+    from ..model.loading import load_model
+    from ..model.summary import layer_scores_table
+    from ..surgery.layer_scores import measure, plot_layer_scores
+    from ..surgery.retrofit import EMBEDDED_PROSE, LayerSelection, selections_by_rule
 
     if config.model_type == "recurfit":
         raise RecurfitError("This is already a recurfit model; --layers scores the layers of a parent model.")
@@ -217,8 +217,8 @@ def _inspect_layers(args, config) -> None:
 
 
 def cmd_import_raven(args) -> None:
-    from ..loading import optional_tokenizer
-    from ..raven import import_raven
+    from ..model.loading import optional_tokenizer
+    from ..surgery.raven import import_raven
 
     model = import_raven(args.path, family=args.family)
     _print_model(model, defaults.SUMMARY_RECURRENCES)
@@ -230,15 +230,15 @@ def _parent_name(args) -> str:
 
 
 def _print_model(model, steps) -> None:
-    from ..summary import flops_table, parts_table
+    from ..model.summary import flops_table, parts_table
 
     console.print(parts_table(model))
     console.print(flops_table(model, steps))
 
 
 def _save(model, tokenizer, out, force) -> None:
-    from ..card import write_model_card
-    from ..files import staged_directory
+    from ..io.card import write_model_card
+    from ..io.files import staged_directory
 
     with staged_directory(Path(out), replace=force) as staging:
         model.save_pretrained(staging)

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RecurfitError
-from ..files import check_output, publish_directory
-from ..lock import owned
+from ..io.files import check_output, publish_directory
+from ..io.lock import owned
 from ..progress import progress_bar
 from . import shards as sh
 from .filters import FilterStats

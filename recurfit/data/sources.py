@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import RecurfitError
-from ..hub import hub_unavailable
+from ..io.hub import hub_unavailable
 from .filters import MISSING, FilterStats, lookup
 
 TEXT_FIELDS = ("text", "content", "document")

@@ -24,7 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..generation.exit import ExitRule
-from ..modeling import RecurrentForCausalLM
+from ..model.modeling import RecurrentForCausalLM
 
 STATE_INITS = ("random", "zeros", "previous")
 

@@ -22,7 +22,7 @@ from ..data.sources import iter_documents
 from ..data.store import META, TokenStore
 from ..defaults import LOSS_RECURRENCES
 from ..errors import RecurfitError
-from ..modeling import RecurrentForCausalLM
+from ..model.modeling import RecurrentForCausalLM
 from ..progress import progress_bar
 from .results import Row, Sweep
 

@@ -27,7 +27,7 @@ import yaml
 from rich.console import Console
 
 from ..errors import RecurfitError
-from ..files import check_output, staged_directory
+from ..io.files import check_output, staged_directory
 
 if TYPE_CHECKING:
     from .results import Sweep  # imports torch: not needed to tell a run folder from a model (`is_run`)

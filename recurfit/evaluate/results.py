@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..accounting import count_parameters, effective_parameters, inference_flops_per_token
 from ..errors import RecurfitError
+from ..model.accounting import count_parameters, effective_parameters, inference_flops_per_token
 
 FORMAT = "recurfit-sweep/1"
 

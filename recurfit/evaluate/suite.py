@@ -25,7 +25,7 @@ from rich.console import Console
 
 from ..defaults import TASK_RECURRENCES
 from ..errors import RecurfitError
-from ..modeling import RecurrentForCausalLM
+from ..model.modeling import RecurrentForCausalLM
 from ..progress import progress_bar
 from .results import Row, Sweep
 

@@ -5,7 +5,7 @@
     speculative.py  self-speculative decoding: draft at a small recurrence, verify at the full one
 
 The model side (the step-aware KV cache, the recurrence loop that drops settled rows, warm starts) lives in
-`recurfit.cache` and `recurfit.modeling`; this package passes it objects and never the reverse.
+`recurfit.model.cache` and `recurfit.model.modeling`; this package passes it objects and never the reverse.
 """
 
 from .exit import CRITERIA, ExitRule

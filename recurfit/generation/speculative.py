@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import RecurrentCache
 from ..errors import RecurfitError
+from ..model.cache import RecurrentCache
 
 
 @dataclass

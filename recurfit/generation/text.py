@@ -1,7 +1,7 @@
 """Text generation for people: prompts through the chat template, streaming, depth and exit settings.
 
 The model side (the step-aware cache, the recurrence that drops settled rows, warm starts) lives in
-`recurfit.cache` and `recurfit.modeling`; this module turns settings into a `generate` call and reports what
+`recurfit.model.cache` and `recurfit.model.modeling`; this module turns settings into a `generate` call and reports what
 it cost.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from transformers import TextStreamer
 
-from ..cache import RecurrentCache
 from ..errors import RecurfitError
-from ..modeling import RecurrentForCausalLM
+from ..model.cache import RecurrentCache
+from ..model.modeling import RecurrentForCausalLM
 from .exit import ExitRule
 from .speculative import speculative_generate
 

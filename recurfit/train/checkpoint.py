@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import RecurfitError
-from ..files import staged_directory
+from ..io.files import staged_directory
 
 STEP_FOLDER = re.compile(r"^step-(\d{6,})$")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

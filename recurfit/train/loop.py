@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 from rich.progress import TextColumn
 
-from ..accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
-from ..card import write_model_card
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
-from ..files import staged_directory
-from ..loading import optional_tokenizer
-from ..lock import owned
+from ..io.card import write_model_card
+from ..io.files import staged_directory
+from ..io.lock import owned
+from ..model.accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
+from ..model.loading import optional_tokenizer
+from ..model.sampling import Curriculum, DepthSchedule
 from ..progress import progress_bar
-from ..sampling import Curriculum, DepthSchedule
 from .checkpoint import carry_optimizer_states, gather_state, newest_readable, restore, write_checkpoint
 from .config import TrainConfig
 from .distributed import Processes

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..accounting import count_parameters, inference_flops_per_token
 from ..errors import RecurfitError
-from ..loading import load_model
-from ..modeling import RecurrentForCausalLM
+from ..model.accounting import count_parameters, inference_flops_per_token
+from ..model.loading import load_model
+from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
 
 

@@ -10,11 +10,11 @@ from torch import nn
 
 from ..data import TokenStore
 from ..errors import RecurfitError
-from ..families import family_of, supported_families
-from ..init import scaled_init_
-from ..loading import load_config, load_model, meta_model
-from ..modeling import RecurrentForCausalLM
-from ..surgery import prune_layers, retrofit, untie_embeddings
+from ..model.families import family_of, supported_families
+from ..model.init import scaled_init_
+from ..model.loading import load_config, load_model, meta_model
+from ..model.modeling import RecurrentForCausalLM
+from ..surgery.retrofit import prune_layers, retrofit, untie_embeddings
 from .config import DepthConfig, ModelConfig, TrainConfig
 from .parts import check_part_names
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import RecurfitError
-from ..modeling import RecurrentForCausalLM
+from ..model.modeling import RecurrentForCausalLM
 from .config import BASELINE_PARTS, RECURRENT_PARTS, TrainConfig
 from .lora import add_lora, is_lora_parameter
 

@@ -6,7 +6,7 @@
     finished (`final/` exists)    train: refused               --resume: say so and change nothing
     any of these                  --force: start over; the old run is deleted once the new one is set up
 
-The folder is owned by one process at a time (`recurfit.lock`), so nothing here races another job.
+The folder is owned by one process at a time (`recurfit.io.lock`), so nothing here races another job.
 """
 
 from __future__ import annotations

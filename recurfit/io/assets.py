@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from .errors import RecurfitError
+from ..errors import RecurfitError
 from .files import staged_directory
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"

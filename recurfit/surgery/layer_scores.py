@@ -149,7 +149,7 @@ def plot_layer_scores(scores: LayerScores, selections: Mapping, path, title: str
 
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-    from .evaluate.plots import _save, plt
+    from ..evaluate.plots import _save, plt
 
     n = len(scores.angular)
     layers = range(n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
+from ..defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
 
 
 class RecurrentConfig(PreTrainedConfig):

@@ -22,13 +22,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .assets import public_name
-from .config import RecurrentConfig
-from .defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
-from .errors import RecurfitError
-from .families import config_for_layers, family_of
+from ..defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
+from ..errors import RecurfitError
+from ..io.assets import public_name
+from ..model.config import RecurrentConfig
+from ..model.families import config_for_layers, family_of
+from ..model.modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 from .layer_scores import LayerScores, core_window, knees, measure
-from .modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 
 PARITY_TOLERANCE = 1e-4  # max |Δlogit| (fp32) under which a retrofit counts as equal to its pruned parent
 PARITY_SAMPLES = (
@@ -175,7 +175,7 @@ def calibration_ids(tokenizer, path: Path | str, max_tokens: int = 2048) -> torc
 
 def _embedded_prose(chars: int) -> str:
     """The first passages of `embedded:prose`, joined by blank lines, up to about `chars` characters."""
-    from .data.sources import embedded_prose
+    from ..data.sources import embedded_prose
 
     passages, size = [], 0
     for passage in embedded_prose():

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..defaults import CACHE_POLICIES
 from .config import RecurrentConfig
-from .defaults import CACHE_POLICIES
 from .families import attention_types
 
 POLICIES = CACHE_POLICIES

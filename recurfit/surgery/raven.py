@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from .config import RecurrentConfig
-from .defaults import BACKPROP_DEPTH, MEAN_RECURRENCE
-from .errors import RecurfitError
-from .modeling import RecurrentForCausalLM
+from ..defaults import BACKPROP_DEPTH, MEAN_RECURRENCE
+from ..errors import RecurfitError
+from ..model.config import RecurrentConfig
+from ..model.modeling import RecurrentForCausalLM
 
 # Per family: huginn norm name -> the family's decoder-layer norm (Llama is pre-norm, OLMo-2 post-norm).
 NORMS = {

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .defaults import CURRICULA
+from ..defaults import CURRICULA
 
 # `num_steps` as users write it: r (all steps), or (n, k): n steps without gradient, then k with.
 NumSteps = int | tuple[int, int]

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedModel
 
-from . import defaults
-from .assets import embedded_model_dir
-from .errors import RecurfitError
-from .hub import hub_unavailable
+from .. import defaults
+from ..errors import RecurfitError
+from ..io.assets import embedded_model_dir
+from ..io.hub import hub_unavailable
 
 
 def resolve(name_or_path: str | None) -> str:
@@ -90,8 +90,8 @@ def load_recurrent_model(
 ) -> PreTrainedModel:
     """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
     retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
-    from .defaults import DEFAULT_SHAPE
-    from .surgery import retrofit
+    from ..defaults import DEFAULT_SHAPE
+    from ..surgery.retrofit import retrofit
 
     if name_or_path is not None:
         return load_model(name_or_path, dtype, device)

