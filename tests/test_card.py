@@ -7,7 +7,7 @@ import huggingface_hub
 from conftest import run_cli
 from test_train import tiny_config
 
-from recurfit.io.card import files_to_upload
+from recurfit.model.card import files_to_upload
 from recurfit.train import load_config, train
 
 

@@ -21,7 +21,7 @@ def add_parsers(commands) -> None:
 
 
 def cmd_push(args) -> None:
-    from ..io.card import files_to_upload, push
+    from ..model.card import files_to_upload, push
 
     files = files_to_upload(args.folder)
     console.print(f"Uploading {len(files)} files of {args.folder} to {args.repo_id}: {', '.join(files)}")

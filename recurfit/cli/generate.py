@@ -52,7 +52,8 @@ def add_parsers(commands) -> None:
 def _generation_model(args):
     """The model to talk to and its tokenizer, on --device in --dtype; without MODEL, the embedded SmolLM2
     retrofitted on the spot."""
-    from ..model.loading import load_recurrent_model, load_tokenizer
+    from ..model.loading import load_tokenizer
+    from ..surgery.retrofit import load_recurrent_model
 
     if args.model is None:
         console.print(

@@ -237,8 +237,8 @@ def _print_model(model, steps) -> None:
 
 
 def _save(model, tokenizer, out, force) -> None:
-    from ..io.card import write_model_card
     from ..io.files import staged_directory
+    from ..model.card import write_model_card
 
     with staged_directory(Path(out), replace=force) as staging:
         model.save_pretrained(staging)

@@ -4,7 +4,6 @@
 - files.py   atomic output folders (staged, then renamed) and the check that an --out is free
 - lock.py    one owner per output folder (fcntl.flock), stale leftovers cleaned
 - hub.py     whether the Hugging Face Hub can be reached now (asked before a Hub id is fetched)
-- card.py    model cards (README.md) for saved models, and `recurfit push`
 
 Nothing is imported here, so `recurfit --help` stays torch-free.
 """

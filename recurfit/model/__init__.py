@@ -9,6 +9,7 @@
 - families.py    the supported parent families and their quirks
 - loading.py     models and tokenizers by path or Hub id (load_model), devices and precision (resolve_placement)
 - summary.py     the rich tables `inspect` and `train` print (parts, parameters, FLOPs, layer scores)
+- card.py        model cards (README.md) for saved models, and `recurfit push`
 
 Nothing is imported here: each module is imported where it is used, so `recurfit --help` stays torch-free.
 """

@@ -85,20 +85,6 @@ def optional_tokenizer(name_or_path: str | None):
         return None
 
 
-def load_recurrent_model(
-    name_or_path: str | None, dtype: torch.dtype | str = torch.float32, device: torch.device | str | None = None
-) -> PreTrainedModel:
-    """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
-    retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
-    from ..defaults import DEFAULT_SHAPE
-    from ..surgery.retrofit import retrofit
-
-    if name_or_path is not None:
-        return load_model(name_or_path, dtype, device)
-    model = retrofit(load_model(None, dtype), DEFAULT_SHAPE).eval()  # surgery on the CPU, then moved whole
-    return model if device is None else model.to(device)
-
-
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:
     """The model a config describes, on the meta device: shapes and counts without weights."""
     with torch.device("meta"):

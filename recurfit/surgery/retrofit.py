@@ -22,11 +22,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
+from ..defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_SHAPE, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE, SELECTIONS
 from ..errors import RecurfitError
 from ..io.assets import public_name
 from ..model.config import RecurrentConfig
 from ..model.families import config_for_layers, family_of
+from ..model.loading import load_model
 from ..model.modeling import LinearAdapter, RecurrentForCausalLM, positions_from_mask
 from .layer_scores import LayerScores, core_window, knees, measure
 
@@ -413,3 +414,14 @@ def check_parity(parent: PreTrainedModel, model: RecurrentForCausalLM, tokenizer
         name: tensor.to(model.device) for name, tensor in parity_batch(tokenizer, parent.config.vocab_size).items()
     }
     return ParityCheck(parity(parent, model, **batch, steps=steps), rows=len(batch["input_ids"]))
+
+
+def load_recurrent_model(
+    name_or_path: str | None, dtype: torch.dtype | str = torch.float32, device: torch.device | str | None = None
+) -> PreTrainedModel:
+    """A model to generate with or evaluate: a folder or Hub id, or by default the embedded SmolLM2-135M
+    retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality)."""
+    if name_or_path is not None:
+        return load_model(name_or_path, dtype, device)
+    model = retrofit(load_model(None, dtype), DEFAULT_SHAPE).eval()  # surgery on the CPU, then moved whole
+    return model if device is None else model.to(device)

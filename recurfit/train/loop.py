@@ -28,10 +28,10 @@ from rich.progress import TextColumn
 
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
-from ..io.card import write_model_card
 from ..io.files import staged_directory
 from ..io.lock import owned
 from ..model.accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
+from ..model.card import write_model_card
 from ..model.loading import optional_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule
 from ..progress import progress_bar

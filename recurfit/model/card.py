@@ -15,10 +15,10 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ..defaults import SUMMARY_RECURRENCES
 from ..errors import RecurfitError
-from ..model.accounting import count_parameters, effective_parameters
-from ..model.modeling import RecurrentForCausalLM
-from ..model.summary import layer_ranges
-from .assets import EMBEDDED_NAME, cache_root
+from ..io.assets import EMBEDDED_NAME, cache_root
+from .accounting import count_parameters, effective_parameters
+from .modeling import RecurrentForCausalLM
+from .summary import layer_ranges
 
 CARD = "README.md"
 # What a model folder shares: weights, configs, tokenizer, the card. Checkpoints, logs and stray files stay home.
