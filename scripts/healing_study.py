@@ -128,7 +128,7 @@ def summarise(folder: Path, evaluations: dict[str, Path], exits: dict) -> dict:
     """One run's numbers: training FLOPs (teacher included), final losses at r̄, start loss, exit depth."""
     records = [r for r in read_log(folder) if r["kind"] == "train"]
     final = json.loads((folder / "final" / "training.json").read_text())
-    earlier = final["earlier"] or {}  # adapter-then-all: the first, adapter-only run's compute counts too
+    earlier = final.get("earlier") or {}  # adapter-then-all: the first, adapter-only run's compute counts too
     flops = sum(record.get(key, 0.0) for record in (final, earlier) for key in ("flops_paper", "flops_teacher"))
     row = {"flops": flops, "seconds": sum(r["seconds"] for r in records), **exits}
     for store, path in evaluations.items():
