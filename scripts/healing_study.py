@@ -9,6 +9,7 @@ recurrence, and the final model over r = 1…32); and the final models' per-toke
 stage skipped once its output exists (an interrupted study continues):
 
     OUT/runs/ARM-sSEED/        the training runs            OUT/eval/ARM-sSEED-STORE/   evaluations over training
+    OUT/exits/ARM-sSEED.json   the final model's teacher-forced exit depth on math (mean depth, loss at exit and at 16)
     OUT/figures/               loss over training FLOPs (teacher forwards included) and against r, seed 0
     OUT/report.md              the tables: loss, share of the gap closed, exit depth, seed spread
 
@@ -124,11 +125,19 @@ def exit_depths(model_folder: Path, store: str, rows: int, chunk: int = 4) -> di
     return {"mean_depth": depth.mean().item(), "loss_at_exit": at_exit.mean().item(), "loss_full": full.mean().item()}
 
 
+def measured(path: Path, measure, *args) -> dict:
+    """`measure(*args)`, kept in `path` so that a continued study does not measure it again."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measure(*args), indent=2) + "\n")
+    return json.loads(path.read_text())
+
+
 def summarise(folder: Path, evaluations: dict[str, Path], exits: dict) -> dict:
     """One run's numbers: training FLOPs (teacher included), final losses at r̄, start loss, exit depth."""
     records = [r for r in read_log(folder) if r["kind"] == "train"]
     final = json.loads((folder / "final" / "training.json").read_text())
-    earlier = final["earlier"] or {}  # adapter-then-all: the first, adapter-only run's compute counts too
+    earlier = final.get("earlier") or {}  # adapter-then-all: the first, adapter-only run's compute counts too
     flops = sum(record.get(key, 0.0) for record in (final, earlier) for key in ("flops_paper", "flops_teacher"))
     row = {"flops": flops, "seconds": sum(r["seconds"] for r in records), **exits}
     for store, path in evaluations.items():
@@ -231,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name, store in zip(names, stores)
             }
             math = next((s for s in stores if Path(s).name == "math"), stores[0])
-            exits = exit_depths(folder / "final", math, args.rows) if arm != "parent" else {}
+            exits = measured(args.out / "exits" / f"{folder.name}.json", exit_depths, folder / "final", math, args.rows)
             results.setdefault(arm, {})[seed] = summarise(folder, evaluations, exits)
     for name in names:  # one set of figures per store, the first seed's runs
         evaluations = [args.out / "eval" / f"{arm}-s{seeds[0]}-{name}" for arm in args.arms.split(",")]
