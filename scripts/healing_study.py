@@ -36,14 +36,16 @@ from recurfit.model.loading import load_model
 from recurfit.train.metrics import read_log
 
 REPO = Path(__file__).resolve().parents[1]
-# Each arm's overrides of the recipe. `adapter-then-all` is two chained runs (see `train`).
+# Every arm starts from the paper's learning rates (the CPU recipe's until this study moved it to 5 times them).
+PAPER_RATES = ["optimizer.muon_lr=1e-3", "optimizer.lr=5e-5"]
+# Each arm's overrides of the recipe (after PAPER_RATES). `adapter-then-all` is two chained runs (see `train`).
 ARMS = {
-    "ce-identity": [],  # today: plain next-token loss from the [0 | I] adapter (the pruned parent)
+    "ce-identity": [],  # plain next-token loss from the [0 | I] adapter (the pruned parent): the reference
     "ce-torch-default": ["model.adapter_init=torch-default"],  # the paper authors' start: nn.Linear's draw
     "distill": ["distill.alpha=0.5", "distill.temperature=2.0"],  # KL to the parent's next-token distribution
     "adapter-then-all": [],
     "ce-adamw": ["optimizer.name=adamw", "optimizer.lr=5e-4"],  # every part under LoRA's optimizer: the control
-    "ce-muon-5x": ["optimizer.muon_lr=5e-3", "optimizer.lr=2.5e-4"],  # the recipe's Muon, 5 times its rates
+    "ce-muon-5x": ["optimizer.muon_lr=5e-3", "optimizer.lr=2.5e-4"],  # Muon at 5 times the paper's rates
     "lora": [  # rank-16 LoRA on every kept layer, the adapter trained fully; AdamW (LoRA does not take Muon)
         "optimizer.name=adamw",
         "optimizer.lr=5e-4",
@@ -53,7 +55,7 @@ ARMS = {
         "lora.parts=[prelude,core,coda]",
     ],
     "depth-supervision": ["depth.supervise.weighting=uniform"],  # the loss after every step with gradient
-    "parent": ["model.shape=null"],  # the parent itself, trained on the same tokens: the reference
+    "parent": ["model.shape=null"],  # the parent itself, trained on the same tokens: what training alone gives
 }
 # adapter-then-all: the adapter alone for the first quarter of the steps, then everything, from its result.
 ADAPTER_SHARE = 0.25
@@ -69,7 +71,7 @@ def run(argv: list[str]) -> None:
 
 def train(recipe: Path, out: Path, arm: str, seed: int, steps: int, every: int) -> Path:
     """The arm's run (for adapter-then-all the second, chained run); trained unless it finished before."""
-    common = [f"seed={seed}", f"steps={steps}", f"snapshots.every={every}", "eval.every=0"]
+    common = [f"seed={seed}", f"steps={steps}", f"snapshots.every={every}", "eval.every=0", *PAPER_RATES]
     folder = out / "runs" / f"{arm}-s{seed}"
     if arm == "adapter-then-all":
         first_steps = max(1, round(steps * ADAPTER_SHARE))

@@ -46,6 +46,13 @@ def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path):
         # The second seed's final model is evaluated at the training mean only: it gives the seed spread.
         assert set(results[arm]["1"]["prose_by_r"]) == {str(config["depth"]["mean_recurrence"])}
     assert "mean_depth" not in results["parent"]["0"]
+    # Every arm starts from the paper's rates, whatever the recipe says (its arms change only what they name).
+    settings = yaml.safe_load((out / "runs" / "distill-s1" / "config.yaml").read_text())["optimizer"]
+    assert (
+        (settings["muon_lr"], settings["lr"])
+        == (1e-3, 5e-5)
+        != (config["optimizer"]["muon_lr"], config["optimizer"]["lr"])
+    )
     # The chained arm: an adapter-only run, then everything from its final model.
     first = out / "runs" / "adapter-then-all-s0-adapter"
     assert (first / "final").is_dir() and (out / "runs" / "adapter-then-all-s0" / "final").is_dir()
