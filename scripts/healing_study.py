@@ -249,9 +249,12 @@ def main(argv: list[str] | None = None) -> None:
             math = next((s for s in stores if Path(s).name == "math"), stores[0])
             exits = measured(args.out / "exits" / f"{folder.name}.json", exit_depths, folder / "final", math, args.rows)
             results.setdefault(arm, {})[seed] = summarise(folder, evaluations, exits)
-    for name in names:  # one set of figures per store, the first seed's runs
-        evaluations = [args.out / "eval" / f"{arm}-s{seeds[0]}-{name}" for arm in args.arms.split(",")]
-        run(["plot", *evaluations, "--out", args.out / "figures" / name])
+    arms = args.arms.split(",")
+    for name in names:  # per store, the first seed's runs: all of them, and all but the random adapter start's
+        evaluations = {arm: args.out / "eval" / f"{arm}-s{seeds[0]}-{name}" for arm in arms}
+        run(["plot", *evaluations.values(), "--out", args.out / "figures" / name])
+        near = [path for arm, path in evaluations.items() if arm != "ce-torch-default"]  # nats above the others
+        run(["plot", *near, "--out", args.out / "figures" / f"{name}-without-random-adapter"])
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     text = report(results, names, (time.monotonic() - started) / 60)
     (args.out / "report.md").write_text(text)

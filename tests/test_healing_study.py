@@ -63,6 +63,7 @@ def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path):
     assert "| distill | 0,1 |" in report and "gap closed" in report and "the seed spread" in report
     for store in ("prose", "math"):
         assert (out / "figures" / store / "loss_over_training.png").is_file()
+        assert (out / "figures" / f"{store}-without-random-adapter" / "loss_final.png").is_file()
 
 
 def test_exit_depths_follow_the_kl_rule(workspace, tmp_path, monkeypatch):

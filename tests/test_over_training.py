@@ -214,3 +214,12 @@ def test_legends_name_runs_by_the_settings_that_differ():
 
     labels = run_labels([evaluation("a", 4, 1e-3), evaluation("b", 8, 1e-3), evaluation("p", 32, 2e-3, False)])
     assert labels == {"a": "a (mean_recurrence 4)", "b": "b (mean_recurrence 8)", "p": "p (fixed depth)"}
+    # Arms of a study: each run is named by where it departs from what most runs share; a path by its last part.
+    arms = [evaluation("ref", 4, 1e-3), evaluation("same", 4, 1e-3), evaluation("fast", 4, 5e-3)]
+    arms.append(evaluation("deep", 8, "runs/study/ref"))
+    assert run_labels(arms) == {
+        "ref": "ref",
+        "same": "same",
+        "fast": "fast (lr 0.005)",
+        "deep": "deep (mean_recurrence 8, lr ref)",
+    }

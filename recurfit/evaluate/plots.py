@@ -17,6 +17,7 @@ Several results files or runs are overlaid, each named as `run_name` names it.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from itertools import cycle
 from pathlib import Path, PurePath
@@ -80,9 +81,9 @@ def _figure_legend(figure, columns: int | None = None) -> None:
             entries.setdefault(label, handle)
     if entries:
         columns = columns or min(len(entries), 4, max(1, round(figure.get_figwidth() / 2.5)))  # as fit the width
-        figure.legend(
-            entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8, frameon=False
-        )
+        width = int(figure.get_figwidth() * 14 / columns)  # characters of 8-point text a column holds, about
+        labels = [textwrap.fill(label, width, subsequent_indent="  ") for label in entries]
+        figure.legend(entries.values(), labels, loc="outside lower center", ncols=columns, fontsize=8, frameon=False)
 
 
 def _metric_label(metric: str) -> str:

@@ -14,6 +14,7 @@ KIND is `tasks` or `loss`. Runs are named by their folders and by the settings i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,24 +45,27 @@ def _color(evaluations: Sequence[RunEvaluation], evaluation: RunEvaluation) -> s
 
 
 def run_labels(evaluations: Sequence[RunEvaluation]) -> dict[str, str]:
-    """Legend names: the run's folder name, then (among recurrent runs) the settings that differ between them;
-    a fixed-depth run is marked as such."""
+    """Legend names: the run's folder name, then (among recurrent runs) the settings in which it departs from the
+    others: from the value most runs share, or, where no value is shared, every run's own; a fixed-depth run is
+    marked as such. Ten arms of a study read `distill-s0 (alpha 0.5, temperature 2.0)`, the reference bare."""
     recurrent = [e for e in evaluations if e.recurrent]
     flat = {e.run: flatten_settings(e.config) for e in recurrent}
     keys = dict.fromkeys(key for settings in flat.values() for key in settings)
-    differing = [
-        key
-        for key in keys
-        if not key.startswith(INCIDENTAL) and len({repr(settings.get(key)) for settings in flat.values()}) > 1
-    ]
+    usual = {}  # each differing setting's shared value (None: no value is shared, so every run shows its own)
+    for key in keys:
+        values = Counter(repr(settings.get(key)) for settings in flat.values())
+        if not key.startswith(INCIDENTAL) and len(values) > 1:
+            (value, count), *_ = values.most_common()
+            usual[key] = value if count > 1 and list(values.values()).count(count) == 1 else None
     labels = {}
     for evaluation in evaluations:
         if not evaluation.recurrent:
             labels[evaluation.run] = f"{evaluation.run} (fixed depth)"
             continue
         settings = flat[evaluation.run]
-        shown = [f"{key.rsplit('.', 1)[-1]} {_setting(settings.get(key))}" for key in differing[:MAX_LABEL_SETTINGS]]
-        more = ", …" if len(differing) > MAX_LABEL_SETTINGS else ""
+        departs = [key for key, value in usual.items() if repr(settings.get(key)) != value]
+        shown = [f"{key.rsplit('.', 1)[-1]} {_setting(settings.get(key))}" for key in departs[:MAX_LABEL_SETTINGS]]
+        more = ", …" if len(departs) > MAX_LABEL_SETTINGS else ""
         labels[evaluation.run] = evaluation.run + (f" ({', '.join(shown)}{more})" if shown else "")
     return labels
 
@@ -75,6 +79,8 @@ def _legend_columns(figure) -> int | None:
 def _setting(value) -> str:
     if isinstance(value, list):
         return ",".join(map(str, value))
+    if isinstance(value, str) and "/" in value:  # a path (model.init_from, distill.teacher): its last part
+        return Path(value).name
     return "none" if value is None else str(value)
 
 
@@ -120,11 +126,13 @@ def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, s
         axis.set_xlim(left=0)
         axis.margins(x=0.05)
         axis.xaxis.set_major_formatter(EngFormatter(sep=" "))
-        teacher = any(_flops_of(s.details, "flops_teacher") for e in evaluations for s in e.sweeps)
-        what = "the paper's accounting" + (" + distillation teachers' forwards" if teacher else "")
-        if any(s.details.get("earlier") for e in evaluations for s in e.sweeps):
-            what += "\nwith the runs each continued (model.init_from)"
-        _finish_metric_axis(axis, metric, f"training FLOPs, {what}\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
+        sweeps = [s for e in evaluations for s in e.sweeps]
+        what = ["training FLOPs: the paper's accounting"]
+        if any(_flops_of(s.details, "flops_teacher") for s in sweeps):
+            what.append("distillation teachers' forwards")
+        if any(s.details.get("earlier") for s in sweeps):
+            what.append("the runs each continued (model.init_from)")
+        _finish_metric_axis(axis, metric, "\n+ ".join(what) + "\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
     return _save(figure, path, _legend_columns(figure))
 
 
