@@ -1,9 +1,12 @@
 """The demo pipeline end to end on a tiny parent: every stage runs and the report holds what it promises."""
 
+import numpy as np
 import pytest
 
+from recurfit.data.store import TokenStore
 from recurfit.demo import DemoSettings, run_demo
 from recurfit.errors import RecurfitError
+from recurfit.model.loading import load_tokenizer
 
 
 def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_path):
@@ -25,6 +28,7 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         gsm8k_recurrences=[1, 2],
         max_new_tokens=4,
     )
+    pad = load_tokenizer(settings.model).pad_token_id
     console = Console(quiet=True)
     report = run_demo(settings, console).read_text()
     for heading in ("## 1. Retrofit", "## 2-4. Training", "## 5. Validation loss", "## GSM8K", "## Sample generations"):
@@ -38,5 +42,12 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     names = ("training", "loss_prose", "loss_math", "gsm8k")
     assert figures == {f"{name}.{suffix}" for name in names for suffix in ("png", "pdf", "svg")}
     assert (tmp_path / "demo" / "recurrent" / "final" / "config.json").is_file()
+    # The stores hold the documents and one EOS each: no padding left by the parity check's padded batch.
+    for store in ("prose", "math"):
+        splits = [TokenStore(tmp_path / "demo" / "data" / store, split) for split in ("train", "val")]
+        tokens = np.concatenate([split[:].reshape(-1) for split in splits])
+        meta = splits[0].meta
+        assert 0 < (tokens == meta["eos_token_id"]).sum() <= meta["documents"]
+        assert pad not in tokens or pad == meta["eos_token_id"]
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)

@@ -330,3 +330,22 @@ def test_two_tasks_running_at_once_make_the_store_once(tmp_path, documents):
     assert reference.meta["budget_reached"]
     assert store_contents(tmp_path / "s") == store_contents(tmp_path / "one")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "one", "s"]
+
+
+def test_a_tokenizer_that_has_padded_a_batch_still_packs_documents_unpadded(tmp_path):
+    """transformers leaves the Rust tokenizer padding after a call with padding=True (as the parity check and
+    generation make); the store must not fill with pad tokens, nor its documents be cut by a truncation left on.
+    The demo prepared stores 85 % padding this way before the encoder took its own copy."""
+    texts = ["a dog ran far and then slept.", "the cat.", "a big red tree stood under the sky, then fell."]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    source = [str(tmp_path / "d.jsonl")]
+    fresh = prepare(char_tokenizer(), source, 8, tmp_path / "fresh", val_fraction=0, show_progress=False)
+    used = char_tokenizer()
+    used.padding_side = "left"
+    used(["a", "a longer text"], padding=True, truncation=True, max_length=4)
+    backend = used.backend_tokenizer
+    assert backend.padding is not None and backend.truncation is not None  # what broke packing is still set
+    again = prepare(used, source, 8, tmp_path / "used", val_fraction=0, show_progress=False)
+    whole_rows = sum(len(t) + 1 for t in texts) // 9  # of 9 tokens: the documents and their EOS, nothing more
+    assert again.meta["tokens"] == fresh.meta["tokens"] == {"train": whole_rows * 9, "val": 0}
+    np.testing.assert_array_equal(TokenStore(tmp_path / "used")[:], TokenStore(tmp_path / "fresh")[:])

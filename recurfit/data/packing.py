@@ -38,6 +38,18 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
+def _plain_copy(backend):
+    """A private copy of a Rust tokenizer that neither pads nor truncates. transformers leaves the shared one
+    padding after any call with `padding=True` (a padded batch for generation, say), and its batch call would
+    then pad every document to the block's longest with pad tokens, or cut documents short."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.no_padding()
+    plain.no_truncation()
+    return plain
+
+
 class BlockEncoder:
     """Texts → (train ids, val ids), each a flat array of whole documents followed by EOS."""
 
@@ -50,7 +62,7 @@ class BlockEncoder:
         self.eos = tokenizer.eos_token_id
         self.dtype = token_dtype(len(tokenizer))
         # The Rust tokenizer's batch call without offsets is the fastest way to the same ids as tokenizer(...).
-        self.backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
+        self.backend = _plain_copy(tokenizer.backend_tokenizer) if getattr(tokenizer, "is_fast", False) else None
         self.tokenizer = None if self.backend is not None else tokenizer
 
     @property
