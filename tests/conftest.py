@@ -222,13 +222,16 @@ def workspace(tmp_path_factory):
 def drawn(monkeypatch):
     """Every figure `recurfit.evaluate` saves, kept open after its files are written."""
     from recurfit.evaluate import plots, run_figures
+    from recurfit.io import figures as io_figures
 
     figures = []
-    save = plots._save
-    monkeypatch.setattr(plots.plt, "close", lambda figure: None)
-    for module in (plots, run_figures):
+    save_figure = io_figures.save_figure
+    monkeypatch.setattr(io_figures.plt, "close", lambda figure: None)
+    for module in (io_figures, plots, run_figures):  # the last two hold the name; surgery's plot looks it up
         monkeypatch.setattr(
-            module, "_save", lambda figure, path, *rest: figures.append(figure) or save(figure, path, *rest)
+            module,
+            "save_figure",
+            lambda figure, path, *rest: figures.append(figure) or save_figure(figure, path, *rest),
         )
     return figures
 

@@ -472,7 +472,7 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
         )
     )
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr(plots, "save_figure", lambda figure, path: figures.append(figure) or path)
     plots.plot_recurrence(sweeps, tmp_path / "r.png")
     plots.plot_training([log.parent], tmp_path / "t.png")
     recurrence, training = figures

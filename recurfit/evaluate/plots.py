@@ -17,22 +17,17 @@ Several results files or runs are overlaid, each named as `run_name` names it.
 from __future__ import annotations
 
 import math
-import textwrap
 from collections.abc import Sequence
 from itertools import cycle
 from pathlib import Path, PurePath
 
-import matplotlib
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullLocator
 
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, NullLocator  # noqa: E402
+from ..errors import RecurfitError
+from ..io.figures import FORMATS, plt, save_figure
+from ..train.metrics import read_log, validation_losses
+from .results import Sweep
 
-from ..errors import RecurfitError  # noqa: E402
-from ..train.metrics import read_log, validation_losses  # noqa: E402
-from .results import Sweep  # noqa: E402
-
-FORMATS = (".png", ".pdf", ".svg")
 # The parent (--) and chance (:) lines: thin and above the data, dashed out of phase with each other, so that a
 # data line, the parent and chance at one value (all at 0 % on a task the models cannot do) all stay visible.
 REFERENCE_STYLES = {
@@ -61,29 +56,6 @@ def _grid(count: int, title: str):
         extra.set_visible(False)
     figure.suptitle(title)
     return figure, list(axes.flat[:count])
-
-
-def _save(figure, path: Path, columns: int | None = None) -> Path:
-    """The figure as PNG, PDF and SVG beside each other (`path` names the PNG); the legend below the panels, in
-    `columns` columns (None: as many as fit the width)."""
-    _figure_legend(figure, columns)
-    for suffix in FORMATS:
-        figure.savefig(path.with_suffix(suffix), dpi=150)
-    plt.close(figure)
-    return path.with_suffix(".png")
-
-
-def _figure_legend(figure, columns: int | None = None) -> None:
-    """One legend for all panels, outside them (a legend inside an axis covers some data sooner or later)."""
-    entries: dict = {}
-    for axis in figure.axes:
-        for handle, label in zip(*axis.get_legend_handles_labels()):
-            entries.setdefault(label, handle)
-    if entries:
-        columns = columns or min(len(entries), 4, max(1, round(figure.get_figwidth() / 2.5)))  # as fit the width
-        width = int(figure.get_figwidth() * 14 / columns)  # characters of 8-point text a column holds, about
-        labels = [textwrap.fill(label, width, subsequent_indent="  ") for label in entries]
-        figure.legend(entries.values(), labels, loc="outside lower center", ncols=columns, fontsize=8, frameon=False)
 
 
 def _metric_label(metric: str) -> str:
@@ -146,7 +118,7 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
         axis.set_xticks(depths, [f"{r:g}" for r in depths])
         axis.xaxis.set_minor_locator(NullLocator())
         _finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
@@ -188,7 +160,7 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
         axis.set_title(_panel_title(sweeps[0], metric), fontsize=9)
         _log_flops_axis(axis.xaxis, right_room=1.35)  # the r= labels sit right of their points
         _finish_metric_axis(axis, metric, "inference FLOPs per token\n(2 × effective parameters; M = 10⁶, G = 10⁹)")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def _log_flops_axis(axis, right_room: float = 1.15) -> None:
@@ -302,7 +274,7 @@ def plot_training(runs: Sequence[Path], path: Path) -> Path:
         axis.grid(alpha=0.3)
         if axis is not axes[1]:
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: 5, 10, 15 rather than 2.5, 7.5
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def _validation_series(records: list[dict]) -> dict[str, dict[int | None, list[tuple[int, float]]]]:

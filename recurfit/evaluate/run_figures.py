@@ -20,6 +20,7 @@ from pathlib import Path
 
 from matplotlib.ticker import EngFormatter, NullLocator
 
+from ..io.figures import save_figure
 from ..train.run_folder import flatten_settings
 from .over_training import RunEvaluation
 from .plots import (
@@ -28,7 +29,6 @@ from .plots import (
     _finish_metric_axis,
     _grid,
     _panel_title,
-    _save,
     _shared_metrics,
     _stderr,
 )
@@ -133,7 +133,7 @@ def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, s
         if any(s.details.get("earlier") for s in sweeps):
             what.append("the runs each continued (model.init_from)")
         _finish_metric_axis(axis, metric, "\n+ ".join(what) + "\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
-    return _save(figure, path, _legend_columns(figure))
+    return save_figure(figure, path, _legend_columns(figure))
 
 
 def _training_flops(sweep) -> float:
@@ -175,7 +175,7 @@ def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], pat
         axis.xaxis.set_minor_locator(NullLocator())
         _inference_flops_axis(axis, recurrent, depths)
         _finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
-    return _save(figure, path, _legend_columns(figure))
+    return save_figure(figure, path, _legend_columns(figure))
 
 
 def _references(evaluations: Sequence[RunEvaluation], metric: str):
@@ -245,7 +245,7 @@ def plot_final_bars(evaluations: Sequence[RunEvaluation], labels: dict[str, str]
     axis.set_xticks(range(len(metrics)), [_wrap(m) for m in metrics], fontsize=8)
     axis.set_title(_panel_title(evaluations[0].final, metrics[0]) if len(metrics) == 1 else "", fontsize=9)
     _finish_metric_axis(axis, metrics[0] if len(metrics) == 1 else "score (the paper's metric of each task)", "")
-    return _save(figure, path, _legend_columns(figure))
+    return save_figure(figure, path, _legend_columns(figure))
 
 
 def _wrap(metric: str) -> str:

@@ -4,6 +4,7 @@
 - files.py   atomic output folders (staged, then renamed) and the check that an --out is free
 - lock.py    one owner per output folder (fcntl.flock), stale leftovers cleaned
 - hub.py     whether the Hugging Face Hub can be reached now (asked before a Hub id is fetched)
+- figures.py matplotlib without a display; every figure saved as PNG, PDF and SVG with one legend below
 
 Nothing is imported here, so `recurfit --help` stays torch-free.
 """

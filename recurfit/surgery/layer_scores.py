@@ -145,11 +145,9 @@ PART_COLORS = {"prelude": "#1f77b4", "core": "#ff7f0e", "coda": "#2ca02c"}
 def plot_layer_scores(scores: LayerScores, selections: Mapping, path, title: str):
     """Angular distance (knees marked, the knees' regions shaded), Block Influence, and the part each selection
     gives every layer, against the parent layer; saved as PNG, PDF and SVG (`path` names the PNG)."""
-    from pathlib import Path
-
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
-    from ..evaluate.plots import _save, plt
+    from ..io.figures import plt, save_figure
 
     n = len(scores.angular)
     layers = range(n)
@@ -184,7 +182,7 @@ def plot_layer_scores(scores: LayerScores, selections: Mapping, path, title: str
     for axis in (angular, influence, parts):
         axis.set_xlabel("parent layer")
         axis.tick_params(labelbottom=True)  # every panel keeps its layer numbers
-    return _save(figure, Path(path))
+    return save_figure(figure, path)
 
 
 def _draw_parts(axis, selections: Mapping, n: int) -> None:
