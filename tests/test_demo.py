@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import yaml
 
 from recurfit.data.store import TokenStore
 from recurfit.demo import DemoSettings, run_demo
@@ -49,5 +50,10 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         meta = splits[0].meta
         assert 0 < (tokens == meta["eos_token_id"]).sum() <= meta["documents"]
         assert pad not in tokens or pad == meta["eos_token_id"]
+    # Both models train at the healing study's rates, and the report says why.
+    for run in ("recurrent", "parent"):
+        optimizer = yaml.safe_load((tmp_path / "demo" / run / "config.yaml").read_text())["optimizer"]
+        assert (optimizer["muon_lr"], optimizer["lr"]) == (settings.muon_lr, settings.lr) == (5e-3, 2.5e-4)
+    assert "5 times the paper's rates" in report and "docs/healing.md" in report
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)
