@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from recurfit.data.store import TokenStore
-from recurfit.demo import DemoSettings, run_demo
+from recurfit.demo import DemoSettings, _rates, run_demo
 from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_tokenizer
 
@@ -54,6 +54,12 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     for run in ("recurrent", "parent"):
         optimizer = yaml.safe_load((tmp_path / "demo" / run / "config.yaml").read_text())["optimizer"]
         assert (optimizer["muon_lr"], optimizer["lr"]) == (settings.muon_lr, settings.lr) == (5e-3, 2.5e-4)
-    assert "5 times the paper's rates" in report and "docs/healing.md" in report
+    assert "Muon at 5e-3 (AdamW at 2.5e-4 " in report and "5 times the paper's (Muon 1e-3, AdamW 5e-5)" in report
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)
+
+
+def test_the_report_names_the_rates_and_how_they_relate_to_the_papers(tmp_path):
+    assert _rates(DemoSettings(muon_lr=1e-3, lr=5e-5)).endswith(": the paper's rates")
+    assert "2 times the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=1e-4))
+    assert "not the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=5e-5))
