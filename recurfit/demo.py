@@ -369,7 +369,8 @@ def _time_section(report: dict) -> list[str]:
         "## Reproduce",
         "",
         "```bash",
-        f"recurfit demo --steps {settings.steps} --out {out}",
+        f"recurfit demo --steps {settings.steps} --muon-lr {_rate(settings.muon_lr)} --lr {_rate(settings.lr)} "
+        f"--out {out}",
         f"recurfit eval loss {out}/recurrent/final --data {out}/data/math --baseline {out}/parent/final "
         f"--recurrence {','.join(map(str, settings.loss_recurrences))}",
         f"recurfit eval tasks {out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --baseline "

@@ -63,3 +63,23 @@ def test_the_report_names_the_rates_and_how_they_relate_to_the_papers(tmp_path):
     assert _rates(DemoSettings(muon_lr=1e-3, lr=5e-5)).endswith(": the paper's rates")
     assert "2 times the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=1e-4))
     assert "not the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=5e-5))
+
+
+def test_the_command_line_defaults_are_the_settings_defaults_and_rates_reach_the_settings(monkeypatch):
+    from recurfit import demo as demo_module
+    from recurfit.cli import main
+
+    seen = []
+    monkeypatch.setattr(demo_module, "run_demo", lambda settings, console: seen.append(settings))
+    assert main(["demo", "--out", "x"]) in (0, None)
+    defaults = DemoSettings()
+    assert (seen[0].shape, seen[0].steps, seen[0].muon_lr, seen[0].lr) == (
+        defaults.shape,
+        defaults.steps,
+        defaults.muon_lr,
+        defaults.lr,
+    )
+    assert main(["demo", "--out", "x", "--muon-lr", "1e-3", "--lr", "5e-5"]) in (0, None)
+    assert (seen[1].muon_lr, seen[1].lr) == (1e-3, 5e-5)
+    with pytest.raises(SystemExit):
+        main(["demo", "--muon-lr", "-1"])
