@@ -2,9 +2,10 @@
 
 import numpy as np
 import pytest
+import yaml
 
 from recurfit.data.store import TokenStore
-from recurfit.demo import DemoSettings, run_demo
+from recurfit.demo import DemoSettings, _rates, run_demo
 from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_tokenizer
 
@@ -49,5 +50,36 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         meta = splits[0].meta
         assert 0 < (tokens == meta["eos_token_id"]).sum() <= meta["documents"]
         assert pad not in tokens or pad == meta["eos_token_id"]
+    # Both models train at the healing study's rates, and the report says why.
+    for run in ("recurrent", "parent"):
+        optimizer = yaml.safe_load((tmp_path / "demo" / run / "config.yaml").read_text())["optimizer"]
+        assert (optimizer["muon_lr"], optimizer["lr"]) == (settings.muon_lr, settings.lr) == (5e-3, 2.5e-4)
+    assert "Muon at 5e-3 (AdamW at 2.5e-4 " in report and "5 times the paper's (Muon 1e-3, AdamW 5e-5)" in report
     with pytest.raises(RecurfitError, match="--force"):
         run_demo(settings, console)
+
+
+def test_the_report_names_the_rates_and_how_they_relate_to_the_papers(tmp_path):
+    assert _rates(DemoSettings(muon_lr=1e-3, lr=5e-5)).endswith(": the paper's rates")
+    assert "2 times the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=1e-4))
+    assert "not the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=5e-5))
+
+
+def test_the_command_line_defaults_are_the_settings_defaults_and_rates_reach_the_settings(monkeypatch):
+    from recurfit import demo as demo_module
+    from recurfit.cli import main
+
+    seen = []
+    monkeypatch.setattr(demo_module, "run_demo", lambda settings, console: seen.append(settings))
+    assert main(["demo", "--out", "x"]) in (0, None)
+    defaults = DemoSettings()
+    assert (seen[0].shape, seen[0].steps, seen[0].muon_lr, seen[0].lr) == (
+        defaults.shape,
+        defaults.steps,
+        defaults.muon_lr,
+        defaults.lr,
+    )
+    assert main(["demo", "--out", "x", "--muon-lr", "1e-3", "--lr", "5e-5"]) in (0, None)
+    assert (seen[1].muon_lr, seen[1].lr) == (1e-3, 5e-5)
+    with pytest.raises(SystemExit):
+        main(["demo", "--muon-lr", "-1"])

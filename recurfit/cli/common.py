@@ -54,6 +54,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0 such as 5e-3, got {text!r}")
+    return value
+
+
 class DeprecatedAlias(argparse.Action):
     """Stores the value; when given under an option's last name (its old one), says which name replaced it."""
 

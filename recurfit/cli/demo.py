@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import MODEL_HELP, _placement, add_placement_arguments, console, shape_arg
+from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg
 
 
 def add_parsers(commands) -> None:
@@ -13,6 +13,12 @@ def add_parsers(commands) -> None:
     p.add_argument("--shape", type=shape_arg, default=(6, 12, 6), help="P,R,C by the paper's rule (default 6,12,6)")
     p.add_argument("--steps", type=int, default=32, help="optimizer steps of 4 × 256 tokens (a quarter healing)")
     p.add_argument("--mean-recurrence", type=int, default=4, help="train recurrence the curriculum ramps to")
+    p.add_argument(
+        "--muon-lr", type=positive_float, default=5e-3, help="Muon's rate (default 5e-3, 5 × the paper's 1e-3)"
+    )
+    p.add_argument(
+        "--lr", type=positive_float, default=2.5e-4, help="AdamW's rate for embeddings and norms (default 2.5e-4)"
+    )
     p.add_argument("--math-problems", type=int, default=4000, help="fresh math problems to generate for training")
     p.add_argument("--gsm8k", type=int, default=16, help="GSM8K test problems to score (the first N)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per GSM8K answer and sample")
@@ -33,6 +39,8 @@ def cmd_demo(args) -> None:
         steps=args.steps,
         heal_steps=max(args.steps // 4, 1),
         mean_recurrence=args.mean_recurrence,
+        muon_lr=args.muon_lr,
+        lr=args.lr,
         math_problems=args.math_problems,
         gsm8k=args.gsm8k,
         max_new_tokens=args.max_new_tokens,
