@@ -261,24 +261,50 @@ def task_sweep(
 ) -> tuple[Sweep, dict]:
     """The task table (a row per test recurrence, the `baseline`, random chance) and lm-eval's full results per
     run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject)."""
-    from lm_eval import simple_evaluate
-
-    from .lm import RecurfitLM
-
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval's per-task notices drown the progress bars
     manager = task_manager(data)
     names = resolve_tasks(tasks, data, manager)
-    runs = plan_runs(names)
-    console = Console(stderr=True)
+    runner = _TaskRunner(tokenizer, manager, names, plan_runs(names), limit, batch_size, max_new_tokens, seed)
 
-    def models(pretrained, **kwargs) -> dict[int | None, RecurfitLM]:
+    raw: dict = {}
+    lms = runner.models(model, state_init=state_init)
+    rows = []
+    for r in list(recurrences) if isinstance(model, RecurrentForCausalLM) else [None]:
+        for lm in lms.values():
+            lm.num_steps = r
+        raw[f"r={r}" if r else "model"] = results = runner.run(lms, f"{name} at r={r}" if r else name)
+        rows.append(Row.measured(model, r, runner.metrics(results)))
+    parent_row = None
+    if baseline is not None:
+        raw["parent"] = results = runner.run(runner.models(baseline), f"parent {baseline_name}")
+        parent_row = Row.measured(baseline, None, runner.metrics(results), label=f"parent ({baseline_name})")
+    chance, details = runner.chance_and_details(raw[next(iter(raw))], data, state_init)
+    return Sweep("tasks", name, list(rows[0].metrics), rows, parent_row, chance, details), raw
+
+
+@dataclass
+class _TaskRunner:
+    """lm-eval runs of one task list, the same for the model at every recurrence and for its baseline."""
+
+    tokenizer: object
+    manager: object
+    names: list[str]
+    runs: dict  # RunSettings → the tasks run with them
+    limit: int | float | None
+    batch_size: int
+    max_new_tokens: int | None
+    seed: int
+
+    def models(self, pretrained, **kwargs) -> dict:
         """One lm-eval model per max_length the runs need, all wrapping the same module."""
-        lengths = dict.fromkeys(settings.max_length for settings in runs)
+        from .lm import RecurfitLM
+
+        lengths = dict.fromkeys(settings.max_length for settings in self.runs)
         return {
             length: RecurfitLM(
                 pretrained=pretrained,
-                tokenizer=tokenizer,
-                batch_size=batch_size,
+                tokenizer=self.tokenizer,
+                batch_size=self.batch_size,
                 max_length=length,
                 **MODEL_ARGS,
                 **kwargs,
@@ -286,63 +312,54 @@ def task_sweep(
             for length in lengths
         }
 
-    def run(lms: dict, label: str) -> dict:
-        console.print(f"[bold]{label}[/]: {', '.join(names)}" + (f" (first {limit} documents each)" if limit else ""))
+    def run(self, lms: dict, label: str) -> dict:
+        """lm-eval's results per task, each group of tasks run with its own settings, behind a progress bar."""
+        from lm_eval import simple_evaluate
+
+        first = f" (first {self.limit} documents each)" if self.limit else ""
+        Console(stderr=True).print(f"[bold]{label}[/]: {', '.join(self.names)}" + first)
         results: dict = {}
-        for settings, group in runs.items():
+        for settings, group in self.runs.items():
             with quiet_git_hash(), progress_bar() as bar:
                 lms[settings.max_length].progress = (bar, label)
                 output = simple_evaluate(
                     model=lms[settings.max_length],
                     tasks=group,
-                    task_manager=manager,
+                    task_manager=self.manager,
                     num_fewshot=settings.num_fewshot,
-                    limit=limit,
+                    limit=self.limit,
                     bootstrap_iters=0,
                     log_samples=False,
-                    gen_kwargs={"max_gen_toks": max_new_tokens} if max_new_tokens else None,
-                    random_seed=seed,
-                    numpy_random_seed=seed,
-                    torch_random_seed=seed,
-                    fewshot_random_seed=seed,
+                    gen_kwargs={"max_gen_toks": self.max_new_tokens} if self.max_new_tokens else None,
+                    random_seed=self.seed,
+                    numpy_random_seed=self.seed,
+                    torch_random_seed=self.seed,
+                    fewshot_random_seed=self.seed,
                 )
             results.update(output["results"])
         return results
 
-    def metrics(results: dict) -> dict[str, float]:
-        return {column: value for task in names for column, value in task_columns(task, results[task]).items()}
+    def metrics(self, results: dict) -> dict[str, float]:
+        return {column: value for task in self.names for column, value in task_columns(task, results[task]).items()}
 
-    raw: dict = {}
-    lms = models(model, state_init=state_init)
-    depths = list(recurrences) if isinstance(model, RecurrentForCausalLM) else [None]
-    rows = []
-    for r in depths:
-        for lm in lms.values():
-            lm.num_steps = r
-        raw[f"r={r}" if r else "model"] = results = run(lms, f"{name} at r={r}" if r else name)
-        rows.append(Row.measured(model, r, metrics(results)))
-    parent_row = None
-    if baseline is not None:
-        raw["parent"] = results = run(models(baseline), f"parent {baseline_name}")
-        parent_row = Row.measured(baseline, None, metrics(results), label=f"parent ({baseline_name})")
-    columns = list(rows[0].metrics)
-    loaded = manager.load(names)
-    first_run = raw[next(iter(raw))]
-    chance, documents = {}, {}  # per column: the score of guessing and the documents scored (for error bars)
-    for task in names:
-        leaves = _leaves(task, loaded)
-        for column in task_columns(task, first_run[task]):
-            chance[column], documents[column] = chance_level(leaves, limit), document_count(leaves, limit)
-    headline = [next(iter(task_columns(task, first_run[task]))) for task in names]
-    details = {
-        "data": data,
-        "tasks": names,
-        "limit": limit,
-        "state_init": state_init,
-        "seed": seed,
-        "headline": headline,
-        "documents": documents,
-        "model_args": MODEL_ARGS,
-        "runs": [{"tasks": group, **asdict(settings)} for settings, group in runs.items()],
-    }
-    return Sweep("tasks", name, columns, rows, parent_row, Row("random chance", chance), details), raw
+    def chance_and_details(self, first_run: dict, data: str, state_init: str) -> tuple[Row, dict]:
+        """Random chance per column, and what the sweep records about how it ran (documents scored per column,
+        for error bars; the headline metric of each task)."""
+        loaded = self.manager.load(self.names)
+        chance, documents = {}, {}
+        for task in self.names:
+            leaves = _leaves(task, loaded)
+            for column in task_columns(task, first_run[task]):
+                chance[column], documents[column] = chance_level(leaves, self.limit), document_count(leaves, self.limit)
+        details = {
+            "data": data,
+            "tasks": self.names,
+            "limit": self.limit,
+            "state_init": state_init,
+            "seed": self.seed,
+            "headline": [next(iter(task_columns(task, first_run[task]))) for task in self.names],
+            "documents": documents,
+            "model_args": MODEL_ARGS,
+            "runs": [{"tasks": group, **asdict(settings)} for settings, group in self.runs.items()],
+        }
+        return Row("random chance", chance), details
