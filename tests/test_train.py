@@ -247,8 +247,11 @@ def test_sigkill_then_resume_gives_the_same_losses(tmp_path, workspace):
     assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-def one_and_two_processes(tmp_path, config: dict, two_processes: dict) -> tuple[Path, Path]:
-    """Train `config` in 1 process and, concurrently, under torchrun with 2 (plus `two_processes` settings)."""
+def one_and_two_processes(
+    tmp_path, config: dict, two_processes: dict, timeout: float | None = None
+) -> tuple[Path, Path]:
+    """Train `config` in 1 process and, concurrently, under torchrun with 2 (plus `two_processes` settings); a run
+    that takes longer than `timeout` seconds (a hang) fails."""
     one, two = tmp_path / "one", tmp_path / "two"
     (tmp_path / "one.yaml").write_text(yaml.safe_dump({**config, "out": str(one)}))
     (tmp_path / "two.yaml").write_text(yaml.safe_dump({**config, **two_processes, "out": str(two)}))
@@ -261,9 +264,10 @@ def one_and_two_processes(tmp_path, config: dict, two_processes: dict) -> tuple[
         env=env,
         capture_output=True,
         text=True,
+        timeout=timeout,
     )
     assert double.returncode == 0, double.stderr[-3000:]
-    assert single.wait() == 0, single.stderr.read().decode()[-2000:]
+    assert single.wait(timeout) == 0, single.stderr.read().decode()[-2000:]
     return one, two
 
 

@@ -251,6 +251,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
             rows = tracker.active if tracker is not None else None  # None: every row recurs
             if cache is not None:
                 cache.begin_step(step, rows)
+            if step == no_grad_steps + 1 and no_grad_steps and torch.is_grad_enabled():
+                forget_gradless_casts(state.device.type)
             with torch.set_grad_enabled(torch.is_grad_enabled() and step > no_grad_steps):
                 previous, state = state, self._core_step(state, e, layer_kwargs, rows)
             if tracker is not None:
@@ -324,6 +326,16 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if self.training and torch.is_grad_enabled():
             return sample_depth(self.config.mean_recurrence, self.config.backprop_depth)
         return 0, self.config.mean_recurrence
+
+
+def forget_gradless_casts(device_type: str) -> None:
+    """Before the first recurrence with gradient: drop the weight casts autocast cached during the recurrences
+    without it. torch ≤ 2.9 caches a cast made under no_grad and hands the same gradient-less copy to the later
+    steps, so the core and adapter would get no gradient at all (silently on one process, an error under DDP).
+    Clearing costs one more cast of the core's weights per forward; torch's fix (it no longer caches casts made
+    without gradient) makes it a no-op."""
+    if torch.is_autocast_enabled(device_type):
+        torch.clear_autocast_cache()
 
 
 def select_rows(inputs, rows: torch.LongTensor, batch: int):

@@ -3,13 +3,22 @@
 One process (no torchrun) needs no process group. Under torchrun, gloo on CPU and NCCL on GPU, with DDP or FSDP2
 applied even to a single process (`torchrun --nproc-per-node 1`), so that the distributed path can be checked on a
 machine with one GPU.
+
+FSDP2 and recurrence. Every call of an FSDP unit may be a collective (an all-gather before it runs, a
+reduce-scatter after its backward), and collectives pair up across processes in the order they are issued. A
+core layer runs n + k times per micro-batch, and with `depth.draw: micro_batch` each process draws its own (n, k):
+were each core layer a unit, processes would issue different numbers of collectives, and the run would hang or
+exchange the shards of unrelated layers. So the recurrent body (embedding, adapter, core, coda, final norm) is
+ONE unit whose forward runs once per micro-batch, gathered once and kept until the step's last backward is done;
+only the prelude layers (which run once per forward) are units of their own. Every process then issues the same
+collectives whatever depth it drew, and their number does not grow with n + k.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +32,7 @@ class Processes:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     grouped: bool = False  # in a process group: under torchrun, even with one process
+    sharded: list = field(default_factory=list)  # FSDP2: (unit, reshard_after_forward) of every unit `wrap` made
 
     @classmethod
     def from_environment(cls) -> Processes:
@@ -44,33 +54,55 @@ class Processes:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module, strategy: str) -> nn.Module:
-        """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` each layer and the root, in place."""
+    def wrap(self, model: nn.Module, strategy: str, bf16: bool = False) -> nn.Module:
+        """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` the model in place (see the module's
+        docstring for its units); `bf16` on a GPU: gathered and computed in bf16, gradients reduced in fp32."""
         if not self.grouped:
             return model
         if strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for module in model.modules():
-                if type(module).__name__.endswith("DecoderLayer"):
-                    fully_shard(module)
-            fully_shard(model)
+            self.sharded += fsdp_units(model, mixed_precision=bf16 and self.device.type == "cuda")
             return model
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
 
-    def no_sync(self, wrapped: nn.Module, last_micro_batch: bool):
-        """Skip DDP's gradient all-reduce on all but the last micro-batch of an accumulation."""
+    def accumulating(self, wrapped: nn.Module, last_micro_batch: bool):
+        """Gradients are synchronised on the last micro-batch of a step only: DDP skips its all-reduce before,
+        FSDP2 its reduce-scatter, and keeps every unit gathered until the step's last backward is done."""
+        if self.sharded:
+            for unit, _ in self.sharded:
+                unit.set_requires_gradient_sync(last_micro_batch, recurse=False)
+                unit.set_reshard_after_backward(last_micro_batch, recurse=False)
+            return nullcontext()
         if last_micro_batch or not hasattr(wrapped, "no_sync"):
             return nullcontext()
         return wrapped.no_sync()
+
+    @contextmanager
+    def gathered(self):
+        """FSDP2: every unit gathered for the block and none resharded inside it, so that processes may run
+        different numbers of forwards without gradient (validation's shares of rows) with no collective at all."""
+        for unit, _ in self.sharded:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit, reshard in self.sharded:
+                unit.set_reshard_after_forward(reshard, recurse=False)
+                unit.reshard()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.grouped:
             value = value.clone()
             dist.all_reduce(value)
             value /= self.world
+        return value
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            value = value.clone()
+            dist.all_reduce(value)
         return value
 
     def barrier(self) -> None:
@@ -80,3 +112,26 @@ class Processes:
     def close(self) -> None:
         if self.grouped and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
+    """`fully_shard` the units (see the module's docstring), root last; returns each with its reshard_after_forward.
+
+    A recurrent model: each prelude layer, then the body (`model.model`: the rest but the head), which a `trained`
+    model keeps gathered from its forward to its backward (a distillation teacher has no backward: resharded),
+    then the root (the head). A fixed-depth model (a baseline, a teacher): each decoder layer, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    body = getattr(model, "model", None)
+    recurrent = hasattr(body, "core")
+    once = (
+        list(body.prelude) if recurrent else [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    )
+    units = [(layer, True) for layer in once]
+    if recurrent:
+        units.append((body, not trained))  # runs its core n + k times per forward: gathered once, kept for backward
+    for module, reshard in units:
+        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy)  # the root: FSDP2 keeps it gathered after forward
+    return [*units, (model, False)]

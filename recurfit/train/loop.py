@@ -135,7 +135,7 @@ class Trainer:
         if config.compile:
             for layer in self._layers():
                 layer.compile()
-        self.wrapped = self.processes.wrap(self.model, config.distributed)
+        self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
         self._set_up_healing()
         self.optimizers = build_optimizers(self.model, config.optimizer)
         self.schedulers = build_schedulers(self.optimizers, config.optimizer, config.steps)
@@ -231,31 +231,25 @@ class Trainer:
 
     # ------------------------------------------------------------ one step
 
+    def _bf16(self, precision: str) -> bool:
+        return precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda")
+
     def _autocast(self, precision: str | None = None):
-        precision = precision or self.config.precision
-        if precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda"):
+        if self._bf16(precision or self.config.precision):
             return torch.autocast(self.processes.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batch_loss(
-        self,
-        rows: torch.Tensor,
-        num_steps: tuple[int, int],
-        first_row: int,
-        precision: str | None = None,
-        parts: dict | None = None,
-    ) -> torch.Tensor:
-        """The next-token CE (validation), or with `parts` (training) the training objective, its terms added
-        to `parts`."""
+    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, parts: dict):
+        """The training objective of one micro-batch, its terms added to `parts`."""
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
         torch.manual_seed(self.config.seed * 1_000_003 + first_row)
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
-        healing = parts is not None and self.healing.active
+        healing = self.healing.active
         kwargs = {"num_steps": num_steps} if self.recurrent else {}
         if healing and self.healing.supervise is not None:
             kwargs["readout_steps"] = self.healing.readout_steps(num_steps)
-        with self._autocast(precision):
+        with self._autocast():
             output = self.wrapped(input_ids=inputs, **kwargs)
             teacher = self.teacher.logits(inputs) if healing and self.teacher is not None else None
         if not healing:
@@ -276,10 +270,10 @@ class Trainer:
         totals = {}  # the objective's terms (ce, kl, …), averaged like the loss
         for index, chunk in enumerate(chunks):
             offset = processes.rank * share + index * micro
-            with processes.no_sync(self.wrapped, index == len(chunks) - 1):
+            with processes.accumulating(self.wrapped, index == len(chunks) - 1):
                 num_steps = depths.get(offset, depths[0])[1]
                 parts = {}
-                loss = self._micro_batch_loss(chunk, num_steps, batch_start + offset, None, parts)
+                loss = self._micro_batch_loss(chunk, num_steps, batch_start + offset, parts)
                 (loss * chunk.shape[0] / share).backward()
             total_loss += loss.detach() * chunk.shape[0] / share
             for name, value in parts.items():
@@ -381,23 +375,40 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict | None:
-        """Mean validation loss per store and test recurrence (the parent: once, recurrence does not apply)."""
+        """Mean validation loss per store and test recurrence (the parent: once, recurrence does not apply).
+
+        The rows are split into micro-batches and the micro-batches shared out over the processes; each is read
+        out at every test recurrence in one pass through the core (its largest r, not their sum)."""
         if not self.validation:
             return None
         self.model.eval()
         record = {"kind": "eval", "step": self.counters.step}
-        depths = self.config.eval.steps if self.recurrent else [1]
-        for store in self.validation:
-            rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
-            for r in depths:
-                losses = [
-                    self._micro_batch_loss(chunk, (0, r), index, self.config.eval.precision)
-                    for index, chunk in enumerate(rows.split(self.config.batch.micro))
-                ]
-                key = f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")
-                record[key] = processes_mean_float(self.processes, torch.stack(losses).mean())
+        depths = sorted(set(self.config.eval.steps)) if self.recurrent else [1]
+        with self.processes.gathered():  # processes may run different numbers of micro-batches
+            for store in self.validation:
+                rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
+                chunks = rows.split(self.config.batch.micro)
+                totals = torch.zeros(len(depths) + 1, device=self.processes.device)  # summed losses, micro-batches
+                for index in range(self.processes.rank, len(chunks), self.processes.world):
+                    totals[:-1] += self._validation_losses(chunks[index], depths, index)
+                    totals[-1] += 1
+                totals = self.processes.sum(totals)
+                for r, loss in zip(depths, (totals[:-1] / totals[-1]).tolist()):
+                    record[f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")] = loss
         self.model.train()
         return record
+
+    def _validation_losses(self, rows: torch.Tensor, depths: list[int], index: int) -> torch.Tensor:
+        """The next-token CE of `rows` after each of `depths` recurrences (increasing), from one forward whose
+        s_0 is seeded from the micro-batch's `index` (the same on any number of processes)."""
+        torch.manual_seed(self.config.seed * 1_000_003 + index)
+        rows = rows.to(self.processes.device, non_blocking=True)
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        kwargs = {"num_steps": (0, depths[-1]), "readout_steps": depths[:-1]} if self.recurrent else {}
+        with self._autocast(self.config.eval.precision):
+            output = self.model(input_ids=inputs, **kwargs)
+        logits = [*(output.get("readout_logits") or ()), output.logits]
+        return torch.stack([cross_entropy(each, targets) for each in logits]).float()
 
     # ------------------------------------------------------------ checkpoints
 

@@ -18,6 +18,7 @@ from ..model.accounting import count_parameters, inference_flops_per_token
 from ..model.loading import load_model
 from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
+from .distributed import fsdp_units
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -104,11 +105,12 @@ class Teacher:
         self.flops_per_token = inference_flops_per_token(count_parameters(teacher), depth)
         self.model = teacher.to(processes.device).eval()
         # DDP replicates it as it is (no gradients to reduce); FSDP2 shards it as the student's layers.
-        self.wrapped = processes.wrap(self.model, strategy) if strategy == "fsdp" else self.model
+        if strategy == "fsdp" and processes.grouped:
+            fsdp_units(self.model, mixed_precision=False, trained=False)
 
     @torch.no_grad()
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.wrapped(input_ids=inputs).logits
+        return self.model(input_ids=inputs).logits
 
 
 def describe(distill: DistillConfig | None, supervise: SuperviseConfig | None, teacher: Teacher | None) -> list[str]:

@@ -1,0 +1,70 @@
+"""Run by tests/test_distributed.py, under `torchrun --nproc-per-node 2` and alone: what one process does.
+
+`python distributed_probe.py CONFIG.yaml OUT.json` builds the trainer of CONFIG and writes, per process:
+- `collectives`: FSDP2's all-gathers and reduce-scatters during one training step at each (n, k) of DEPTHS;
+- `validation`: the validation record, and how many forwards each store's validation ran in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from recurfit.train import Trainer, load_config
+from recurfit.train.distributed import Processes
+
+DEPTHS = [(1, 1), (6, 3)]  # one step at each: the collectives must not depend on n + k
+
+
+class Counter:
+    """Counts calls of `owner.name` (a function FSDP2 looks up in its module each time it communicates)."""
+
+    def __init__(self, owner, name: str):
+        self.count, original = 0, getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+
+def collectives(trainer: Trainer) -> dict:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    gathers, reductions = Counter(group, "foreach_all_gather"), Counter(group, "foreach_reduce")
+    counts = {}
+    for n, k in DEPTHS:
+        trainer._depths = lambda step, depth=(n, k): {0: (trainer.config.batch.global_, depth)}
+        before = gathers.count, reductions.count
+        trainer.train_step()
+        counts[f"{n},{k}"] = [gathers.count - before[0], reductions.count - before[1]]
+    return counts
+
+
+def validation(trainer: Trainer) -> dict:
+    forwards = []
+    body = trainer.model.model
+    hook = body.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    record = trainer.validate()
+    hook.remove()
+    return {"record": record, "forwards": len(forwards)}
+
+
+def main(config_path: str, out: str) -> None:
+    processes = Processes.from_environment()
+    trainer = Trainer(load_config(config_path), processes=processes)
+    result = {"validation": validation(trainer)}
+    if trainer.config.distributed == "fsdp" and processes.grouped:
+        result["collectives"] = collectives(trainer)
+    trainer.close()
+    with open(f"{out}.{processes.rank}", "w") as file:
+        json.dump(result, file)
+    processes.close()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(*sys.argv[1:])
