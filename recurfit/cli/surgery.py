@@ -96,6 +96,11 @@ def _add_import_raven(commands) -> None:
     p = commands.add_parser("import-raven", help="convert the paper authors' huginn_raven checkpoints")
     p.add_argument("path", help="checkpoint folder with config.json and weights")
     p.add_argument("--family", choices=["llama", "olmo2"], help="variant (default: detected from the weights)")
+    p.add_argument(
+        "--tokenizer",
+        help="model folder or Hub id whose tokenizer to save with the model, e.g. the parent the checkpoint was "
+        "retrofitted from (default: the checkpoint folder's own, if transformers reads it without running code)",
+    )
     p.add_argument("--out", required=True, help="output folder (must not exist unless --force)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(run=cmd_import_raven)
@@ -112,6 +117,7 @@ def cmd_retrofit(args) -> None:
         raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
     calibration = _calibration_ids(args) if args.select != "paper" else None
     placement = _placement(args, stored_dtype(load_config(args.model)) if args.dtype == "auto" else None)
+    tokenizer = optional_tokenizer(args.model)  # one that needs the folder's code fails here, before the surgery
     parent = load_model(args.model, dtype=placement.dtype)  # surgery on the CPU; the parity check on --device
     # --select angular without --shape: the knees of the angular distance choose P, R and C
     shape = args.shape or (None if args.select == "angular" else defaults.DEFAULT_SHAPE)
@@ -129,7 +135,6 @@ def cmd_retrofit(args) -> None:
         mean_recurrence=args.mean_recurrence,
         backprop_depth=args.backprop_depth,
     )
-    tokenizer = optional_tokenizer(args.model)
     if tokenizer is None:
         console.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
     _print_model(model, defaults.SUMMARY_RECURRENCES)
@@ -217,12 +222,35 @@ def _inspect_layers(args, config) -> None:
 
 
 def cmd_import_raven(args) -> None:
-    from ..model.loading import optional_tokenizer
     from ..surgery.raven import import_raven
 
+    tokenizer, said = _raven_tokenizer(args)  # before the conversion: a --tokenizer that cannot be read fails first
     model = import_raven(args.path, family=args.family)
     _print_model(model, defaults.SUMMARY_RECURRENCES)
-    _save(model, optional_tokenizer(args.path), args.out, args.force)  # the tokenizer beside the weights, if any
+    _save(model, tokenizer, args.out, args.force)
+    console.print(said, highlight=False)
+
+
+def _raven_tokenizer(args):
+    """The tokenizer to save with an imported checkpoint, and what to tell the user about it: the authors'
+    folders carry tokenizer files whose `auto_map` names their own code, which is never run."""
+    from ..model.loading import NeedsOwnCode, load_tokenizer, optional_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer), f"Tokenizer copied from {args.tokenizer}."
+    try:
+        tokenizer = optional_tokenizer(args.path)
+    except NeedsOwnCode:
+        why = f"{Path(args.path) / 'tokenizer_config.json'} names a tokenizer class in the folder's own code (auto_map)"
+    else:
+        if tokenizer is not None:
+            return tokenizer, f"Tokenizer copied from {args.path}."
+        why = f"{args.path} has none that transformers can read"
+    add = f"recurfit import-raven {args.path} --tokenizer PARENT --out {args.out} --force"
+    return None, (
+        f"[yellow]No tokenizer saved:[/] {why}. Add the tokenizer of the model it was retrofitted from (a folder "
+        f"or Hub id) with `{add}`."
+    )
 
 
 def _parent_name(args) -> str:
@@ -239,11 +267,12 @@ def _print_model(model, steps) -> None:
 def _save(model, tokenizer, out, force) -> None:
     from ..io.files import staged_directory
     from ..model.card import write_model_card
+    from ..model.loading import save_tokenizer
 
     with staged_directory(Path(out), replace=force) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
+            save_tokenizer(tokenizer, staging)
         write_model_card(staging, model, Path(out).name)
     console.print(
         f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`."

@@ -47,6 +47,8 @@ class RecurfitLM(HFLM):
         ("kl:5e-4", "argmax:3"), no earlier than `min_steps`."""
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
+        if kwargs.get("trust_remote_code"):
+            raise ValueError("--model recurfit never runs a model folder's own code: leave trust_remote_code out.")
         self.exit_rule = ExitRule.parse(exit, min_steps=int(min_steps))
         if kwargs.get("add_bos_token") is not None and not isinstance(kwargs.get("tokenizer"), (str, type(None))):
             kwargs["tokenizer"] = with_bos(kwargs["tokenizer"], kwargs["add_bos_token"])

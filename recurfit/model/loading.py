@@ -3,6 +3,7 @@ what precision to run them (`resolve_placement`, behind every command's --device
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,15 +46,51 @@ def _check_hub(name: str) -> None:
         )
 
 
-def _from_hub(loader, name: str, **kwargs):
+class NeedsOwnCode(RecurfitError):
+    """A model or tokenizer that transformers can read only by running the folder's own code."""
+
+
+def _from_hub(loader, name: str, settings: str = "config.json", **kwargs):
+    """`loader(name)` without ever running the folder's own code: transformers would otherwise ask on a terminal
+    (and run it on "y") when `settings` (config.json, tokenizer_config.json) names classes in it (`auto_map`)."""
     try:
-        return loader(name, **kwargs)
+        return loader(name, trust_remote_code=False, **kwargs)
     except OSError as problem:
         raise RecurfitError(
             f"Cannot load {name!r}: it is not a local folder, and the Hugging Face Hub could not provide it "
             f"({str(problem).splitlines()[0]}). Offline, download it elsewhere and pass its folder, or leave "
             f"--model out to use the embedded SmolLM2-135M."
         ) from None
+    except ValueError as problem:
+        if "trust_remote_code" not in str(problem):  # transformers' refusal of the code, worded for its own API
+            raise
+        raise NeedsOwnCode(_own_code_message(name, settings)) from None
+
+
+def _own_code_message(name: str, settings: str) -> str:
+    where = f"{name.rstrip('/')}/{settings}"
+    if settings == "tokenizer_config.json":
+        fix = (
+            "Save a tokenizer transformers reads without code in its place, e.g. the parent model's: "
+            f"AutoTokenizer.from_pretrained(PARENT).save_pretrained({name!r})."
+        )
+    elif _model_type(name) == "huginn_raven":
+        fix = (
+            f"It is a huginn_raven checkpoint: convert it with `recurfit import-raven {name} --out DIR`, then use DIR."
+        )
+    else:
+        fix = "Use a model whose model_type transformers or recurfit provides."
+    return (
+        f"{where} names classes in the folder's own code (auto_map), and recurfit never runs a model's own code. {fix}"
+    )
+
+
+def _model_type(name: str) -> str | None:
+    """config.json's model_type, for a local folder."""
+    try:
+        return json.loads((Path(name) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_config(name_or_path: str | None) -> PreTrainedConfig:
@@ -74,15 +111,28 @@ def load_model(
 
 
 def load_tokenizer(name_or_path: str | None):
-    return _from_hub(AutoTokenizer.from_pretrained, resolve(name_or_path))
+    return _from_hub(AutoTokenizer.from_pretrained, resolve(name_or_path), "tokenizer_config.json")
 
 
 def optional_tokenizer(name_or_path: str | None):
-    """The tokenizer saved with a model, or None for a folder that has none (a bare checkpoint)."""
+    """The tokenizer saved with a model, or None for a folder that has none (a bare checkpoint). One that needs
+    the folder's own code is refused (NeedsOwnCode), not taken for none."""
     try:
         return load_tokenizer(name_or_path)
+    except NeedsOwnCode:
+        raise
     except (RecurfitError, OSError, ValueError):
         return None
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """`tokenizer.save_pretrained(folder)`, without the `auto_map` a source folder's tokenizer_config.json may
+    carry: the code it names is not copied, and a recurfit folder names no code to run."""
+    tokenizer.save_pretrained(folder)
+    settings_file = Path(folder) / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text())
+    if settings.pop("auto_map", None) is not None:
+        settings_file.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def meta_model(config: PreTrainedConfig) -> PreTrainedModel:

@@ -32,7 +32,7 @@ from ..io.files import staged_directory
 from ..io.lock import owned
 from ..model.accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
 from ..model.card import write_model_card
-from ..model.loading import optional_tokenizer
+from ..model.loading import optional_tokenizer, save_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule
 from ..progress import progress_bar
 from .checkpoint import carry_optimizer_states, gather_state, newest_readable, restore, write_checkpoint
@@ -119,6 +119,7 @@ class Trainer:
         self.folder.check_start(resume, force)
         model = select_parts(build_model(config.model, config.depth, config.seed), config)
         self.model = model.to(self.processes.device)
+        self.tokenizer = optional_tokenizer(config.model.source)  # saved with every snapshot and the final model
         self._say(summary(self.model, config))
         self.recurrent = is_recurrent(self.model)
         self.parameter_counts = count_parameters(self.model)
@@ -495,9 +496,8 @@ class Trainer:
         if self.processes.is_main:
             with staged_directory(target, replace=True) as staging:
                 model.save_pretrained(staging, state_dict=model_state)
-                tokenizer = optional_tokenizer(self.config.model.source)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(staging)
+                if self.tokenizer is not None:
+                    save_tokenizer(self.tokenizer, staging)
                 record = self.training_record()
                 (staging / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
                 if card:
