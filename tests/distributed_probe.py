@@ -1,8 +1,10 @@
 """Run by tests/test_distributed.py, under `torchrun --nproc-per-node 2` and alone: what one process does.
 
-`python distributed_probe.py CONFIG.yaml OUT.json` builds the trainer of CONFIG and writes, per process:
-- `collectives`: FSDP2's all-gathers and reduce-scatters during one training step at each (n, k) of DEPTHS;
-- `validation`: the validation record, and how many forwards each store's validation ran in this process.
+`python distributed_probe.py MODE CONFIG.yaml OUT.json` builds the trainer of CONFIG and writes, per process
+(OUT.json.RANK), with MODE
+- `steps`: `validation`, the validation record and how many forwards validation ran in this process; under
+  FSDP2, `collectives`, its all-gathers and reduce-scatters during one training step at each (n, k) of DEPTHS;
+- `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at.
 """
 
 from __future__ import annotations
@@ -53,13 +55,31 @@ def validation(trainer: Trainer) -> dict:
     return {"record": record, "forwards": len(forwards)}
 
 
-def main(config_path: str, out: str) -> None:
-    processes = Processes.from_environment()
-    trainer = Trainer(load_config(config_path), processes=processes)
+def steps(trainer: Trainer) -> dict:
     result = {"validation": validation(trainer)}
-    if trainer.config.distributed == "fsdp" and processes.grouped:
+    if trainer.config.distributed == "fsdp" and trainer.processes.grouped:
         result["collectives"] = collectives(trainer)
+    return result
+
+
+def resume(config, processes: Processes) -> dict:
+    from recurfit.train import checkpoint
+
+    hashed = Counter(checkpoint, "_sha256")
+    trainer = Trainer(config, resume=True, processes=processes)
     trainer.close()
+    return {"hashed": hashed.count, "step": trainer.counters.step}
+
+
+def main(mode: str, config_path: str, out: str) -> None:
+    processes = Processes.from_environment()
+    config = load_config(config_path)
+    if mode == "resume":
+        result = resume(config, processes)
+    else:
+        trainer = Trainer(config, processes=processes)
+        result = steps(trainer)
+        trainer.close()
     with open(f"{out}.{processes.rank}", "w") as file:
         json.dump(result, file)
     processes.close()

@@ -14,9 +14,11 @@ import pytest
 import torch
 import yaml
 from conftest import tiny_parent
-from test_train import REPO, TWO_PROCESSES, one_and_two_processes, tiny_config, train_losses
+from safetensors.torch import load_file
+from test_train import REPO, TWO_PROCESSES, one_and_two_processes, run_cli, tiny_config, train_losses
 
 import recurfit
+from recurfit.train import load_config, train
 from recurfit.train.metrics import read_log
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -46,13 +48,13 @@ def test_fsdp2_with_a_depth_per_micro_batch_trains_as_one_process(tmp_path, work
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
 
 
-def probe(tmp_path: Path, workspace: Path, name: str, processes: int, **overrides) -> list[dict]:
+def probe(tmp_path: Path, workspace: Path, name: str, processes: int, mode: str = "steps", **overrides) -> list[dict]:
     """distributed_probe.py's result of each process, for the tiny config with `overrides`."""
     config = tiny_config(workspace, tmp_path / name, **overrides)
     config["eval"] = {"every": 0, "steps": [1, 2, 4, 8], "rows": 7}  # 4 micro-batches of 2 rows, the last of 1
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [*TORCHRUN, str(PROBE)] if processes == 2 else [sys.executable, str(PROBE)]
+    command = [*TORCHRUN, str(PROBE), mode] if processes == 2 else [sys.executable, str(PROBE), mode]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [*command, str(path), str(tmp_path / f"{name}.json")],
@@ -115,6 +117,37 @@ def test_uneven_validation_shares_need_no_collective(tmp_path, workspace):
         assert results[0]["validation"]["record"] == results[1]["validation"]["record"]
 
 
+@pytest.mark.cpu_only(TWO_PROCESSES)
+def test_resume_hashes_the_checkpoint_once_not_on_every_process(tmp_path, workspace):
+    """A 1B model's checkpoint is ~12 GB: the main process verifies it, the others read the one it chose."""
+    settings = {"steps": 2, "checkpoint": {"every": 1, "keep": 2}, "optimizer": {"name": "adamw", "warmup": 0}}
+    config = tiny_config(workspace, tmp_path / "run", **settings)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert run_cli("train", str(tmp_path / "run.yaml")).wait(HANG) == 0
+    main, other = probe(tmp_path, workspace, "run", 2, mode="resume", **settings)
+    assert main == {"hashed": 3, "step": 2}  # model, optimizer and trainer files, once
+    assert other == {"hashed": 0, "step": 2}
+
+
+def test_saves_are_timed_and_snapshots_can_be_bf16(tmp_path, workspace, capsys):
+    settings = {"steps": 2, "snapshots": {"every": 1, "dtype": "bfloat16"}, "checkpoint": {"every": 1, "keep": 1}}
+    config = tiny_config(workspace, tmp_path / "run", **settings)
+    config["optimizer"]["warmup"] = 0
+    result = train(load_config(None, base=config))
+    saves = [(r["what"], r["step"]) for r in read_log(result.out) if r["kind"] == "save"]
+    assert saves == [("snapshot", 0), ("snapshot", 1), ("checkpoint", 1), ("checkpoint", 2), ("final", 2)]
+    assert all(r["seconds"] > 0 for r in read_log(result.out) if r["kind"] == "save")
+    snapshot = result.out / "snapshots" / "step-000001"
+    weights = load_file(snapshot / "model.safetensors")
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert json.loads((snapshot / "config.json").read_text())["dtype"] == "bfloat16"
+    final = load_file(result.out / "final" / "model.safetensors")
+    assert {t.dtype for t in final.values() if t.is_floating_point()} == {torch.float32}
+    # the disk estimate follows the dtype: 2 snapshots of bf16 weights
+    size = sum(t.numel() * 2 for t in weights.values())
+    assert f"2 × {size / 1e3:.1f} kB" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- bf16 autocast and truncated backprop
 
 
@@ -130,12 +163,15 @@ def core_gradients(model, ids, cache_enabled: bool) -> dict[str, torch.Tensor]:
 
 def test_bf16_autocast_keeps_the_cores_gradient_after_steps_without_it():
     """The n steps without gradient cast the core's and adapter's weights first; autocast's cache must not hand
-    those gradient-less casts to the k steps with gradient (torch 2.9 did: no gradient reached the core)."""
+    those gradient-less casts to the k steps with gradient (torch 2.9.1 did: the adapter got no gradient at all).
+
+    Tolerance: the cached forward shares one bf16 cast of each weight between the k steps, so its gradient is
+    summed in bf16 before it reaches the fp32 weight; the uncached one sums in fp32. bf16 keeps 8 bits (2⁻⁸ ≈ 4e-3
+    relative per rounding): 1.8e-3 measured on torch 2.9.1, 0 on 2.13, whose cache no longer serves the k steps."""
     model = recurfit.retrofit(tiny_parent("llama", place=False), shape=(2, 2, 1), adapter_init="torch-default")
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     cached, uncached = core_gradients(model, ids, True), core_gradients(model, ids, False)
     assert cached.keys() == uncached.keys() and any(name.startswith("model.adapter.") for name in cached)
     for name, grad in cached.items():
         assert grad is not None and grad.abs().sum() > 0, f"{name} got no gradient"
-        # the same casts in the same order: bitwise equal; 1e-6 leaves room for a kernel's summation order
-        torch.testing.assert_close(grad, uncached[name], rtol=1e-6, atol=1e-6)
+        assert (grad - uncached[name]).norm() <= 1e-2 * uncached[name].norm(), name

@@ -51,7 +51,7 @@ def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
     trainer = Trainer(config_for(workspace, tmp_path / "run", "distill.alpha=0.3", *DISTILL))
     rows = micro_batch(trainer)
     parts = {}
-    loss = trainer._micro_batch_loss(rows, (1, 2), 5, None, parts)
+    loss = trainer._micro_batch_loss(rows, (1, 2), 5, parts)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").eval()
     with torch.no_grad():
@@ -61,7 +61,8 @@ def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
     for got, want in zip((loss, parts["ce"], parts["kl"]), expected, strict=True):
         assert got.item() == pytest.approx(want.item(), rel=1e-5)
     assert expected[2] > 0.01  # the pruned student is far from its parent: the KL term matters
-    assert trainer._micro_batch_loss(rows, (1, 2), 5).item() == pytest.approx(expected[1].item(), rel=1e-5)  # val
+    # validation reads plain CE: 1 + 2 recurrences from the same s_0
+    assert trainer._validation_losses(rows, [3], 5)[0].item() == pytest.approx(expected[1].item(), rel=1e-5)
     trainer.close()
 
 
@@ -157,7 +158,7 @@ def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_pat
     model, rows = trainer.model, micro_batch(trainer)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     parts = {}
-    supervised = trainer._micro_batch_loss(rows, (2, 3), 7, None, parts)
+    supervised = trainer._micro_batch_loss(rows, (2, 3), 7, parts)
     supervised.backward()
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()

@@ -330,10 +330,10 @@ class RecurrentModel(RecurrentPreTrainedModel):
 
 def forget_gradless_casts(device_type: str) -> None:
     """Before the first recurrence with gradient: drop the weight casts autocast cached during the recurrences
-    without it. torch ≤ 2.9 caches a cast made under no_grad and hands the same gradient-less copy to the later
-    steps, so the core and adapter would get no gradient at all (silently on one process, an error under DDP).
-    Clearing costs one more cast of the core's weights per forward; torch's fix (it no longer caches casts made
-    without gradient) makes it a no-op."""
+    without it. torch 2.9 (measured on 2.9.1) caches a cast made under no_grad and hands the same gradient-less
+    copy to the later steps, so weights cast there get no gradient (the adapter none at all: silent on one
+    process, an error under DDP). Clearing costs one more cast of the core's weights per forward; on the torch
+    releases that no longer cache casts made without gradient (2.13 here) it drops nothing that is reused."""
     if torch.is_autocast_enabled(device_type):
         torch.clear_autocast_cache()
 

@@ -8,11 +8,11 @@
 
 A checkpoint is written into a hidden staging folder and renamed into place, so a crash mid-write leaves only
 the staging folder (ignored and cleaned up), never a `step-*` folder that loads wrong. The last `keep` are
-kept. On resume the checksums are verified before any tensor is used: a damaged checkpoint (flipped bytes, a
-truncated file, a hand-edited one) is skipped with a message naming the file, and the run resumes from the
-newest checkpoint that reads back whole. The state dicts go through `torch.distributed.checkpoint.state_dict`,
-which gathers FSDP2 shards into full tensors (and is a no-op for a plain or DDP model), so every checkpoint
-loads on any number of processes.
+kept. On resume the checksums are verified (by the main process alone) before any tensor is used: a damaged
+checkpoint (flipped bytes, a truncated file, a hand-edited one) is skipped with a message naming the file, and
+the run resumes from the newest checkpoint that reads back whole. The state dicts go through
+`torch.distributed.checkpoint.state_dict`, which gathers FSDP2 shards into full tensors (and is a no-op for a
+plain or DDP model), so every checkpoint loads on any number of processes.
 """
 
 from __future__ import annotations
@@ -120,9 +120,11 @@ class Checkpoint:
         return self.trainer["counters"]["step"]
 
 
-def read_checkpoint(folder: Path, warn: Callable[[str], None] = print) -> Checkpoint:
-    """Verify the checksums, then read the three files; a DamagedCheckpoint names the file and the problem."""
-    _verify(folder, warn)
+def read_checkpoint(folder: Path, warn: Callable[[str], None] = print, verify: bool = True) -> Checkpoint:
+    """Verify the checksums (unless another process has), then read the three files; a DamagedCheckpoint names
+    the file and the problem."""
+    if verify:
+        _verify(folder, warn)
     where = folder / MODEL
     try:
         model_state = load_file(where)

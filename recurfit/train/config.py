@@ -338,6 +338,8 @@ class SnapshotConfig:
     # all kept, for evaluation over training (`recurfit eval tasks OUT`); 0: none. Step 0 is the model before
     # training. Independent of the few resumable checkpoints.
     every: int = 0
+    # bfloat16 halves their disk (evaluation runs in bf16 on a GPU anyway); checkpoints stay float32 for resume
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass
@@ -371,6 +373,10 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool = False
     distributed: Literal["ddp", "fsdp"] = "ddp"
+    # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
+    # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or
+    # the final model; NCCL's own default, 10 minutes, would kill such a run at its first checkpoint.
+    distributed_timeout: int = 3600
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -416,6 +422,7 @@ class TrainConfig:
             ("log.every", self.log.every, 1),
             ("eval.rows", self.eval.rows, 1),
             ("max_bad_steps", self.max_bad_steps, 1),
+            ("distributed_timeout", self.distributed_timeout, 1),
         ):
             if value < least:
                 problems.append(f"{name} must be >= {least}, got {value}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,8 @@ class Processes:
     sharded: list = field(default_factory=list)  # FSDP2: (unit, reshard_after_forward) of every unit `wrap` made
 
     @classmethod
-    def from_environment(cls) -> Processes:
+    def from_environment(cls, timeout: float = 3600) -> Processes:
+        """This process's place under torchrun (alone without it); collectives fail after `timeout` seconds."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -46,7 +48,9 @@ class Processes:
         grouped = world > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun sets it, also for one process
         if grouped and not dist.is_initialized():
             dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+                "nccl" if device.type == "cuda" else "gloo",
+                device_id=device if device.type == "cuda" else None,
+                timeout=timedelta(seconds=timeout),
             )
         return cls(rank, world, local_rank, device, grouped)
 
@@ -104,6 +108,14 @@ class Processes:
             value = value.clone()
             dist.all_reduce(value)
         return value
+
+    def broadcast(self, value):
+        """The main process's `value` (any picklable object), on every process."""
+        if not self.grouped:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         if self.grouped:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,15 @@ from ..model.card import write_model_card
 from ..model.loading import optional_tokenizer, save_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule
 from ..progress import progress_bar
-from .checkpoint import carry_optimizer_states, gather_state, newest_readable, restore, write_checkpoint
+from .checkpoint import (
+    Checkpoint,
+    carry_optimizer_states,
+    gather_state,
+    newest_readable,
+    read_checkpoint,
+    restore,
+    write_checkpoint,
+)
 from .config import TrainConfig
 from .distributed import Processes
 from .lora import merged
@@ -101,7 +109,7 @@ class Trainer:
         self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False
     ):
         self.config, self.out = config, Path(config.out)
-        self.processes = processes or Processes.from_environment()
+        self.processes = processes or Processes.from_environment(config.distributed_timeout)
         self.folder = RunFolder(self.out)
         self.ownership = ExitStack()  # the folder's lock, held by the main process until the run ends
         if self.processes.is_main:
@@ -413,7 +421,20 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
+    @contextmanager
+    def _timed(self, what: str):
+        """Log how long saving `what` (checkpoint, snapshot, final) took, all processes waiting included."""
+        started = time.perf_counter()
+        yield
+        self._write(
+            {"kind": "save", "step": self.counters.step, "what": what, "seconds": time.perf_counter() - started}
+        )
+
     def checkpoint(self) -> None:
+        with self._timed("checkpoint"):
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         model_state, optimizer_states = gather_state(self.model, self.optimizers)
         if self.processes.is_main:
             trainer = {
@@ -434,7 +455,7 @@ class Trainer:
 
     def _resume(self) -> None:
         """Continue from the newest readable checkpoint; with none yet, start from step 0 in the same folder."""
-        checkpoint = newest_readable(self.folder.checkpoints, warn=self._say)
+        checkpoint = self._newest_checkpoint(self.folder.checkpoints)
         if checkpoint is None:
             self._say(f"--resume: {self.out} holds no checkpoint yet; starting from step 0.")
             return
@@ -451,10 +472,26 @@ class Trainer:
         self.stream.load_state_dict(trainer["stream"])
         self._say(f"Resuming {self.out} from step {self.counters.step} ({checkpoint.folder}).")
 
+    def _newest_checkpoint(self, root: Path) -> Checkpoint | None:
+        """`newest_readable`, verified once: the main process hashes the files and chooses, the others read the
+        checkpoint it chose (a 1B model's is ~12 GB: hashing it on every process would multiply the wait)."""
+        chosen, problem = None, None
+        if self.processes.is_main:
+            try:
+                chosen = newest_readable(root, warn=self._say)
+            except RecurfitError as error:
+                problem = str(error)
+        folder, problem = self.processes.broadcast((chosen and chosen.folder, problem))
+        if problem is not None:  # every process stops, none waits for the others
+            raise RecurfitError(problem)
+        if chosen is None and folder is not None:
+            chosen = read_checkpoint(folder, warn=self._say, verify=False)
+        return chosen
+
     def _carry_state(self) -> None:
         """model.carry_state: the optimizer state and data position of the run this one continues."""
         source = RunFolder(Path(self.config.model.init_from))
-        checkpoint = newest_readable(source.checkpoints, warn=self._say)
+        checkpoint = self._newest_checkpoint(source.checkpoints)
         if checkpoint is None:
             raise RecurfitError(f"model.carry_state: {source.path} has no checkpoint to carry the state from.")
         check_carry(checkpoint.trainer["config"], self.config)
@@ -488,14 +525,16 @@ class Trainer:
             "earlier": self.earlier,  # the runs this one continues (model.init_from): not in the counters above
         }
 
-    def _save_model(self, target: Path, card_validation: dict | None = None, card: bool = False) -> None:
+    def _save_model(
+        self, target: Path, card_validation: dict | None = None, card: bool = False, dtype: str = "float32"
+    ) -> None:
         """The model as a `from_pretrained` folder, with its tokenizer and `training.json`, written atomically
-        (collective under FSDP: every rank gathers, the main one writes)."""
+        (collective under FSDP: every rank gathers, the main one writes); its floating-point weights in `dtype`."""
         model = merged(self.model)  # LoRA adapters merged: the folder loads as a plain recurfit model
         model_state, _ = gather_state(model, [])
         if self.processes.is_main:
             with staged_directory(target, replace=True) as staging:
-                model.save_pretrained(staging, state_dict=model_state)
+                save_weights(model, staging, model_state, dtype)
                 if self.tokenizer is not None:
                     save_tokenizer(self.tokenizer, staging)
                 record = self.training_record()
@@ -510,12 +549,16 @@ class Trainer:
         """The final model as a `from_pretrained` folder (with the tokenizer when the model had one) and its model
         card: the recipe, the tokens and the last `validation` record."""
         final = self.out / "final"
-        self._save_model(final, validation, card=True)
+        with self._timed("final"):
+            self._save_model(final, validation, card=True)
         return final
 
     def snapshot(self) -> None:
-        """A loadable model of this step under OUT/snapshots (weights only: the resumable state is a checkpoint's)."""
-        self._save_model(self.folder.snapshots / f"step-{self.counters.step:06d}")
+        """A loadable model of this step under OUT/snapshots (weights only: the resumable state is a checkpoint's),
+        in `snapshots.dtype`."""
+        with self._timed("snapshot"):
+            target = self.folder.snapshots / f"step-{self.counters.step:06d}"
+            self._save_model(target, dtype=self.config.snapshots.dtype)
 
     def _announce_snapshots(self) -> None:
         """What the snapshots will take on disk, said before the first one is written."""
@@ -523,8 +566,10 @@ class Trainer:
         if not every:
             return
         count = self.config.steps // every + 1 - (self.config.steps % every == 0)  # step 0 on; the last is final/
+        floating = getattr(torch, self.config.snapshots.dtype).itemsize
         size = sum(
-            t.numel() * t.element_size() for t in {p.data_ptr(): p for p in self.model.state_dict().values()}.values()
+            t.numel() * (floating if t.is_floating_point() else t.element_size())
+            for t in {p.data_ptr(): p for p in self.model.state_dict().values()}.values()
         )
         self._say(
             f"Snapshots: every {every} steps, {count} × {_size(size)} = {_size(count * size)} "
@@ -580,6 +625,18 @@ class Trainer:
     def _write(self, record: dict | None) -> None:
         if record is not None and self.log is not None:
             self.log.write(record)
+
+
+def save_weights(model, folder: Path, state: dict, dtype: str) -> None:
+    """`model.save_pretrained(folder)` with `state`'s floating-point tensors in `dtype`, and config.json saying so
+    (transformers writes the model's own dtype there)."""
+    if dtype != "float32":
+        state = {name: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for name, t in state.items()}
+    model.save_pretrained(folder, state_dict=state)
+    settings = json.loads((folder / "config.json").read_text())
+    if settings.get("dtype", dtype) != dtype:
+        settings["dtype"] = dtype
+        (folder / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def _size(size: float) -> str:

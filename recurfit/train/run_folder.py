@@ -28,6 +28,7 @@ RESUMABLE_CHANGES = (
     "precision",
     "compile",
     "distributed",
+    "distributed_timeout",
     "batch.micro",
     "checkpoint",
     "snapshots",
