@@ -4,7 +4,8 @@ On the device machine (torch 2.11, transformers 5.17, no network, no lm-eval), f
 
     python3 benchmarks/gpu_suite.py --part 1 --out "$OUT"   # install, ceilings, CUDA tests, train_step ×2 (< 9.5 min)
     python3 benchmarks/gpu_suite.py --part 2 --out "$OUT"   # decode ×2, LM-head memory, profile, FSDP2, NCCL train
-    python3 benchmarks/gpu_suite.py --cpu-smoke --out DIR   # CI: every step of both parts, tiny, on the CPU
+    python3 benchmarks/gpu_suite.py --part 3 --out "$OUT"   # scale: DDP/FSDP2 resume, bf16 grads, healing, recompiles
+    python3 benchmarks/gpu_suite.py --cpu-smoke --out DIR   # CI: every step of the parts, tiny, on the CPU
 
 Each step is a subprocess with its own time limit inside the part's budget; its output is appended to
 `OUT/suite-partN.log` as it runs, and `OUT/summary-partN.md` (status, seconds and the last lines of each step)
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -178,6 +180,22 @@ def part_two(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     ]
 
 
+def part_three(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
+    """What only a GPU shows of training at scale: one-process NCCL runs with accumulation, draws per micro-batch
+    and a resume; the core's gradient under CUDA bf16 autocast; the healing objectives on CUDA; recompiles."""
+    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "--device", sizes.device]
+    check = [__file__, *(["--cpu-smoke"] if smoke else []), "--work", work]
+    healing = ["tests/test_healing.py", *(["-k", "hand_computation or weighted_mean"] if smoke else [])]
+    return [
+        Step("prepare", 60, python(__file__, "--prepare-train", work, *(["--cpu-smoke"] if smoke else []))),
+        Step("resume-ddp", 130, python(*check, "--resume-check", "ddp")),
+        Step("resume-fsdp", 130, python(*check, "--resume-check", "fsdp")),
+        Step("autocast-grad", 40, python(*tests, "tests/test_distributed.py", "-k", "autocast")),
+        Step("tests-healing", 120, python(*tests, *healing, "--junitxml", work / "junit-healing.xml")),
+        Step("recompiles", 150, python(*check, "--recompiles")),
+    ]
+
+
 def peaks(work: Path) -> dict:
     return json.loads((work / "peaks.json").read_text())
 
@@ -268,6 +286,7 @@ class Suite:
             "peaks.json",
             "junit-fp32.xml",
             "junit-bf16.xml",
+            "junit-healing.xml",
             "profile-trace.json.gz",
             "run/log.jsonl",
             "train.yaml",
@@ -379,17 +398,109 @@ def prepare_train(work: Path, smoke: bool) -> None:
     print(f"parent {work / 'parent'}, store {work / 'data'} (seq {seq_len}), config {work / 'train.yaml'}")
 
 
+# Losses of a resumed run against the straight one. Exact on the CPU. On a GPU flash/efficient attention's
+# backward sums with atomics, so two runs of the same step differ in the last bits, and the difference grows
+# with the steps after it; 1e-3 relative bounds it over the few steps of the check (the check prints it).
+RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 1e-3}
+
+
+def scale_run(work: Path, smoke: bool, **settings) -> dict:
+    """prepare_train's run, at the scale settings of part 3: sequences of the store's length (1,024 on the GPU,
+    at least 256 as the resume check needs), gradient accumulation (global = 4 × micro), a depth per micro-batch."""
+    import yaml
+
+    run = yaml.safe_load((work / "train.yaml").read_text())
+    micro = 1 if smoke else 2
+    run["batch"] = {"micro": micro, "global": 4 * micro}
+    run["depth"] = {"mean_recurrence": 4 if smoke else 8, "backprop_depth": 2 if smoke else 4, "draw": "micro_batch"}
+    return {**run, "steps": 16, "checkpoint": {"every": 4, "keep": 2}, **settings}
+
+
+def torchrun(*argv) -> list[str]:
+    return python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 1, "-m", "recurfit", *argv)
+
+
+def resume_check(work: Path, strategy: str, smoke: bool) -> int:
+    """One-process torchrun (NCCL on a GPU) with `strategy`: a straight run, and one killed after its first
+    checkpoint and resumed; prints the largest relative difference of their losses against RESUME_TOLERANCE."""
+    import yaml
+
+    from recurfit.train.metrics import read_log
+
+    paths = {}
+    for name in ("straight", "killed"):
+        paths[name] = work / f"resume-{strategy}-{name}"
+        shutil.rmtree(paths[name], ignore_errors=True)  # the kill below watches for a checkpoint: none from before
+        run = scale_run(work, smoke, out=str(paths[name]), distributed=strategy)
+        (work / f"resume-{strategy}-{name}.yaml").write_text(yaml.safe_dump(run))
+    subprocess.run(torchrun("train", work / f"resume-{strategy}-straight.yaml"), check=True)
+    config = work / f"resume-{strategy}-killed.yaml"
+    killed = subprocess.Popen(torchrun("train", config))
+    while killed.poll() is None and not (paths["killed"] / "checkpoints" / "step-000004").exists():
+        time.sleep(0.01)
+    kill_every_process_of(config)  # torchrun's workers run in sessions of their own: a kill of the agent misses them
+    killed.wait()
+    saved = sorted((paths["killed"] / "checkpoints").glob("step-*"))
+    if not saved or saved[-1].name == "step-000016":
+        print("the run finished before it could be killed: no resume was checked")
+        return 1
+    subprocess.run(torchrun("train", work / f"resume-{strategy}-killed.yaml", "--resume"), check=True)
+    losses = {
+        name: {r["step"]: r["loss"] for r in read_log(path) if r["kind"] == "train"} for name, path in paths.items()
+    }
+    worst = max(abs(losses["killed"][s] - loss) / abs(loss) for s, loss in losses["straight"].items())
+    tolerance = RESUME_TOLERANCE["cpu" if smoke else "cuda"]
+    print(
+        f"{strategy}: killed, resumed from {saved[-1].name}; losses of steps 1-16 within {worst:.2e} relative "
+        f"(tolerance {tolerance})"
+    )
+    return 0 if list(losses["killed"]) == list(range(1, 17)) and worst <= tolerance else 1
+
+
+def kill_every_process_of(config: Path) -> None:
+    """SIGKILL every process whose command line names `config` (torchrun's agent and its workers)."""
+    import signal
+
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(config).encode() in cmdline.read_bytes().split(b"\0"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone already
+            pass
+
+
+def recompiles(work: Path, smoke: bool) -> int:
+    """`compile: true` training with a depth per micro-batch and validation every 2 steps, under
+    TORCH_LOGS=recompiles: how many times dynamo recompiled, and why (the smoke runs eager: inductor takes
+    minutes on a CPU, and the count is then 0 by construction)."""
+    import yaml
+
+    run = scale_run(work, smoke, out=str(work / "compiled"), compile=not smoke, steps=6)
+    run["checkpoint"], run["eval"] = {"every": 0, "keep": 1}, {"every": 2, "steps": [1, 4, 8], "rows": 4}
+    (work / "compiled.yaml").write_text(yaml.safe_dump(run))
+    env = {**os.environ, "TORCH_LOGS": "recompiles"}
+    done = subprocess.run(
+        python("-m", "recurfit", "train", work / "compiled.yaml", "--force"), env=env, capture_output=True, text=True
+    )
+    print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
+    reasons = [line for line in done.stderr.splitlines() if "Recompiling function" in line]
+    print(f"recompiles: {len(reasons)} in 6 training steps and 3 validations")
+    return done.returncode
+
+
 # ---------------------------------------------------------------- main
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["1", "2", "all"], default="all")
+    parser.add_argument("--part", choices=["1", "2", "3", "all"], default="all")
     parser.add_argument("--out", type=Path, help="results folder ($OUT on the device machine)")
     parser.add_argument("--work", type=Path, help="scratch folder (default: /tmp/recurfit-gpu-suite, or OUT/work)")
     parser.add_argument("--cpu-smoke", action="store_true", help="every step at tiny sizes on the CPU (CI)")
     parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prepare-train", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--resume-check", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
+    parser.add_argument("--recompiles", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.environment:
         environment()
@@ -397,6 +508,10 @@ def main() -> int:
     if args.prepare_train:
         prepare_train(args.prepare_train, args.cpu_smoke)
         return 0
+    if args.resume_check:
+        return resume_check(args.work, args.resume_check, args.cpu_smoke)
+    if args.recompiles:
+        return recompiles(args.work, args.cpu_smoke)
     if args.out is None:
         parser.error("--out is required: the folder the results go to ($OUT on the device machine)")
     return run_parts(args)
@@ -423,6 +538,10 @@ def run_parts(args) -> int:
         )
         ok &= suite.run(first)  # a fresh machine: part 1's install and peaks are gone with the last one
         ok &= suite.run(part_two(sizes, work, args.cpu_smoke))
+        suite.pack(args.out)
+    if args.part in ("3", "all"):
+        suite = Suite(args.out, "3", work, args.cpu_smoke)
+        ok &= suite.run([install_step(args.cpu_smoke), *part_three(sizes, work, args.cpu_smoke)])
         suite.pack(args.out)
     return 0 if ok else 1
 

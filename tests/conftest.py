@@ -43,8 +43,9 @@ FAMILIES = list(FAMILY_KWARGS)
 
 # The test modules that follow --device (training runs through `recurfit train`, which picks the GPU itself)
 # and --dtype (the models the tests build directly).
-DEVICE_MODULES = {"test_parity", "test_model", "test_cache", "test_generation", "test_train"}
-DTYPE_MODULES = DEVICE_MODULES - {"test_train"}
+TRAINING_MODULES = {"test_train", "test_healing", "test_distributed"}  # multi-process tests there are cpu_only
+DEVICE_MODULES = {"test_parity", "test_model", "test_cache", "test_generation", *TRAINING_MODULES}
+DTYPE_MODULES = DEVICE_MODULES - TRAINING_MODULES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Largest |Δlogit| between two bf16 computations of the same function on the tiny models: logits reach about
 # 1.5, where one bf16 rounding is 2**-8 · 1.5 ≈ 0.006, and the two orders differ by up to ~16 such roundings

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_parent
+from conftest import PLACEMENT, tiny_parent
 from safetensors.torch import load_file
 from test_train import REPO, TWO_PROCESSES, one_and_two_processes, run_cli, tiny_config, train_losses
 
@@ -154,7 +154,7 @@ def test_saves_are_timed_and_snapshots_can_be_bf16(tmp_path, workspace, capsys):
 def core_gradients(model, ids, cache_enabled: bool) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled):
         logits = model(input_ids=ids, num_steps=(3, 2)).logits
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
     trained = ("model.core.", "model.adapter.")
@@ -169,7 +169,8 @@ def test_bf16_autocast_keeps_the_cores_gradient_after_steps_without_it():
     summed in bf16 before it reaches the fp32 weight; the uncached one sums in fp32. bf16 keeps 8 bits (2⁻⁸ ≈ 4e-3
     relative per rounding): 1.8e-3 measured on torch 2.9.1, 0 on 2.13, whose cache no longer serves the k steps."""
     model = recurfit.retrofit(tiny_parent("llama", place=False), shape=(2, 2, 1), adapter_init="torch-default")
-    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = model.to(PLACEMENT.device)  # fp32 master weights, as training holds them; the suite runs it on CUDA
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0)).to(PLACEMENT.device)
     cached, uncached = core_gradients(model, ids, True), core_gradients(model, ids, False)
     assert cached.keys() == uncached.keys() and any(name.startswith("model.adapter.") for name in cached)
     for name, grad in cached.items():

@@ -22,7 +22,8 @@ DISTILL = ("distill.temperature=1.7", "model.adapter_init=torch-default")
 
 
 def micro_batch(trainer: Trainer, rows: int = 2) -> torch.Tensor:
-    return trainer.stream.next_batch(rows, 0, 1)
+    """Rows on the trainer's device (the GPU under the suite's --device cuda)."""
+    return trainer.stream.next_batch(rows, 0, 1).to(trainer.processes.device)
 
 
 def hand_loss(student, teacher, targets, alpha: float | None, temperature: float) -> tuple:
@@ -48,12 +49,12 @@ def reference_logits(trainer: Trainer, inputs: torch.Tensor, first_row: int, num
 def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(config_for(workspace, tmp_path / "run", "distill.alpha=0.3", *DISTILL))
+    trainer = Trainer(config_for(workspace, tmp_path / "run", "distill.alpha=0.3", "precision=fp32", *DISTILL))
     rows = micro_batch(trainer)
     parts = {}
     loss = trainer._micro_batch_loss(rows, (1, 2), 5, parts)
     inputs, targets = rows[:, :-1], rows[:, 1:]
-    teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").eval()
+    teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").to(rows.device).eval()
     with torch.no_grad():
         expected = hand_loss(
             reference_logits(trainer, inputs, 5, (1, 2)), teacher(input_ids=inputs).logits, targets, 0.3, 1.7
@@ -154,7 +155,7 @@ def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_pat
     # A drawn adapter: with the identity one every recurrence reads e alone, and all depths would agree.
     settings = ["depth.supervise.last=3", "depth.supervise.weighting=linear", "model.adapter_init=torch-default"]
     settings += [f"distill.alpha={distill}", "distill.temperature=1.7"] if distill else []
-    trainer = Trainer(config_for(workspace, tmp_path / "run", *settings))
+    trainer = Trainer(config_for(workspace, tmp_path / "run", "precision=fp32", *settings))
     model, rows = trainer.model, micro_batch(trainer)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     parts = {}
@@ -164,7 +165,8 @@ def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_pat
     model.zero_grad()
 
     with torch.no_grad():
-        teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").eval()(input_ids=inputs).logits
+        teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").to(rows.device).eval()
+        teacher = teacher(input_ids=inputs).logits
     weights = [1 / 6, 2 / 6, 3 / 6]
     losses, ces = [], []
     for weight, k in zip(weights, (1, 2, 3)):
