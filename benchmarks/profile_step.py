@@ -7,10 +7,11 @@
 Runs forward and backward at the fixed depth `--depth n,k` (r̄ = 32, k̄ = 8 by default: 24 + 8) after a
 warm-up step, then prints: the operators by device time (and host time), the host synchronisations
 (`aten::item`, `aten::_local_scalar_dense`, `cudaStreamSynchronize`, `cudaDeviceSynchronize`), the number of
-kernels launched, and the peak memory with the logits' share. `--fsdp` shards every decoder layer with FSDP2
-in a one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun, and counts
-the all-gathers of one step: (prelude + coda) + n·core + k·core forward, again in backward for the k steps,
-when the core is re-gathered at every recurrence.
+kernels launched, and the peak memory with the logits' share. `--fsdp` shards the model with FSDP2 in a
+one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun (each prelude layer,
+the recurrent body as one unit, the root), and lists the all-gathers the profiler saw. In a group of one FSDP2
+communicates nothing (each unit already holds its whole parameters); the counts of 2 processes, which do not
+grow with n + k, are tests/test_distributed.py's.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     parser.add_argument("--vocab-size", type=int, help="tinyllama with another vocabulary (Llama-3: 128256)")
-    parser.add_argument("--fsdp", action="store_true", help="FSDP2 on every decoder layer, one process")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 as recurfit train applies it, one process")
     parser.add_argument("--no-profile", action="store_true", help="only the memory")
     parser.add_argument("--trace", help="write the Chrome trace here (.json.gz)")
     parser.add_argument("--rows", type=int, default=25, help="operators in the table")
