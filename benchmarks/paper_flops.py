@@ -57,6 +57,7 @@ def main(recipe: str, *overrides: str) -> None:
         curriculum_fraction=depth.curriculum_fraction,
         backprop_curriculum=depth.backprop_curriculum,
         backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
+        ramp_rounding=depth.paper_ramp_rounding,
     )
     drawn = mean = 0
     for step in range(config.steps):

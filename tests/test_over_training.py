@@ -147,6 +147,26 @@ def test_a_continued_run_counts_the_runs_it_continued(runs, workspace, tmp_path,
     assert list(axis.get_lines()[0].get_xdata()) == [start + d["flops_paper"] for d in steps]
     assert "model.init_from" in axis.get_xlabel()
 
+    # The paper's axis: this run's own steps from its step 0 (as the authors plotted phase 2 of two-phase runs),
+    # each at 2^20 tokens whatever the run's batch.
+    code, text = run_cli(capsys, "plot", out, "--out", tmp_path / "paper", "--paper-tokens-per-step", "1048576")
+    assert code == 0, text
+    axis = [f for f in drawn if f.get_suptitle().endswith("over training")][-1].axes[0]
+    expected = [0.0] + [d["flops_paper"] * 2**20 * d["step"] / d["tokens"] for d in steps[1:]]
+    assert list(axis.get_lines()[0].get_xdata()) == pytest.approx(expected)
+    assert expected[-1] != pytest.approx(steps[-1]["flops_paper"])  # the tiny runs' batches are not 2^20 tokens
+    assert "1,048,576 tokens per step" in axis.get_xlabel() and "model.init_from" not in axis.get_xlabel()
+
+
+def test_the_training_figure_can_draw_the_papers_flops_axis(runs, tmp_path, drawn):
+    from recurfit.evaluate import plots
+
+    plots.plot_training([runs / "recurrent"], tmp_path / "training.png", paper_tokens_per_step=2**20)
+    train = [r for r in read_log(runs / "recurrent" / "log.jsonl") if r.get("kind") == "train"]
+    expected = [r["flops_paper"] * 2**20 * r["step"] / r["tokens"] for r in train]
+    assert list(drawn[-1].axes[1].get_lines()[0].get_xdata()) == pytest.approx(expected)
+    assert expected[-1] > 100 * train[-1]["flops_paper"]  # 2^20 tokens per step, where the tiny run steps few
+
 
 def test_figures_over_training_from_two_runs(runs, tmp_path, capsys, drawn):
     evaluations = []

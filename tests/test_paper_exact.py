@@ -22,6 +22,7 @@ from recurfit.cli import main
 from recurfit.data import TokenStore
 from recurfit.errors import RecurfitError
 from recurfit.model.accounting import paper_ramp, paper_training_flops, training_flops_per_token
+from recurfit.model.loading import meta_model
 from recurfit.model.sampling import Curriculum
 from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
@@ -69,71 +70,116 @@ def test_every_paper_recipe_starts_the_adapter_and_draws_depths_as_the_authors_d
 
 # ---------------------------------------------------------------- the paper's FLOPs
 
-PARENTS = {  # the three parents' shapes (their Hub configs), built on the meta device: no weights needed
-    "tinyllama": dict(
+PARENTS = {  # the paper recipes' parents' shapes (their Hub configs), built on the meta device: no weights needed
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
         model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
         num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
     ),
-    "llama-1b": dict(
+    "meta-llama/Llama-3.2-1B": dict(
         model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
     ),
-    "olmo-1b": dict(
+    "allenai/OLMo-2-0425-1B": dict(
         model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
     ),
 }  # fmt: skip
+SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
+RECIPES = Path(__file__).parent.parent / "recipes" / "paper"
+PLOT_DATA = json.loads((Path(__file__).parent / "fixtures" / "paper_plot_flops.json").read_text())["files"]
+PLOT_TOKENS_PER_STEP = 2**20  # the authors' get_flops counts every run at 2^20 tokens per step
+# A run a recipe continues (model.init_from) that no recipe writes: docs/paper-settings.md, two-phase arms.
+UNWRITTEN_RUNS = {"runs/tinyllama-two-phase-1-static": ("tinyllama-484-two-phase-1.yaml", ["model.shape=null"])}
 
 
-def meta_model(parent: str, shape):
-    settings = dict(PARENTS[parent])
-    config = CONFIG_MAPPING[settings.pop("model_type")](**settings)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return recurfit.retrofit(model, shape=shape) if shape else model
+def plot_data_table() -> list[tuple[str, str, str | None, list[str]]]:
+    """(plot data file, run label, recipe or None for the untrained parent, overrides) from the mapping table of
+    docs/paper-settings.md ("Which recipe produced each plotted run")."""
+    text = SETTINGS.read_text().split("| plot data file |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in text.splitlines()[2:]:
+        file, label, recipe, overrides = (cell.strip() for cell in line.strip("|").split(" | "))
+        recipe = recipe.strip("`") if recipe.startswith("`") else None
+        rows.append((file.strip("`"), label.strip("`").replace("\\n", "\n"), recipe, overrides.strip("`").split()))
+    return [(f, label, recipe, [] if overrides == ["—"] else overrides) for f, label, recipe, overrides in rows]
 
 
-# (file in the authors' paper_plots/data, its run label, checkpoint, FLOPs) and the run's settings:
-# parent, shape, steps, train recurrence, curriculum and its length.
-PAPER_ROWS = [
-    ("tinyllama_ablate_rec_long", "4,8,4 75 sqrt (Train Recurrence=4)", 3000, 1.33009296e19,
-     "tinyllama", (4, 8, 4), 50000, 4, "1-sqrt", 0.75),
-    ("tinyllama_ablate_rec_long", "4,8,4 75 sqrt (Train Recurrence=32)", 50000, 1.217748875e21,
-     "tinyllama", (4, 8, 4), 50000, 32, "1-sqrt", 0.75),
-    ("tinyllama_1_sqrt_app_fig", "4,8,4 100% linear (Train Recurrence=4)", 25000, 1.3855135e20,
-     "tinyllama", (4, 8, 4), 50000, 4, "linear", 1.0),
-    ("extend_prelude_coda", "7,8,7 (Train Recurrence=16)", 28000, 6.691195202e20,
-     "tinyllama", (7, 8, 7), 50000, 16, "linear", 0.25),
-    ("olmo_50k_steps", "4,6,4 75 sqrt (Train Recurrence=32)", 25000, 4.608792034e20,
-     "olmo-1b", (4, 6, 4), 50000, 32, "1-sqrt", 0.75),
-    ("tinyllama_gsm8k_llama_long_4_rec", "4,6,4 75 sqrt (Train Recurrence=8)", 25000, 1.958141649e20,
-     "llama-1b", (4, 6, 4), 50000, 8, "1-sqrt", 0.75),
-    ("tinyllama_long_run_table", "Llama", 15000, 3.903089326e20,
-     "llama-1b", (2, 4, 2), 28610, 32, "constant", 0.0),
-    ("tinyllama_nemotron_fineweb_2", "4,8,4 (Train Recurrence=4) - Two Phase", 13000, 1.233129183e20,
-     "tinyllama", (4, 8, 4), 25000, 4, "linear", 0.25),
-    ("tinyllama_ablate_rec_long", "TinyLlama-1.1b-3T\\nStatic Depth", 1000, 6096272284975104000,
-     "tinyllama", None, 50000, 1, "constant", 0.0),
-    ("olmo_50k_steps", "Olmo-2-step1907359\\nStatic Depth", 48000, 324299374064566272000,
-     "olmo-1b", None, 50000, 1, "constant", 0.0),
-]  # fmt: skip
+def recipe_config(recipe: str, overrides: list[str]):
+    return load_config(RECIPES / recipe, overrides)
 
 
-@pytest.mark.parametrize("row", PAPER_ROWS, ids=lambda row: f"{row[0]}:{row[1][:24]}@{row[2]}")
-def test_the_papers_flops_match_the_authors_plot_data(row):
-    _, _, checkpoint, expected, parent, shape, steps, recurrence, curriculum, fraction = row
-    counts = recurfit.count_parameters(meta_model(parent, shape))
-    flops = paper_training_flops(
-        counts,
+def continued_run(init_from: str):
+    """The config of the run `init_from` names: the recipe whose `out` it is."""
+    if init_from in UNWRITTEN_RUNS:
+        return recipe_config(*UNWRITTEN_RUNS[init_from])
+    (config,) = [c for c in map(load_config, RECIPES.glob("*.yaml")) if c.out == init_from]
+    return config
+
+
+def recipe_counts(config) -> dict:
+    """Parameter counts of the model a recipe trains, its parent built from the Hub config on the meta device."""
+    if config.model.init_from is not None:
+        return recipe_counts(continued_run(config.model.init_from))
+    settings = dict(PARENTS[config.model.path])
+    model = meta_model(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    if config.model.shape is not None:
+        model = recurfit.retrofit(model, shape=tuple(config.model.shape), adapter=config.model.adapter)
+    return recurfit.count_parameters(model)
+
+
+def plot_flops(config, checkpoint: int) -> float:
+    """The FLOPs the paper's plots give `config`'s run at `checkpoint`, every setting from the loaded config."""
+    depth = config.depth
+    return paper_training_flops(
+        recipe_counts(config),
         checkpoint,
-        2**20,
-        total_steps=steps,
-        mean_recurrence=recurrence,
-        backprop_depth=8,
-        curriculum=curriculum,
-        curriculum_fraction=fraction,
+        PLOT_TOKENS_PER_STEP,
+        total_steps=config.steps,
+        mean_recurrence=depth.mean_recurrence,
+        backprop_depth=depth.backprop_depth,
+        curriculum=depth.curriculum,
+        curriculum_fraction=depth.curriculum_fraction,
+        backprop_curriculum=depth.backprop_curriculum,
+        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
+        ramp_rounding=depth.paper_ramp_rounding,
     )
-    assert flops == pytest.approx(expected, rel=5e-7)
+
+
+def test_the_mapping_table_names_every_run_of_every_plot_data_file():
+    mapped = {(file, label) for file, label, _, _ in plot_data_table()}
+    assert mapped == {(file, label) for file, runs in PLOT_DATA.items() for label in runs}
+
+
+@pytest.mark.parametrize("row", plot_data_table(), ids=lambda row: f"{row[0]}:{row[1][:30]}")
+def test_the_recipes_reproduce_the_flops_of_the_authors_plot_data(row):
+    file, label, recipe, overrides = row
+    expected = PLOT_DATA[file][label]
+    if recipe is None:  # the untrained parent: its one row is checkpoint 0
+        assert expected == [[0, 0.0]]
+        return
+    config = recipe_config(recipe, overrides)
+    for checkpoint, flops in expected:
+        assert plot_flops(config, checkpoint) == pytest.approx(flops, rel=1e-6), f"{label} at {checkpoint}"
+
+
+def test_the_fine_web_recipe_counts_its_ramp_as_the_authors_counted_those_runs():
+    # Without the ceil rounding the recipe's own row is 1.2e-3 off at step 1,000: far outside 6 figures.
+    config = recipe_config("tinyllama-484-fineweb.yaml", [])
+    (flops,) = [f for checkpoint, f in PLOT_DATA["loop_whole_model"]["4,8,4"] if checkpoint == 1000]
+    assert config.depth.paper_ramp_rounding == "ceil"
+    floor = recipe_config("tinyllama-484-fineweb.yaml", ["depth.paper_ramp_rounding=floor"])
+    assert plot_flops(floor, 1000) / flops - 1 == pytest.approx(1.23e-3, abs=0.01e-3)
+
+
+def test_ceil_rounding_moves_each_ramp_boundary_up_to_the_next_whole_step():
+    # W = 6,250, r̄ = 32: depth d ends at d · 195.3125, which floor truncates and ceil rounds up.
+    floor = [paper_ramp(step, 32, "linear", 0.25, 25000) for step in range(6300)]
+    ceil = [paper_ramp(step, 32, "linear", 0.25, 25000, "ceil") for step in range(6300)]
+    assert floor.index(2) == 195 and ceil.index(2) == 196
+    assert floor.index(32) == 6054 and ceil.index(32) == 6055 and floor[6250:] == ceil[6250:] == [32] * 50
+    # A boundary that falls on a whole step stays there (integer arithmetic, as their ceil_div).
+    assert paper_ramp(3124, 32, "linear", 0.25, 25000, "ceil") == 16
+    assert paper_ramp(3125, 32, "linear", 0.25, 25000, "ceil") == 17
 
 
 def test_the_papers_ramp_differs_from_the_run_only_by_rounding():
@@ -144,9 +190,11 @@ def test_the_papers_ramp_differs_from_the_run_only_by_rounding():
     assert ramp[0] == 1 and ramp.count(1) == int(6250 / 32) and ramp.count(32) == 25000 - int(31 / 32 * 6250)
 
 
-def test_a_runs_flops_paper_field_is_the_papers_accounting(tmp_path, workspace):
+@pytest.mark.parametrize("rounding", ["floor", "ceil"])
+def test_a_runs_flops_paper_field_is_the_papers_accounting(tmp_path, workspace, rounding):
     config = small_run(workspace, tmp_path / "run", steps=5)
     config["depth"] = {"mean_recurrence": 4, "backprop_depth": 2, "curriculum": "linear", "curriculum_fraction": 0.6}
+    config["depth"]["paper_ramp_rounding"] = rounding
     train(load_config(None, [], base=config))
     steps = [record for record in read_log(tmp_path / "run" / "log.jsonl") if record.get("kind") == "train"]
     counts = recurfit.count_parameters(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final"))
@@ -161,8 +209,22 @@ def test_a_runs_flops_paper_field_is_the_papers_accounting(tmp_path, workspace):
             backprop_depth=2,
             curriculum="linear",
             curriculum_fraction=0.6,
+            ramp_rounding=rounding,
         )
         assert record["flops_paper"] == expected
+    # The two roundings give this ramp (3 steps to depth 4) different depths: the setting reached the count.
+    other = paper_training_flops(
+        counts,
+        5,
+        tokens_per_step,
+        total_steps=5,
+        mean_recurrence=4,
+        backprop_depth=2,
+        curriculum="linear",
+        curriculum_fraction=0.6,
+        ramp_rounding="ceil" if rounding == "floor" else "floor",
+    )
+    assert steps[-1]["flops_paper"] != other
     assert steps[-1]["flops_paper"] != steps[-1]["flops"]  # the drawn depths are the other measure
 
 
@@ -282,9 +344,6 @@ def test_model_revision_reaches_from_pretrained_and_the_model_card(tmp_path, wor
     assert "revision: stage1-step1907359-tokens4001B" in (tmp_path / "run" / "final" / "README.md").read_text()
     with pytest.raises(RecurfitError, match="drop model.path and model.revision"):
         load_config(None, ["model.path=null", "model.shape=null", "model.init_from=runs/x"], base=config)
-
-
-RECIPES = Path(__file__).parent.parent / "recipes" / "paper"
 
 
 def suggested_configs(name: str):

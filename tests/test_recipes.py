@@ -80,15 +80,18 @@ REQUIRED = {
 
 def settings_sections() -> list[tuple[str, list[str], list[list[str]]]]:
     """(recipe, overrides, table rows) for each section of the settings page; an arm inherits its recipe."""
-    sections, recipe = [], None
+    sections, recipe, inside = [], None, False
     for line in SETTINGS.read_text().splitlines():
         match = SECTION.match(line)
         if match and match.group(1):
-            recipe = match.group(1)
+            recipe, inside = match.group(1), True
             sections.append((recipe, [], []))
         elif match:
             sections.append((recipe, match.group(2).split(), []))
-        elif line.startswith("| ") and not line.startswith("| setting") and sections:
+            inside = True
+        elif line.startswith("#"):  # a heading of no recipe (the FLOPs section): its tables are not settings
+            inside = False
+        elif inside and line.startswith("| ") and not line.startswith("| setting"):
             sections[-1][2].append([cell.strip() for cell in line.strip("|").split(" | ")])
     return sections
 

@@ -20,6 +20,13 @@ def add_parsers(commands) -> None:
     p = commands.add_parser("plot", help="figures (PNG, PDF, SVG) from results files and training runs")
     p.add_argument("paths", nargs="+", help="results.json files or eval folders, and training run folders")
     p.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
+    p.add_argument(
+        "--paper-tokens-per-step",
+        type=int,
+        metavar="N",
+        help="draw training FLOPs as the paper's figures count them: every step at N tokens (theirs: 1048576 = 2^20 "
+        "for every run) and each run from its own step 0 (default: the run's own tokens, earlier runs included)",
+    )
     p.set_defaults(run=cmd_plot)
 
 
@@ -239,5 +246,5 @@ def cmd_eval_tasks(args) -> None:
 def cmd_plot(args) -> None:
     from ..evaluate.plots import plot_paths
 
-    written = plot_paths(args.paths, Path(args.out))
+    written = plot_paths(args.paths, Path(args.out), args.paper_tokens_per_step)
     console.print("Wrote " + ", ".join(str(path) for path in written) + ".")

@@ -244,9 +244,25 @@ def _shared_metrics(sweeps: Sequence[Sweep]) -> list[str]:
     return seen
 
 
-def plot_training(runs: Sequence[Path], path: Path) -> Path:
+def paper_axis_flops(record: dict, tokens_per_step: int | None) -> float:
+    """A log or training record's `flops_paper` (its `flops` in logs written before it), or, given
+    `tokens_per_step`, that count as the paper's plots took it: every step at `tokens_per_step` tokens (their
+    `get_flops`: 2²⁰ for every run, whatever its batch) instead of the run's own `batch.global × seq_len`."""
+    flops = record.get("flops_paper", record.get("flops")) or 0.0
+    if tokens_per_step is None or not record.get("tokens"):
+        return flops
+    return flops * tokens_per_step * record["step"] / record["tokens"]  # the run's steps are all the same size
+
+
+def flops_axis_label(tokens_per_step: int | None) -> str:
+    if tokens_per_step is None:
+        return "training FLOPs, the paper's accounting"
+    return f"training FLOPs, the paper's accounting at {tokens_per_step:,} tokens per step, as its figures"
+
+
+def plot_training(runs: Sequence[Path], path: Path, paper_tokens_per_step: int | None = None) -> Path:
     """Training loss against optimizer steps and against training FLOPs; validation loss per r if logged, one
-    panel per validation store."""
+    panel per validation store. `paper_tokens_per_step`: the FLOPs axis as the paper's (`paper_axis_flops`)."""
     logs = {run_name(run): read_log(run) for run in runs}
     validation = {name: _validation_series(records) for name, records in logs.items()}
     stores = list(dict.fromkeys(store for series in validation.values() for store in series))
@@ -255,14 +271,14 @@ def plot_training(runs: Sequence[Path], path: Path) -> Path:
         train = [record for record in records if record.get("kind") == "train"]
         axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], color=color, label=name)
         # The paper's accounting, as its figures' FLOPs axes (logs written before it have only `flops`).
-        flops = [r.get("flops_paper", r["flops"]) for r in train]
+        flops = [paper_axis_flops(r, paper_tokens_per_step) for r in train]
         axes[1].plot(flops, [r["loss"] for r in train], color=color, label=name)
         for axis, store in zip(axes[2:], stores):
             _plot_validation(axis, name, color, validation[name].get(store, {}))
     axes[0].set_title("training loss by step", fontsize=9)
     axes[0].set_xlabel("optimizer step")
     axes[1].set_title("training loss by compute", fontsize=9)
-    axes[1].set_xlabel("training FLOPs, the paper's accounting (G = 10⁹, T = 10¹²)")
+    axes[1].set_xlabel(flops_axis_label(paper_tokens_per_step) + " (G = 10⁹, T = 10¹²)")
     _log_flops_axis(axes[1].xaxis)
     for axis in axes[:2]:
         axis.set_ylabel("training loss (nats/token)")
@@ -295,8 +311,9 @@ def _plot_validation(axis, run: str, color: str, by_r: dict[int | None, list[tup
         axis.plot(*zip(*points), marker=".", color=color, alpha=alpha, label=run + ("" if r is None else f" r={r}"))
 
 
-def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
-    """Figures for a mix of results files (or folders holding `results.json`) and training runs: every file written."""
+def plot_paths(paths: Sequence[str | Path], out: Path, paper_tokens_per_step: int | None = None) -> list[Path]:
+    """Figures for a mix of results files (or folders holding `results.json`) and training runs: every file written.
+    `paper_tokens_per_step` draws the training-FLOPs axes as the paper's figures count them (`paper_axis_flops`)."""
     from .over_training import RunEvaluation, is_run_evaluation
     from .run_figures import plot_runs
 
@@ -322,8 +339,8 @@ def plot_paths(paths: Sequence[str | Path], out: Path) -> list[Path]:
             written.append(plot_recurrence(group, out / f"{kind}_recurrence.png"))
             written.append(plot_flops(group, out / f"{kind}_flops.png"))
     if runs:
-        written.append(plot_training(runs, out / "training.png"))
-    drawn = plot_runs(evaluations, out) if evaluations else []
+        written.append(plot_training(runs, out / "training.png", paper_tokens_per_step))
+    drawn = plot_runs(evaluations, out, paper_tokens_per_step) if evaluations else []
     written += [path for path in drawn if path.suffix == ".png"]
     tables = [path for path in drawn if path.suffix == ".md"]
     return [png.with_suffix(suffix) for png in written for suffix in FORMATS] + tables

@@ -31,6 +31,8 @@ from .plots import (
     _panel_title,
     _shared_metrics,
     _stderr,
+    flops_axis_label,
+    paper_axis_flops,
 )
 from .results import Row, _number
 
@@ -84,14 +86,16 @@ def _setting(value) -> str:
     return "none" if value is None else str(value)
 
 
-def plot_runs(evaluations: Sequence[RunEvaluation], out: Path) -> list[Path]:
-    """The three figures and the table for each kind of evaluation among `evaluations`; the PNGs and tables."""
+def plot_runs(evaluations: Sequence[RunEvaluation], out: Path, paper_tokens_per_step: int | None = None) -> list[Path]:
+    """The three figures and the table for each kind of evaluation among `evaluations`; the PNGs and tables.
+    `paper_tokens_per_step`: the over-training figure's FLOPs axis as the paper's (`plot_over_training`)."""
     written = []
     for kind in ("loss", "tasks"):
         group = [e for e in evaluations if e.kind == kind]
         if group:
             labels = run_labels(group)
-            written.append(plot_over_training(group, labels, out / f"{kind}_over_training.png"))
+            over_training = out / f"{kind}_over_training.png"
+            written.append(plot_over_training(group, labels, over_training, paper_tokens_per_step))
             written.append(plot_final(group, labels, out / f"{kind}_final.png"))
             if kind == "tasks":  # bars of accuracy from zero; a loss has no zero worth drawing from
                 written.append(plot_final_bars(group, labels, out / f"{kind}_final_bars.png"))
@@ -109,8 +113,14 @@ def _kind(evaluations: Sequence[RunEvaluation]) -> str:
     return "Validation loss" if evaluations[0].kind == "loss" else "Task scores"
 
 
-def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, str], path: Path) -> Path:
-    """Each metric against the training FLOPs spent when each model was saved."""
+def plot_over_training(
+    evaluations: Sequence[RunEvaluation],
+    labels: dict[str, str],
+    path: Path,
+    paper_tokens_per_step: int | None = None,
+) -> Path:
+    """Each metric against the training FLOPs spent when each model was saved. With `paper_tokens_per_step`, the
+    paper's axis instead: only the run's own steps, each at that many tokens (`paper_axis_flops`)."""
     metrics = _metrics(evaluations)
     figure, axes = _grid(len(metrics), f"{_kind(evaluations)} over training")
     for axis, metric in zip(axes, metrics):
@@ -118,7 +128,7 @@ def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, s
             points = [(s, evaluation.curve_row(s)) for s in evaluation.sweeps]
             points = [(s, row) for s, row in points if metric in row.metrics]
             ys = [row.metrics[metric] for _, row in points]
-            xs = [_training_flops(s) for s, _ in points]
+            xs = [_training_flops(s, paper_tokens_per_step) for s, _ in points]
             style = {"marker": "o", "color": _color(evaluations, evaluation), "label": labels[evaluation.run]}
             _draw(axis, xs, ys, _stderr(evaluation.final, metric, ys), **style)
         title = _panel_title(evaluations[0].final, metric)
@@ -127,19 +137,24 @@ def plot_over_training(evaluations: Sequence[RunEvaluation], labels: dict[str, s
         axis.margins(x=0.05)
         axis.xaxis.set_major_formatter(EngFormatter(sep=" "))
         sweeps = [s for e in evaluations for s in e.sweeps]
-        what = ["training FLOPs: the paper's accounting"]
-        if any(_flops_of(s.details, "flops_teacher") for s in sweeps):
-            what.append("distillation teachers' forwards")
-        if any(s.details.get("earlier") for s in sweeps):
-            what.append("the runs each continued (model.init_from)")
+        what = [flops_axis_label(paper_tokens_per_step)]
+        if paper_tokens_per_step is None:  # the paper's axis counts each run's own steps: no teacher, no earlier run
+            if any(_flops_of(s.details, "flops_teacher") for s in sweeps):
+                what.append("distillation teachers' forwards")
+            if any(s.details.get("earlier") for s in sweeps):
+                what.append("the runs each continued (model.init_from)")
         _finish_metric_axis(axis, metric, "\n+ ".join(what) + "\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
     return save_figure(figure, path, _legend_columns(figure))
 
 
-def _training_flops(sweep) -> float:
+def _training_flops(sweep, paper_tokens_per_step: int | None = None) -> float:
     """What training had cost when the model was saved: the paper's accounting, and a teacher's forwards, if any
     (distillation's compute counts when runs are compared per FLOP), counted from the first of the runs it
-    continued (a run from `model.init_from` starts where that run ended)."""
+    continued (a run from `model.init_from` starts where that run ended). With `paper_tokens_per_step`, as the
+    paper's plots count it: the run's own steps from its step 0 (their two-phase runs' second phase starts at 0),
+    each at that many tokens."""
+    if paper_tokens_per_step is not None:
+        return paper_axis_flops(sweep.details, paper_tokens_per_step)
     records = (sweep.details, sweep.details.get("earlier") or {})
     return sum(_flops_of(record, key) for record in records for key in ("flops_paper", "flops_teacher"))
 

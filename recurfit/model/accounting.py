@@ -14,6 +14,7 @@ with the paper's sections: docs/method.md ("FLOPs").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from torch import nn
@@ -115,25 +116,36 @@ def paper_flops_per_token(model_or_counts, recurrence: int, backprop_depth: int)
     return 6 * with_grad + 2 * max(recurrence - backprop_depth, 0) * c["core"]
 
 
-def paper_ramp(step: int, target: int, kind: str, fraction: float, total_steps: int) -> int:
+def paper_ramp(step: int, target: int, kind: str, fraction: float, total_steps: int, rounding: str = "floor") -> int:
     """The depth the paper's FLOPs accounting gives optimizer step `step` (0-based) of a curriculum to `target`
     over `fraction` of `total_steps`: the authors' `warmup_hist` puts the steps from int(f⁻¹((d-1)/D)·W) up to
     int(f⁻¹(d/D)·W) at depth d, W = int(fraction · total_steps), f⁻¹(y) = y (linear) or 1 - (1 - y)² (1-sqrt),
-    and every later step at D. (The steps a run actually takes follow `sampling.Curriculum`, which rounds
-    with ceil instead: the two differ by one depth on some steps of the ramp.)"""
-    for depth, end in enumerate(_ramp_ends(target, kind, fraction, total_steps), start=1):
+    and every later step at D. `rounding="ceil"` rounds those boundaries up instead, as the commented-out
+    `ceil_div` line of their `param_counter.py`, which the plotted runs of `loop_whole_model` were counted with.
+    (The steps a run actually takes follow `sampling.Curriculum`, which rounds differently again: the counts
+    differ by one depth on some steps of the ramp.)"""
+    for depth, end in enumerate(_ramp_ends(target, kind, fraction, total_steps, rounding), start=1):
         if step < end:
             return depth
     return target
 
 
-def _ramp_ends(target: int, kind: str, fraction: float, total_steps: int) -> list[int]:
+RAMP_ROUNDINGS = ("floor", "ceil")
+
+
+def _ramp_ends(target: int, kind: str, fraction: float, total_steps: int, rounding: str = "floor") -> list[int]:
     """The first step after depth d, for d = 1 … target, of the authors' ramp (none for a constant depth)."""
+    if rounding not in RAMP_ROUNDINGS:
+        raise ValueError(f"rounding must be one of {RAMP_ROUNDINGS}, not {rounding!r}")
     if kind == "constant":
         return []
     ramp_steps = int(fraction * total_steps)
+    if kind == "linear" and rounding == "ceil":
+        # Their ceil_div(d · W, D) in integers: a float d/D · W can land a hair above a whole step.
+        return [-(-depth * ramp_steps // target) for depth in range(1, target + 1)]
     inverse = (lambda y: 1.0 - (1.0 - y) ** 2) if kind == "1-sqrt" else (lambda y: y)
-    return [int(inverse(depth / target) * ramp_steps) for depth in range(1, target + 1)]
+    round_ = math.ceil if rounding == "ceil" else int
+    return [round_(inverse(depth / target) * ramp_steps) for depth in range(1, target + 1)]
 
 
 def paper_training_flops(
@@ -148,14 +160,16 @@ def paper_training_flops(
     curriculum_fraction: float = 0.0,
     backprop_curriculum: str = "constant",
     backprop_curriculum_fraction: float = 0.0,
+    ramp_rounding: str = "floor",
 ) -> float:
     """Training FLOPs after `steps_done` optimizer steps as the paper's figures count them (the FLOPs column of
     the authors' `paper_plots/data/*.jsonl`): each step at its `paper_ramp` depth, `paper_flops_per_token`
-    per token, `tokens_per_step` tokens (their plots assume 2²⁰, i.e. 1,024 rows of 1,024 tokens)."""
+    per token, `tokens_per_step` tokens (their plots assume 2²⁰, i.e. 1,024 rows of 1,024 tokens, for every run);
+    `ramp_rounding` as `paper_ramp`."""
     c = _counts(model_or_counts)
     ramps = [
-        (mean_recurrence, curriculum, curriculum_fraction, total_steps),
-        (backprop_depth, backprop_curriculum, backprop_curriculum_fraction, total_steps),
+        (mean_recurrence, curriculum, curriculum_fraction, total_steps, ramp_rounding),
+        (backprop_depth, backprop_curriculum, backprop_curriculum_fraction, total_steps, ramp_rounding),
     ]
     # The depths change only where a ramp ends a depth: cost each stretch between two changes at once.
     changes = {0, *(end for ramp in ramps for end in _ramp_ends(*ramp))}

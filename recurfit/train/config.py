@@ -190,6 +190,9 @@ class DepthConfig:
     fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
     # step: one (n, k) per optimizer step; micro_batch: one per micro-batch, as the paper authors' loop
     draw: Literal["step", "micro_batch"] = "step"
+    # How `flops_paper` rounds the ramp's depth boundaries (accounting.paper_ramp): floor, as the authors'
+    # param_counter.py; ceil, as its commented-out variant, which counted their loop_whole_model runs.
+    paper_ramp_rounding: Literal["floor", "ceil"] = "floor"
     supervise: SuperviseConfig | None = None  # None: the loss at the final recurrence only
 
 

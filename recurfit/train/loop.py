@@ -96,12 +96,15 @@ def depth_schedule(config: TrainConfig) -> DepthSchedule:
 
 
 def paper_accounting_depth(config: TrainConfig, step: int) -> tuple[int, int]:
-    """(r, k̄) of optimizer step `step` as the paper's FLOPs accounting counts it (`accounting.paper_ramp`)."""
+    """(r, k̄) of optimizer step `step` as the paper's FLOPs accounting counts it (`accounting.paper_ramp`, its
+    boundaries rounded by `depth.paper_ramp_rounding`)."""
     depth, steps = config.depth, config.steps
-    return (
-        paper_ramp(step, depth.mean_recurrence, depth.curriculum, depth.curriculum_fraction, steps),
-        paper_ramp(step, depth.backprop_depth, depth.backprop_curriculum, depth.backprop_curriculum_fraction, steps),
-    )
+    ramps = [
+        (depth.mean_recurrence, depth.curriculum, depth.curriculum_fraction),
+        (depth.backprop_depth, depth.backprop_curriculum, depth.backprop_curriculum_fraction),
+    ]
+    r, k = (paper_ramp(step, *ramp, steps, depth.paper_ramp_rounding) for ramp in ramps)
+    return r, k
 
 
 class Trainer:
