@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
-from recurfit.model.accounting import paper_training_flops, training_flops_per_token
+from recurfit.model.accounting import training_flops_per_token
 from recurfit.train import load_config
-from recurfit.train.loop import depth_schedule
+from recurfit.train.loop import depth_schedule, paper_run_flops
 
 PARENTS = {
     "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
@@ -45,20 +45,8 @@ def main(recipe: str, *overrides: str) -> None:
     model = recurfit.retrofit(parent, shape=tuple(config.model.shape)) if config.model.shape else parent
     counts = recurfit.count_parameters(model)
     tokens = config.batch.global_ * 1024  # the recipes' --seq-len 1024
-    depth, schedule = config.depth, depth_schedule(config)
-    paper = paper_training_flops(
-        counts,
-        config.steps,
-        tokens,
-        total_steps=config.steps,
-        mean_recurrence=depth.mean_recurrence,
-        backprop_depth=depth.backprop_depth,
-        curriculum=depth.curriculum,
-        curriculum_fraction=depth.curriculum_fraction,
-        backprop_curriculum=depth.backprop_curriculum,
-        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
-        ramp_rounding=depth.paper_ramp_rounding,
-    )
+    schedule = depth_schedule(config)
+    paper = paper_run_flops(config, counts, config.steps, tokens)
     drawn = mean = 0
     for step in range(config.steps):
         drawn += tokens * training_flops_per_token(counts, schedule.at(step))

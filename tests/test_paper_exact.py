@@ -27,7 +27,7 @@ from recurfit.model.sampling import Curriculum
 from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
-from recurfit.train.loop import depth_schedule
+from recurfit.train.loop import depth_schedule, paper_run_flops
 from recurfit.train.metrics import read_log
 from recurfit.train.model import build_model
 
@@ -129,20 +129,7 @@ def recipe_counts(config) -> dict:
 
 def plot_flops(config, checkpoint: int) -> float:
     """The FLOPs the paper's plots give `config`'s run at `checkpoint`, every setting from the loaded config."""
-    depth = config.depth
-    return paper_training_flops(
-        recipe_counts(config),
-        checkpoint,
-        PLOT_TOKENS_PER_STEP,
-        total_steps=config.steps,
-        mean_recurrence=depth.mean_recurrence,
-        backprop_depth=depth.backprop_depth,
-        curriculum=depth.curriculum,
-        curriculum_fraction=depth.curriculum_fraction,
-        backprop_curriculum=depth.backprop_curriculum,
-        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
-        ramp_rounding=depth.paper_ramp_rounding,
-    )
+    return paper_run_flops(config, recipe_counts(config), checkpoint, PLOT_TOKENS_PER_STEP)
 
 
 def test_the_mapping_table_names_every_run_of_every_plot_data_file():

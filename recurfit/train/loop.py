@@ -30,7 +30,13 @@ from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
 from ..io.files import staged_directory
 from ..io.lock import owned
-from ..model.accounting import count_parameters, paper_flops_per_token, paper_ramp, training_flops_per_token
+from ..model.accounting import (
+    count_parameters,
+    paper_flops_per_token,
+    paper_ramp,
+    paper_training_flops,
+    training_flops_per_token,
+)
 from ..model.card import write_model_card
 from ..model.loading import optional_tokenizer, save_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule
@@ -105,6 +111,25 @@ def paper_accounting_depth(config: TrainConfig, step: int) -> tuple[int, int]:
     ]
     r, k = (paper_ramp(step, *ramp, steps, depth.paper_ramp_rounding) for ramp in ramps)
     return r, k
+
+
+def paper_run_flops(config: TrainConfig, counts: dict, step: int, tokens_per_step: int) -> float:
+    """The paper's training FLOPs of `config`'s run after `step` steps of `tokens_per_step` tokens
+    (`accounting.paper_training_flops`, every depth setting taken from the config)."""
+    depth = config.depth
+    return paper_training_flops(
+        counts,
+        step,
+        tokens_per_step,
+        total_steps=config.steps,
+        mean_recurrence=depth.mean_recurrence,
+        backprop_depth=depth.backprop_depth,
+        curriculum=depth.curriculum,
+        curriculum_fraction=depth.curriculum_fraction,
+        backprop_curriculum=depth.backprop_curriculum,
+        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
+        ramp_rounding=depth.paper_ramp_rounding,
+    )
 
 
 class Trainer:
