@@ -410,3 +410,20 @@ def test_the_embedded_math_problems_share_no_ngram_with_any_eval_set():
     # The check can fail: the source it replaced (GSM8K test questions with the numbers varied) fails it.
     gsm8k = next(dc.EVAL_SETS["gsm8k"]()).replace("16", "17")
     assert index.masks([gsm8k]).any()
+
+
+def test_normalisation_is_one_rule_for_ascii_and_unicode_text():
+    """Lower-case, delete what is neither alphanumeric nor whitespace, split on whitespace: the bytes fast path
+    for ASCII and the regular-expression path for the rest give exactly this."""
+    import random
+    import re
+
+    from recurfit.data.decontaminate import words
+
+    rule = re.compile(r"[^\w\s]|_")
+    alphabet = [chr(c) for c in range(128)] + list("’“”–—…éÉßİ\u00a0\u2009\u0301€½²")
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(24))
+        assert words(text) == [word.encode() for word in rule.sub("", text.lower()).split()], repr(text)
+    assert words("Janet’s ducks, 16 eggs!") == words("janets DUCKS 16 eggs") == [b"janets", b"ducks", b"16", b"eggs"]
