@@ -6,7 +6,6 @@ import argparse
 import os
 
 from .. import defaults
-from ..data import decontaminate
 from .common import console
 
 
@@ -29,11 +28,11 @@ def add_parsers(commands) -> None:
     _add_filter_arguments(p)
     p.add_argument(
         "--decontaminate",
-        default=decontaminate.DEFAULT,
+        default=defaults.DECONTAMINATE,
         metavar="SETS",
         help="drop every document sharing a 13-word n-gram (8 words for short questions) with a test or "
         f"validation item of these evaluation sets: all, none, or names separated by commas from "
-        f"{', '.join(decontaminate.EVAL_SETS)} (default: all)",
+        f"{', '.join(defaults.EVAL_SETS)} (default: {defaults.DECONTAMINATE})",
     )
     _add_store_arguments(p)
     p.add_argument("--out", required=True, help="token-store folder")
@@ -93,6 +92,7 @@ def _add_store_arguments(p) -> None:
 
 def cmd_data_prepare(args) -> None:
     from ..data import prepare
+    from ..data.decontaminate import summary as decontamination_summary
     from ..data.filters import make_filter, summary
     from ..data.shards import Layout
     from ..model.loading import load_tokenizer
@@ -132,7 +132,7 @@ def cmd_data_prepare(args) -> None:
     if "filter" in meta:
         console.print(summary(meta["filter"]), markup=False, highlight=False)
     if "decontamination" in meta:
-        console.print(decontaminate.summary(meta["decontamination"]), markup=False, highlight=False)
+        console.print(decontamination_summary(meta["decontamination"]), markup=False, highlight=False)
     if meta.get("packing") == "bos-eos" and meta.get("bos_token_id") is None:
         console.print("The tokenizer adds no BOS token: each document is packed as its text and EOS.")
     console.print(

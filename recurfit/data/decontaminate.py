@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import defaults
 from ..errors import RecurfitError
 from .sources import bundled, request_docs
 
@@ -113,8 +114,7 @@ def _lambada() -> Iterator[str]:
         yield f"{doc['query']} {doc['answers_text'][0]}"
 
 
-# Every evaluation set recurfit runs offline, by the name --decontaminate takes.
-EVAL_SETS: dict[str, Callable[[], Iterator[str]]] = {
+_LOADERS: dict[str, Callable[[], Iterator[str]]] = {
     "gsm8k": _gsm8k,
     "math": _math,
     "arc_easy": _multiple_choice("arc_easy"),
@@ -127,7 +127,8 @@ EVAL_SETS: dict[str, Callable[[], Iterator[str]]] = {
     "winogrande": _winogrande,
     "lambada": _lambada,
 }
-DEFAULT = "all"  # what `data prepare` decontaminates against unless told otherwise (the CLI and prepare())
+# Every evaluation set recurfit runs offline, by the name --decontaminate takes, with the items it indexes.
+EVAL_SETS = {name: _LOADERS[name] for name in defaults.EVAL_SETS}
 
 
 def _saved(folder: str) -> Iterable[dict]:

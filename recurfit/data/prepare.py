@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..defaults import DECONTAMINATE
 from ..errors import RecurfitError
 from ..io.files import check_output, publish_directory
 from ..io.lock import owned
@@ -112,7 +113,7 @@ def prepare(
     task: tuple[int, int] = (0, 1),
     packing: str = DEFAULT_PACKING,
     layout: sh.Layout = DEFAULT_LAYOUT,
-    decontaminate: str | Sequence[str] | None = dc.DEFAULT,
+    decontaminate: str | Sequence[str] | None = DECONTAMINATE,
     say: Callable[[str], None] = lambda line: None,
 ) -> PrepareResult:
     """Tokenise `sources` (see `sources.py`) and pack them into rows of `seq_len + 1` tokens in `out`.
