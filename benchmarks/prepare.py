@@ -9,7 +9,9 @@
    the corpus already in memory, one thread, as each worker runs it. The library's multi-threaded call on
    every core is printed for reference.
 3. `prepare` with --workers 1 and 2 (the same store, checked), from the JSON-lines file: reading, hashing
-   for the validation split, packing and writing included.
+   for the validation split, decontamination against every evaluation set (the default), packing and
+   writing included; and with --workers 1 and `--decontaminate none`, to show what decontamination costs.
+   Rates count the corpus's tokens (as the tokenizer alone counts them) over the seconds the run took.
 
 Each is timed --repeats times, interleaved (the best is kept); ratios of tokens per second are printed at the
 end, with the load average, since others' work on a shared machine slows every measurement.
@@ -42,21 +44,30 @@ def make_corpus(path: Path, documents: int, seed: int = 0) -> None:
     partial.rename(path)
 
 
-def tokenizer_alone(tokenizer, texts: list[str], threads: bool) -> tuple[float, int]:
-    """Seconds and tokens of the Rust tokenizer's fastest batched call over `texts`."""
+def tokenizer_alone(tokenizer, texts: list[str], threads: bool) -> tuple[float, int, float]:
+    """Seconds, tokens and CPU seconds of the Rust tokenizer's fastest batched call over `texts`."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     backend = tokenizer.backend_tokenizer
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
     for i in range(0, len(texts), 1024):
         tokens += sum(len(e.ids) for e in backend.encode_batch_fast(texts[i : i + 1024], add_special_tokens=False))
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, time.process_time() - cpu
 
 
-def prepare_time(tokenizer, corpus: Path, workers: int, out: Path) -> tuple[float, dict]:
+def prepare_time(tokenizer, corpus: Path, workers: int, decontaminate: str, out: Path) -> tuple[float, dict, float]:
     shutil.rmtree(out, ignore_errors=True)
-    start = time.perf_counter()
-    meta = prepare(tokenizer, [str(corpus)], 1024, out, workers=workers, packing="eos", show_progress=False).meta
-    return time.perf_counter() - start, meta
+    start, cpu = time.perf_counter(), time.process_time()
+    meta = prepare(
+        tokenizer,
+        [str(corpus)],
+        1024,
+        out,
+        workers=workers,
+        packing="eos",
+        decontaminate=decontaminate,
+        show_progress=False,
+    ).meta
+    return time.perf_counter() - start, meta, time.process_time() - cpu
 
 
 def best(runs):
@@ -79,26 +90,48 @@ def main() -> None:
     print(f"corpus: {corpus} ({len(texts):,} documents, {corpus.stat().st_size / 1e6:.0f} MB), cores: {os.cpu_count()}")
 
     # Interleaved repeats, best of each: on a shared machine, load from others then hurts every kind alike.
-    runs: dict = {"alone": [], "threads": [], 1: [], 2: []}
+    kinds = [(1, "none"), (1, "all"), (2, "all")]
+    runs: dict = {"alone": [], "threads": [], **{kind: [] for kind in kinds}}
     for _ in range(args.repeats):
         runs["alone"].append(tokenizer_alone(tokenizer, texts, threads=False))
         runs["threads"].append(tokenizer_alone(tokenizer, texts, threads=True))
         os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        for workers in (1, 2):
-            runs[workers].append(prepare_time(tokenizer, corpus, workers, args.corpus / f"store-{workers}"))
-    (alone, tokens), (threaded, _) = best(runs["alone"]), best(runs["threads"])
+        for workers, sets in kinds:
+            out = args.corpus / f"store-{workers}-{sets}"
+            runs[workers, sets].append(prepare_time(tokenizer, corpus, workers, sets, out))
+    (alone, tokens, _), (threaded, _, _) = best(runs["alone"]), best(runs["threads"])
     print(f"tokenizer alone, 1 thread:        {tokens / alone / 1e6:5.2f} M tokens/s ({tokens:,} tokens)")
     print(f"tokenizer alone, all threads:     {tokens / threaded / 1e6:5.2f} M tokens/s")
     rates = {}
-    for workers in (1, 2):
-        seconds, meta = best(runs[workers])
-        # The documents' tokens, as the tokenizer alone counts them: every EOS left out, every row's tail kept.
-        made = sum(s["tokens"]["train"] + s["tokens"]["val"] for s in meta["shards"]) - meta["documents"]
-        rates[workers] = made / seconds
-        print(f"prepare --workers {workers}:              {rates[workers] / 1e6:5.2f} M tokens/s ({seconds:.1f} s)")
-    assert runs[1][0][1] == runs[2][0][1], "1 and 2 workers made different stores"
-    print(f"one worker / tokenizer alone (1 thread): {rates[1] / (tokens / alone):.3f}   (target >= 0.90)")
-    print(f"two workers / one worker:                {rates[2] / rates[1]:.3f}   (target >= 1.8 on 2 cores)")
+    for workers, sets in kinds:
+        seconds, meta, _ = best(runs[workers, sets])
+        rates[workers, sets] = tokens / seconds
+        dropped = meta.get("decontamination", {}).get("dropped", 0)
+        print(
+            f"prepare --workers {workers} --decontaminate {sets}: {rates[workers, sets] / 1e6:5.2f} M tokens/s "
+            f"({seconds:.1f} s, {dropped:,} documents dropped)"
+        )
+    assert runs[1, "all"][0][1] == runs[2, "all"][0][1], "1 and 2 workers made different stores"
+    single = tokens / alone
+    print(
+        f"one worker, decontaminating / tokenizer alone (1 thread): {rates[1, 'all'] / single:.3f}   (target >= 0.90)"
+    )
+    print(f"one worker, not decontaminating / tokenizer alone:        {rates[1, 'none'] / single:.3f}")
+    print(
+        f"two workers / one worker (decontaminating):               {rates[2, 'all'] / rates[1, 'all']:.3f}   "
+        "(target >= 1.8 on 2 cores)"
+    )
+    # CPU seconds of this process: with one worker all the work is here, and on a shared machine they are what
+    # other jobs' load disturbs least (the wall-clock ratios above can be off by a factor of two there).
+    cpu = {kind: min(run[2] for run in runs[kind]) for kind in ("alone", (1, "none"), (1, "all"))}
+    print(
+        f"CPU seconds: tokenizer alone {cpu['alone']:.2f}, prepare --workers 1 --decontaminate none "
+        f"{cpu[1, 'none']:.2f}, all {cpu[1, 'all']:.2f}"
+    )
+    print(
+        f"one worker / tokenizer alone, by CPU time: {cpu['alone'] / cpu[1, 'all']:.3f} decontaminating, "
+        f"{cpu['alone'] / cpu[1, 'none']:.3f} not   (target >= 0.90)"
+    )
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -35,5 +35,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Data preparation (`data prepare`; recurfit/data/packing.py and shards.py say more)
 PACKINGS = ("bos-eos", "eos")  # the tokenizer's special tokens (its BOS) + document + EOS, as the authors; or + EOS
 DEFAULT_PACKING = "bos-eos"
+# Decontamination: the evaluation sets recurfit runs offline, whose test and validation items no training
+# document may share an n-gram with (data/decontaminate.py); every `data prepare` checks all of them by default.
+EVAL_SETS = ("gsm8k", "math", "arc_easy", "arc_challenge", "openbookqa", "hellaswag", "mmlu", "piqa", "social_iqa")
+EVAL_SETS += ("winogrande", "lambada")
+DECONTAMINATE = "all"
 SHARD_DOCUMENTS = 1 << 17  # ≈ 130 M tokens of FineWeb-Edu: the unit of resume and of --task
 BLOCK_DOCUMENTS = 1024  # what one worker tokenises at a time; a --max-tokens budget stops at a block's end

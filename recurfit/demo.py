@@ -1,7 +1,7 @@
 """`recurfit demo`: the whole method on a real model, ending in a report (OUT/report.md).
 
 1. Retrofit the parent (default: the embedded SmolLM2-135M) and check parity with its pruned self.
-2. Prepare data: English prose (`embedded:prose`) and fresh GSM-style problems (`embedded:math`).
+2. Prepare data: English prose (`embedded:prose`) and generated word problems (`embedded:math`), decontaminated.
 3. Train the retrofit: heal on prose, then math; 1-sqrt curriculum, Muon, truncated backprop.
 4. Train the parent on the same tokens in the same order (the paper's non-recurrent baseline).
 5. Evaluate: validation loss at each test recurrence, GSM8K accuracy on a fixed slice of the test set.
@@ -314,10 +314,11 @@ def _training_section(report: dict) -> list[str]:
         "## 2-4. Training",
         "",
         f"{settings.steps} optimizer steps of {settings.batch} × {settings.seq_len} tokens: {settings.heal_steps} "
-        f"steps of healing on English prose, then fresh GSM-style math problems (reasoning-gym, never the test "
-        f"set). Retrofit: mean recurrence ramped to {settings.mean_recurrence} (1-sqrt curriculum over 75% of the "
-        f"steps), truncated backprop through {settings.backprop_depth} steps, {_rates(settings)}. The parent "
-        "trains on the same tokens in the same order, at the same rates.",
+        f"steps of healing on English prose, then generated word problems (recurfit's own templates, "
+        f"decontaminated against every evaluation set). Retrofit: mean recurrence ramped to "
+        f"{settings.mean_recurrence} (1-sqrt curriculum over 75% of the steps), truncated backprop through "
+        f"{settings.backprop_depth} steps, {_rates(settings)}. The parent trains on the same tokens in the same "
+        "order, at the same rates.",
         "",
         "| model | final training loss | training FLOPs (drawn depths) | FLOPs (paper's rule) "
         "| inference GFLOPs/token |",

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import yaml
 
+from recurfit.data.decontaminate import EVAL_SETS
 from recurfit.data.store import TokenStore
 from recurfit.demo import DemoSettings, _rates, run_demo
 from recurfit.errors import RecurfitError
@@ -50,6 +51,7 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         meta = splits[0].meta
         assert 0 < (tokens == meta["eos_token_id"]).sum() <= meta["documents"]
         assert pad not in tokens or pad == meta["eos_token_id"]
+        assert meta["decontamination"]["sets"] == sorted(EVAL_SETS)  # the one default: every eval set
     # Both models train at the healing study's rates, and the report says why.
     for run in ("recurrent", "parent"):
         optimizer = yaml.safe_load((tmp_path / "demo" / run / "config.yaml").read_text())["optimizer"]

@@ -349,3 +349,81 @@ def test_a_tokenizer_that_has_padded_a_batch_still_packs_documents_unpadded(tmp_
     whole_rows = sum(len(t) + 1 for t in texts) // 9  # of 9 tokens: the documents and their EOS, nothing more
     assert again.meta["tokens"] == fresh.meta["tokens"] == {"train": whole_rows * 9, "val": 0}
     np.testing.assert_array_equal(TokenStore(tmp_path / "used")[:], TokenStore(tmp_path / "fresh")[:])
+
+
+# ---------------------------------------------------------------- decontamination
+
+
+def contaminated_sources(tmp_path) -> tuple[list[str], list[str]]:
+    """Clean documents, and the same with test items among them: verbatim and lightly edited."""
+    from recurfit.data.decontaminate import EVAL_SETS
+
+    gsm8k, arc, mmlu = next(EVAL_SETS["gsm8k"]()), list(EVAL_SETS["arc_easy"]())[5], list(EVAL_SETS["mmlu"]())[7]
+    edited = gsm8k.upper().replace(",", " ;").replace("16", "61", 1)  # case, punctuation, a number changed
+    dirty = [
+        gsm8k,  # verbatim
+        f"Homework help! {edited} Thanks in advance.",  # edited, inside other text
+        f"Quiz of the day.\n\n{arc}",
+        mmlu.replace(" ", "  "),  # whitespace doubled
+    ]
+    write_documents(tmp_path / "clean.jsonl", 120)
+    clean = [json.loads(line)["text"] for line in (tmp_path / "clean.jsonl").read_text().splitlines()]
+    mixed = clean[:40] + dirty[:2] + clean[40:80] + dirty[2:] + clean[80:]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in mixed))
+    return [str(tmp_path / "clean.jsonl")], [str(tmp_path / "mixed.jsonl")]
+
+
+def test_decontamination_drops_every_test_item_keeps_every_clean_document_and_counts_exactly(tmp_path):
+    clean, mixed = contaminated_sources(tmp_path)
+    settings = dict(val_fraction=0, show_progress=False, layout=SMALL)
+    meta = prepare(char_tokenizer(), mixed, 16, tmp_path / "decontaminated", **settings).meta
+    report = meta["decontamination"]
+    assert report["dropped"] == 4 and meta["documents"] == 124
+    assert {name: count for name, count in report["by_set"].items() if count} == {"gsm8k": 2, "arc_easy": 1, "mmlu": 1}
+    assert report["n"] == 13 and report["min_words"] == 8 and len(report["sets"]) == 11
+    # What is left is exactly the clean documents: the same tokens as a store of them alone.
+    reference = prepare(char_tokenizer(), clean, 16, tmp_path / "clean", decontaminate="none", **settings).meta
+    assert "decontamination" not in reference
+    np.testing.assert_array_equal(TokenStore(tmp_path / "decontaminated")[:], TokenStore(tmp_path / "clean")[:])
+    # Off, every document is kept; the sets are part of the job, so the stores differ in fingerprint.
+    kept = prepare(char_tokenizer(), mixed, 16, tmp_path / "kept", decontaminate="none", **settings).meta
+    assert kept["tokens"]["train"] > meta["tokens"]["train"] and kept["fingerprint"] != meta["fingerprint"]
+    only = prepare(char_tokenizer(), mixed, 16, tmp_path / "math-only", decontaminate="math,hellaswag", **settings)
+    assert only.meta["decontamination"]["dropped"] == 0  # neither set holds these items
+
+
+def test_an_unknown_set_is_one_line_naming_the_sets(tmp_path, documents, capsys, workspace):
+    with pytest.raises(RecurfitError, match=r"unknown set 'gsm8k_test'; the sets are gsm8k, math, arc_easy"):
+        prepare(char_tokenizer(), documents, 16, tmp_path / "s", decontaminate="gsm8k_test", show_progress=False)
+    args = ["data", "prepare", "--tokenizer", workspace / "parent", "--source", documents[0], "--out", tmp_path / "c"]
+    code, said = run_cli(capsys, *args, "--decontaminate", "mmlu,bogus")
+    assert code != 0 and "unknown set 'bogus'" in said and "winogrande" in said and not (tmp_path / "c").exists()
+
+
+def test_the_embedded_math_problems_share_no_ngram_with_any_eval_set():
+    from recurfit.data import decontaminate as dc
+    from recurfit.data.sources import iter_documents
+
+    index = dc.load(dc.parse_sets("all"))
+    problems = list(iter_documents("embedded:math:3000", seed=0))
+    assert len(set(problems)) > 2900 and not index.masks(problems).any()
+    # The check can fail: the source it replaced (GSM8K test questions with the numbers varied) fails it.
+    gsm8k = next(dc.EVAL_SETS["gsm8k"]()).replace("16", "17")
+    assert index.masks([gsm8k]).any()
+
+
+def test_normalisation_is_one_rule_for_ascii_and_unicode_text():
+    """Lower-case, delete what is neither alphanumeric nor whitespace, split on whitespace: the bytes fast path
+    for ASCII and the regular-expression path for the rest give exactly this."""
+    import random
+    import re
+
+    from recurfit.data.decontaminate import words
+
+    rule = re.compile(r"[^\w\s]|_")
+    alphabet = [chr(c) for c in range(128)] + list("’“”–—…éÉßİ\u00a0\u2009\u0301€½²")
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(24))
+        assert words(text) == [word.encode() for word in rule.sub("", text.lower()).split()], repr(text)
+    assert words("Janet’s ducks, 16 eggs!") == words("janets DUCKS 16 eggs") == [b"janets", b"ducks", b"16", b"eggs"]

@@ -26,6 +26,14 @@ def add_parsers(commands) -> None:
     p.add_argument("--text-field", help="JSON/parquet field holding the text (default: text, content or document)")
     p.add_argument("--seed", type=int, default=0, help="seed of generated sources (embedded:math)")
     _add_filter_arguments(p)
+    p.add_argument(
+        "--decontaminate",
+        default=defaults.DECONTAMINATE,
+        metavar="SETS",
+        help="drop every document sharing a 13-word n-gram (8 words for short questions) with a test or "
+        f"validation item of these evaluation sets: all, none, or names separated by commas from "
+        f"{', '.join(defaults.EVAL_SETS)} (default: {defaults.DECONTAMINATE})",
+    )
     _add_store_arguments(p)
     p.add_argument("--out", required=True, help="token-store folder")
     p.add_argument("--force", action="store_true", help="replace --out if it holds other data")
@@ -84,6 +92,7 @@ def _add_store_arguments(p) -> None:
 
 def cmd_data_prepare(args) -> None:
     from ..data import prepare
+    from ..data.decontaminate import summary as decontamination_summary
     from ..data.filters import make_filter, summary
     from ..data.shards import Layout
     from ..model.loading import load_tokenizer
@@ -106,6 +115,7 @@ def cmd_data_prepare(args) -> None:
         task=args.task,
         packing=args.packing,
         layout=Layout(args.shard_documents, min(args.shard_documents, defaults.BLOCK_DOCUMENTS)),
+        decontaminate=args.decontaminate,
         say=lambda line: console.print(line, markup=False, highlight=False),
     )
     meta = result.meta
@@ -121,6 +131,8 @@ def cmd_data_prepare(args) -> None:
         console.print(f"{args.out} already holds this data (same sources, tokenizer and settings): nothing to do.")
     if "filter" in meta:
         console.print(summary(meta["filter"]), markup=False, highlight=False)
+    if "decontamination" in meta:
+        console.print(decontamination_summary(meta["decontamination"]), markup=False, highlight=False)
     if meta.get("packing") == "bos-eos" and meta.get("bos_token_id") is None:
         console.print("The tokenizer adds no BOS token: each document is packed as its text and EOS.")
     console.print(

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..defaults import DEFAULT_PACKING, PACKINGS
 from ..errors import RecurfitError
+from .store import SPLITS
 
 __all__ = ["DEFAULT_PACKING", "PACKINGS", "BlockEncoder", "split_of", "token_dtype"]
 
@@ -53,12 +54,13 @@ def _plain_copy(backend):
 class BlockEncoder:
     """Texts → (train ids, val ids), each a flat array of whole documents followed by EOS."""
 
-    def __init__(self, tokenizer, packing: str, val_fraction: float):
+    def __init__(self, tokenizer, packing: str, val_fraction: float, screen=None):
         if packing not in PACKINGS:
             raise RecurfitError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}.")
         if tokenizer.eos_token_id is None:
             raise RecurfitError("The tokenizer has no EOS token, which separates packed documents.")
         self.packing, self.val_fraction = packing, val_fraction
+        self.screen = screen  # a decontaminate.EvalIndex: its documents are dropped; None keeps every one
         self.eos = tokenizer.eos_token_id
         self.dtype = token_dtype(len(tokenizer))
         # The Rust tokenizer's batch call without offsets is the fastest way to the same ids as tokenizer(...).
@@ -88,10 +90,17 @@ class BlockEncoder:
         framed = self.encode(["a"])[0]
         return framed[0] if len(framed) > len(plain) and framed[1 : 1 + len(plain)] == plain else None
 
-    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, dict | None]:
+        """The training ids, the held-out ids, and what decontamination dropped (None without it). Screening
+        runs here, in the worker, so that it is spread over the workers as tokenising is."""
+        dropped = None
+        if self.screen is not None:
+            masks = self.screen.masks(texts)
+            texts, dropped = [text for text, mask in zip(texts, masks) if not mask], self.screen.count(masks)
         streams: dict[str, list[int]] = {"train": [], "val": []}
         for text, ids in zip(texts, self.encode(texts)):
             stream = streams[split_of(text, self.val_fraction)]
             stream.extend(ids)
             stream.append(self.eos)
-        return np.asarray(streams["train"], dtype=self.dtype), np.asarray(streams["val"], dtype=self.dtype)
+        train, val = (np.asarray(streams[split], dtype=self.dtype) for split in SPLITS)
+        return train, val, dropped

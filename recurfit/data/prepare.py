@@ -11,6 +11,11 @@
 - **Resume.** Finished shards are kept, checked by their SHA-256; a re-run of a killed job redoes only the
   unfinished ones, and gives the same store as an uninterrupted run.
 
+- **Decontamination.** Every document that shares a 13-word n-gram with a test or validation item of the
+  evaluation sets (all of them unless told otherwise; `decontaminate.py` states the rule) is dropped before
+  tokenising, in the workers; the sets, n and the counts of dropped documents, per set, go in `meta.json`
+  under `decontamination`, and the sets and n into the fingerprint.
+
 Re-running a finished job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
 an existing store is refused unless `force`. A row filter (`filters.py`) is checked against every source
 before anything is written, and what it dropped and kept is recorded in `meta.json` under `filter`.
@@ -32,10 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..defaults import DECONTAMINATE
 from ..errors import RecurfitError
 from ..io.files import check_output, publish_directory
 from ..io.lock import owned
 from ..progress import progress_bar
+from . import decontaminate as dc
 from . import shards as sh
 from .filters import FilterStats
 from .packing import DEFAULT_PACKING, BlockEncoder
@@ -66,6 +73,7 @@ class Job:
     max_tokens: int | None
     layout: sh.Layout
     row_filter: object = None
+    decontaminate: tuple[str, ...] = ()  # evaluation sets whose n-grams drop documents
 
     def fingerprint(self, tokenizer) -> str:
         job = {
@@ -82,6 +90,8 @@ class Job:
         }
         if self.row_filter is not None:
             job["filter"] = self.row_filter.settings()
+        if self.decontaminate:  # absent when off: stores made before decontamination keep their fingerprint
+            job["decontaminate"] = dc.settings(self.decontaminate)
         return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -103,17 +113,21 @@ def prepare(
     task: tuple[int, int] = (0, 1),
     packing: str = DEFAULT_PACKING,
     layout: sh.Layout = DEFAULT_LAYOUT,
+    decontaminate: str | Sequence[str] | None = DECONTAMINATE,
     say: Callable[[str], None] = lambda line: None,
 ) -> PrepareResult:
     """Tokenise `sources` (see `sources.py`) and pack them into rows of `seq_len + 1` tokens in `out`.
 
     A document goes to the validation split when a hash of its text falls in `val_fraction`: the split does
     not depend on document order, and the same document always lands in the same split. `row_filter` (see
-    `filters.make_filter`) drops and rewrites rows of every source before tokenising. `say` receives the
+    `filters.make_filter`) drops and rewrites rows of every source before tokenising. `decontaminate` names the
+    evaluation sets whose test items no document may share an n-gram with (`all`, `none`, or names; see
+    `decontaminate.py`). `say` receives the
     lines worth printing (the expected size, a budget the sources could not fill, a task's share done)."""
     _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout)
+    sets = dc.parse_sets(decontaminate)
     encoder = BlockEncoder(tokenizer, packing, val_fraction)
-    job = Job(tuple(sources), seq_len, val_fraction, text_field, seed, packing, max_tokens, layout, row_filter)
+    job = Job(tuple(sources), seq_len, val_fraction, text_field, seed, packing, max_tokens, layout, row_filter, sets)
     out = Path(out)
     digest = job.fingerprint(tokenizer)
     if (out / META).is_file() and not force:
@@ -367,6 +381,8 @@ def _build(building: Path, job: Job, encoder, task, records: dict, workers: int,
     """Make this task's missing shards (and `end.json` if the sources were read to their end)."""
     if sh.plan(records, _end(building), job.max_tokens, job.layout).ready:
         return  # everything is made already (a re-run after a stop while finishing)
+    if job.decontaminate:  # loaded here, once: the workers (forked after) share it
+        encoder.screen = dc.load(job.decontaminate)
     TaskBuild(building, job, task, records).run(encoder, workers, show_progress)
 
 
@@ -408,11 +424,11 @@ class TaskBuild:
         with _one_thread_per_worker(), pool, progress_bar(disable=not show_progress) as bar:
             progress = bar.add_task("tokenising", total=math.ceil(budget / self.count) if budget else None)
             try:
-                for block, (train, val) in pool.map(blocks):
+                for block, (train, val, dropped) in pool.map(blocks):
                     if writer is None or writer.index != block.shard:
                         self._finish(writer)
                         writer, before = sh.ShardWriter(self.building, block.shard), self.train_before(block.shard)
-                    writer.add(block.documents, train, val, block.filter_counts)
+                    writer.add(block.documents, train, val, block.filter_counts, dropped)
                     bar.update(progress, advance=len(train), description=f"tokenising shard {block.shard}")
                     if budget is not None and before is not None and before + writer.tokens["train"] >= budget:
                         break
@@ -483,6 +499,8 @@ def _finish(building: Path, out: Path, plan: sh.Plan, job: Job, encoder, digest,
     }
     if job.row_filter is not None:
         meta["filter"] = _filter_report(job.row_filter, sh.filter_counts(used), job.sources)
+    if job.decontaminate:
+        meta["decontamination"] = {**dc.settings(job.decontaminate), **sh.dropped_counts(used)}
     sh.remove_unused(building, used)
     sh.write_json(building / META, meta)
     publish_directory(building, out)

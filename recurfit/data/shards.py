@@ -113,8 +113,9 @@ class ShardWriter:
         self.tokens = dict.fromkeys(SPLITS, 0)
         self.blocks: list[list[int]] = []
         self.block_filter: list[dict] = []  # what the row filter counted in each block (none without a filter)
+        self.block_dropped: list[dict] = []  # what decontamination dropped in each block (none without it)
 
-    def add(self, documents: int, train: np.ndarray, val: np.ndarray, filter_counts: dict) -> None:
+    def add(self, documents: int, train: np.ndarray, val: np.ndarray, filter_counts: dict, dropped=None) -> None:
         for split, ids in zip(SPLITS, (train, val)):
             data = ids.tobytes()
             self.files[split].write(data)
@@ -123,6 +124,8 @@ class ShardWriter:
         self.blocks.append([documents, len(train), len(val)])
         if filter_counts:
             self.block_filter.append(filter_counts)
+        if dropped is not None:
+            self.block_dropped.append(dropped)
 
     def finish(self) -> dict:
         for split, file in self.files.items():
@@ -138,6 +141,7 @@ class ShardWriter:
             "sha256": {split: digest.hexdigest() for split, digest in self.hashes.items()},
             "blocks": self.blocks,
             "block_filter": self.block_filter,
+            "block_dropped": self.block_dropped,
         }
         write_json(record_path(self.folder, self.index), record)
         return record
@@ -260,6 +264,7 @@ def cut(folder: Path, record: dict, blocks: int, itemsize: int) -> dict:
         "sha256": sha,
         "blocks": kept,
         "block_filter": record["block_filter"][:blocks],
+        "block_dropped": record.get("block_dropped", [])[:blocks],  # absent from shards made before decontamination
     }
     write_json(record_path(folder, record["index"]), new)
     return new
@@ -271,6 +276,17 @@ def filter_counts(records: Iterable[dict]) -> dict:
     for record in records:
         for counts in record["block_filter"]:
             total = counts_plus(total, counts)
+    return total
+
+
+def dropped_counts(records: Iterable[dict]) -> dict | None:
+    """What decontamination dropped over the blocks of `records` (None without decontamination)."""
+    from .decontaminate import add_counts
+
+    total = None
+    for record in records:
+        for counts in record.get("block_dropped", []):
+            total = add_counts(total, counts)
     return total
 
 

