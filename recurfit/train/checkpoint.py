@@ -200,9 +200,11 @@ def restore(checkpoint: Checkpoint, model, optimizers, schedulers) -> dict:
     return checkpoint.trainer
 
 
-def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers) -> None:
+def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_only: bool = False) -> None:
     """Load a checkpoint's optimiser states (moments, step counts) into `optimizers` while keeping their own
-    hyperparameters (LR, betas, weight decay): a chained run carries the state, its schedule starts afresh."""
+    hyperparameters (LR, betas, weight decay): a chained run carries the state, its schedule starts afresh.
+    `shared_only`: the two runs may train different parameters; those they share carry their state, the others
+    start afresh (model.continue_schedule)."""
     saved = checkpoint.optimizer["optimizers"]
     if len(saved) != len(optimizers):
         raise RecurfitError(
@@ -211,13 +213,32 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers) -> None:
         )
     for optimizer, state in zip(optimizers, saved):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        _load_optimizer_state(model, optimizer, state)
+        fresh = []
+        if shared_only:
+            state, fresh = _shared_state(model, optimizer, state)
+        _load_optimizer_state(model, optimizer, state, strict=not shared_only)
+        for parameter in fresh:  # torch's loader gave it the state of a step with zero gradient (AdamW: step 1)
+            optimizer.state.pop(parameter, None)
         for group, own in zip(optimizer.param_groups, settings):
             group.update(own)
 
 
-def _load_optimizer_state(model, optimizer, state: dict) -> None:
+def _shared_state(model, optimizer, saved: dict) -> tuple[dict, list]:
+    """`saved` (a full optimizer state dict, keyed by parameter name) laid out as `optimizer`'s own: the state of
+    each parameter `optimizer` updates that `saved` holds; and the parameters it does not hold (to start afresh)."""
+    if not any(group["params"] for group in optimizer.param_groups):
+        return saved, []  # nothing to update: nothing is loaded (_load_optimizer_state)
+    own = get_optimizer_state_dict(model, optimizer, options=FULL)
+    names = [name for group in own["param_groups"] for name in group["params"]]
+    state = {name: saved["state"][name] for name in names if name in saved["state"]}
+    fresh = [parameter for name, parameter in model.named_parameters() if name in names and name not in state]
+    return {"state": state, "param_groups": own["param_groups"]}, fresh
+
+
+def _load_optimizer_state(model, optimizer, state: dict, strict: bool = True) -> None:
     """`set_optimizer_state_dict`, except for an optimizer with nothing to update (AdamW beside Muon when only
-    hidden matrices train): it has no state to load, and torch's loader cannot place an empty one."""
+    hidden matrices train): it has no state to load, and torch's loader cannot place an empty one. Not `strict`:
+    parameters without state in `state` start afresh."""
     if any(group["params"] for group in optimizer.param_groups):
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -43,6 +43,11 @@ class ModelConfig:
     # With init_from: also continue that run's optimizer state and data position (its last checkpoint), as a
     # cooldown resumes a run; the LR schedule and the step count start afresh.
     carry_state: bool = False
+    # With init_from: continue that run as one run (it stopped early, `stop_at`): its step count, LR schedule,
+    # curricula, depth draws and data position go on where it stopped, `steps` being the whole schedule's length,
+    # and the optimizer state of what trained in both runs carries over (implies carry_state; the trained parts
+    # may differ: parameters new here start afresh).
+    continue_schedule: bool = False
     shape: list[int] | None = None  # [P, R, C]: retrofit `path` with the paper's layer rule
     # Or the parent's layer indices for each part (the paper's layer-choice ablations), instead of `shape`.
     prelude: list[int] | None = None
@@ -100,6 +105,8 @@ class ModelConfig:
                 )
         if self.carry_state and self.init_from is None:
             problems.append("model.carry_state carries a finished run's state: set model.init_from to that run")
+        if self.continue_schedule and self.init_from is None:
+            problems.append("model.continue_schedule continues a run: set model.init_from to that run")
         if self.prune_to is not None:
             if retrofits:
                 problems.append("model.prune_to makes a non-recurrent baseline; drop model.shape/prelude/core/coda")
@@ -373,6 +380,9 @@ class TrainConfig:
     lora: LoraSettings | None = None  # None: no LoRA
     batch: BatchConfig = field(default_factory=BatchConfig)
     steps: int = 100
+    # End this run after this optimizer step (None: at `steps`), its schedules still those of `steps`: the first
+    # part of a run that another run continues (model.continue_schedule).
+    stop_at: int | None = None
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool = False
     distributed: Literal["ddp", "fsdp"] = "ddp"
@@ -394,6 +404,8 @@ class TrainConfig:
         problems = []
         if self.steps < 1:
             problems.append("steps must be >= 1")
+        elif self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            problems.append(f"stop_at must be a step from 1 to steps ({self.steps}), got {self.stop_at}")
         if self.batch.micro < 1 or self.batch.global_ < self.batch.micro:
             problems.append("batch.micro must be >= 1 and batch.global >= batch.micro")
         elif self.batch.global_ % self.batch.micro:
@@ -444,6 +456,11 @@ class TrainConfig:
         if problems:
             raise RecurfitError("Invalid training config: " + "; ".join(problems) + ".")
         return self
+
+    @property
+    def end(self) -> int:
+        """The optimizer step this run ends at: `stop_at`, or the end of its schedule."""
+        return self.stop_at if self.stop_at is not None else self.steps
 
     def to_dict(self) -> dict:
         return _to_plain(self)

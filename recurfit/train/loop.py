@@ -56,9 +56,9 @@ from .lora import merged
 from .losses import HealingLoss, Teacher, cross_entropy, describe
 from .metrics import MetricsLog, peak_flops, read_log, validation_columns
 from .model import build_model, is_recurrent
-from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
+from .optim import BatchedMuon, advance, build_optimizers, build_schedulers, global_grad_norm
 from .parts import check_carry, select_parts, summary
-from .run_folder import TRAINING_RECORD, RunFolder, changed_settings, earlier_training
+from .run_folder import TRAINING_RECORD, RunFolder, changed_settings, check_continuation, earlier_training
 
 
 @dataclass
@@ -168,7 +168,7 @@ class Trainer:
         self._check_vocabulary()
         self._check_validation()
         self.schedule = depth_schedule(config)
-        self.earlier = earlier_training(config.model.init_from)
+        self.earlier = earlier_training(config.model.init_from, continued=config.model.continue_schedule)
         if config.compile:
             for layer in self._layers():
                 layer.compile()
@@ -177,9 +177,10 @@ class Trainer:
         self.optimizers = build_optimizers(self.model, config.optimizer)
         self.schedulers = build_schedulers(self.optimizers, config.optimizer, config.steps)
         self.counters = Counters()
+        self.start_step = 0  # where this run's schedule starts: 0, or where the run it continues stopped
         if resume:
             self._resume()
-        if self.counters.step == 0 and config.model.carry_state:
+        if self.counters.step == 0 and (config.model.carry_state or config.model.continue_schedule):
             self._carry_state()
         self.resumed_at = self.counters.step
         if force and self.processes.is_main:  # the new run is set up: only now is the old one deleted
@@ -517,20 +518,29 @@ class Trainer:
         return chosen
 
     def _carry_state(self) -> None:
-        """model.carry_state: the optimizer state and data position of the run this one continues."""
+        """model.carry_state: the optimizer state and data position of the run this one continues; with
+        model.continue_schedule also its step count, so that the schedules and depth draws go on from there."""
+        continuing = self.config.model.continue_schedule
+        setting = "model.continue_schedule" if continuing else "model.carry_state"
         source = RunFolder(Path(self.config.model.init_from))
         checkpoint = self._newest_checkpoint(source.checkpoints)
         if checkpoint is None:
-            raise RecurfitError(f"model.carry_state: {source.path} has no checkpoint to carry the state from.")
+            raise RecurfitError(f"{setting}: {source.path} has no checkpoint to carry the state from.")
         check_carry(checkpoint.trainer["config"], self.config)
-        carry_optimizer_states(checkpoint, self.model, self.optimizers)
+        if continuing:
+            check_continuation(source.path, checkpoint.trainer["config"], checkpoint.step, self.config.to_dict())
+        carry_optimizer_states(checkpoint, self.model, self.optimizers, shared_only=continuing)
         try:
             self.stream.load_state_dict(checkpoint.trainer["stream"])
         except RecurfitError:
             raise RecurfitError(
-                f"model.carry_state continues the data stream of {source.path}, which read other data: give the "
-                "same data.phases sources and seed, or drop model.carry_state."
+                f"{setting} continues the data stream of {source.path}, which read other data: give the "
+                f"same data.phases sources and seed, or drop {setting}."
             ) from None
+        if continuing:
+            self.counters = Counters(**{**checkpoint.trainer["counters"], "bad_in_row": 0})
+            self.start_step = self.counters.step
+            advance(self.schedulers, self.start_step)
 
     def _say(self, message: str | None) -> None:
         if message is not None and self.processes.is_main:
@@ -593,7 +603,9 @@ class Trainer:
         every = self.config.snapshots.every
         if not every:
             return
-        count = self.config.steps // every + 1 - (self.config.steps % every == 0)  # step 0 on; the last is final/
+        # At the start and every `every` steps before the end, which is final/.
+        start, end = self.start_step, self.config.end
+        count = 1 + (end - 1) // every - start // every if end > start else 0
         floating = getattr(torch, self.config.snapshots.dtype).itemsize
         size = sum(
             t.numel() * (floating if t.is_floating_point() else t.element_size())
@@ -613,31 +625,31 @@ class Trainer:
         with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
             mean = self.schedule.mean_recurrence.at(counters.step)
             first = f"step {counters.step + 1}: first forward and backward (r̄ {mean})"
-            task = bar.add_task("training", total=config.steps, completed=counters.step, status=first)
-            if config.snapshots.every and counters.step == 0:
+            task = bar.add_task("training", total=config.end, completed=counters.step, status=first)
+            if config.snapshots.every and counters.step == self.start_step:
                 self.snapshot()  # the model before training: the curves' first point
-            while counters.step < config.steps:
+            while counters.step < config.end:
                 record = self.train_step()
                 result.losses.append(record["loss"])
                 loss, mean, rate = record["loss"], record["mean_recurrence"], record["tokens_per_s"]
                 status = f"loss {loss:.4f}  r̄ {mean}  {rate:,.0f} tok/s"
                 bar.update(task, advance=1, status=status)
                 step = counters.step
-                if self.log is not None and (step % config.log.every == 0 or step == config.steps):
+                if self.log is not None and (step % config.log.every == 0 or step == config.end):
                     self.log.write(record)
-                if config.eval.every and step % config.eval.every == 0 and step < config.steps:
+                if config.eval.every and step % config.eval.every == 0 and step < config.end:
                     self._write(self.validate())
-                if config.snapshots.every and step % config.snapshots.every == 0 and step < config.steps:
+                if config.snapshots.every and step % config.snapshots.every == 0 and step < config.end:
                     self.snapshot()
-                if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.steps:
+                if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.end:
                     self.checkpoint()
-        if self.resumed_at < config.steps:
+        if self.resumed_at < config.end:
             result.validation = self.validate()
             self._write(result.validation)
             self.checkpoint()
         else:  # resumed from the last checkpoint, which follows the final validation: only the export is left
             result.validation = next(
-                (r for r in reversed(read_log(self.out)) if r["kind"] == "eval" and r["step"] == config.steps), None
+                (r for r in reversed(read_log(self.out)) if r["kind"] == "eval" and r["step"] == config.end), None
             )
         self.export(result.validation)
         self.close()
@@ -694,5 +706,5 @@ def already_finished(config: TrainConfig, resume: bool, force: bool) -> TrainRes
     folder = RunFolder(Path(config.out))
     folder.check_flags(resume, force)
     if resume and folder.finished:
-        return TrainResult(folder.path, Counters(step=folder.last_step() or config.steps), already_finished=True)
+        return TrainResult(folder.path, Counters(step=folder.last_step() or config.end), already_finished=True)
     return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -113,6 +114,16 @@ def build_schedulers(optimizers, config: OptimizerConfig, total_steps: int) -> l
         )
         for optimizer in optimizers
     ]
+
+
+def advance(schedulers: list[LambdaLR], step: int) -> None:
+    """Set `schedulers` (and their optimizers' LRs) to where they stand after `step` optimizer steps, as if they had
+    stepped that often: a run that continues another's schedule (model.continue_schedule) starts there."""
+    for scheduler in schedulers:
+        scheduler.last_epoch = step - 1
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": no update is skipped here
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
 
 
 class BatchedMuon(torch.optim.Muon):

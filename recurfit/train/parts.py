@@ -103,11 +103,19 @@ def summary(model: nn.Module, config: TrainConfig) -> str | None:
 
 def check_carry(earlier: dict, config: TrainConfig) -> None:
     """model.carry_state continues the optimizer state of a run that trained the same parts, without LoRA (whose
-    matrices were merged into the final model and start afresh here)."""
+    matrices were merged into the final model and start afresh here). model.continue_schedule may change the
+    trained parts: what trains in both runs keeps its state, what is new here starts afresh, and the state of what
+    no longer trains is dropped."""
     trainable = earlier.get("model", {}).get("trainable")
-    if earlier.get("lora") is not None or config.lora is not None or trainable != config.model.trainable:
+    lora = earlier.get("lora") is not None or config.lora is not None
+    if config.model.continue_schedule and lora:
+        raise RecurfitError(
+            "model.continue_schedule carries the optimizer state, and LoRA's (merged into that run's final model) "
+            "cannot be continued: train both runs without lora, or drop model.continue_schedule."
+        )
+    if not config.model.continue_schedule and (lora or trainable != config.model.trainable):
         raise RecurfitError(
             f"model.carry_state carries optimizer state for the same trained parts (that run: model.trainable "
             f"{trainable}, here {config.model.trainable}) and no LoRA; drop model.carry_state to start its "
-            "optimizer afresh."
+            "optimizer afresh, or set model.continue_schedule to continue that run as one."
         )

@@ -41,10 +41,13 @@ RESUMABLE_CHANGES = (
 )
 
 
-def earlier_training(init_from: str | None) -> dict | None:
+def earlier_training(init_from: str | None, continued: bool = False) -> dict | None:
     """What the runs this one continues (`model.init_from`, and theirs) cost: their tokens and FLOPs summed, and
     their names, first run first; recorded in `training.json` so that curves over training FLOPs count them.
-    None when the run starts from a parent, or from a final model saved before `training.json` existed."""
+    None when the run starts from a parent, or from a final model saved before `training.json` existed.
+
+    `continued` (model.continue_schedule): this run's counters go on from that run's, so they already hold its
+    tokens and FLOPs; only what came before that run (its own `earlier`) is counted here, beside the names."""
     record = Path(init_from) / "final" / TRAINING_RECORD if init_from else None
     if record is None or not record.is_file():
         return None
@@ -52,8 +55,67 @@ def earlier_training(init_from: str | None) -> dict | None:
     before = final.get("earlier") or {}
     earlier = {"runs": [*before.get("runs", []), final["run"]]}
     for key in ("tokens", "flops", "flops_paper", "flops_teacher"):
-        earlier[key] = before.get(key, 0) + final.get(key, 0)
+        earlier[key] = before.get(key, 0) + (0 if continued else final.get(key, 0))
+    if continued:  # the run whose counters (with those of any run it continued) go on in this run's
+        earlier["continued"] = final["run"]
     return earlier
+
+
+# What makes two runs one (model.continue_schedule): the rows read (seed, data, batch), the LR schedule (its length,
+# shape and peak LRs; the optimizer, whose moments carry over) and the depth curriculum and draws.
+SCHEDULE_SETTINGS = (
+    "seed",
+    "steps",
+    "batch.global",
+    "data.phases",
+    "optimizer.name",
+    "optimizer.lr",
+    "optimizer.muon_lr",
+    "optimizer.warmup",
+    "optimizer.decay",
+    "optimizer.decay_shape",
+    "optimizer.min_lr_ratio",
+    "depth.mean_recurrence",
+    "depth.backprop_depth",
+    "depth.curriculum",
+    "depth.curriculum_fraction",
+    "depth.backprop_curriculum",
+    "depth.backprop_curriculum_fraction",
+    "depth.paper_ramp_rounding",
+    "depth.fixed",
+    "depth.draw",
+)
+
+
+def check_continuation(source: Path, earlier: dict, stopped_at: int, now: dict) -> None:
+    """model.continue_schedule: `now` (a config dict) may continue the run in `source`, whose config was `earlier`
+    and whose newest checkpoint is at step `stopped_at`: the same schedule, with steps left after that step.
+    A one-line RecurfitError otherwise."""
+    final = source / "final" / TRAINING_RECORD
+    finished_at = json.loads(final.read_text()).get("step") if final.is_file() else None
+    if finished_at is not None and finished_at != stopped_at:
+        raise RecurfitError(
+            f"model.continue_schedule: {source}'s newest checkpoint is at step {stopped_at}, its final model at step "
+            f"{finished_at}; continue a run whose last checkpoint is its final step (train it again)."
+        )
+    before, after = flatten_settings(earlier), flatten_settings(now)
+    for key in SCHEDULE_SETTINGS:
+        shared = before.keys() & after.keys()  # a setting newer than that run is not compared
+        values = [(k, before[k], after[k]) for k in shared if k == key or k.startswith(key + ".")]
+        for name, old, new in sorted(values, key=lambda value: value[0]):
+            if old != new:
+                why = " (steps is the length of the whole schedule, both runs together)" if key == "steps" else ""
+                raise RecurfitError(
+                    f"model.continue_schedule continues {source} as one run: give the same {name} ({old} there, "
+                    f"{new} here){why}, or drop model.continue_schedule to start a schedule of its own."
+                )
+    end = now.get("stop_at") or now["steps"]
+    if end <= stopped_at:
+        raise RecurfitError(
+            f"model.continue_schedule: {source} already ran to step {stopped_at} of its {earlier['steps']}-step "
+            f"schedule, so this run (to step {end}) has nothing left to train; train that run with stop_at below "
+            "steps, or drop model.continue_schedule to start a schedule of its own."
+        )
 
 
 class RunFolder:
