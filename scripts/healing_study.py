@@ -43,7 +43,7 @@ ARMS = {
     "ce-identity": [],  # plain next-token loss from the [0 | I] adapter (the pruned parent): the reference
     "ce-torch-default": ["model.adapter_init=torch-default"],  # the paper authors' start: nn.Linear's draw
     "distill": ["distill.alpha=0.5", "distill.temperature=2.0"],  # KL to the parent's next-token distribution
-    "adapter-then-all": [],
+    "adapter-then-all": [],  # the adapter alone, then everything: one run's schedule in two runs (see `train`)
     "ce-adamw": ["optimizer.name=adamw", "optimizer.lr=5e-4"],  # every part under LoRA's optimizer: the control
     "ce-muon-5x": ["optimizer.muon_lr=5e-3", "optimizer.lr=2.5e-4"],  # Muon at 5 times the paper's rates
     "lora": [  # rank-16 LoRA on every kept layer, the adapter trained fully; AdamW (LoRA does not take Muon)
@@ -60,7 +60,9 @@ ARMS = {
 # Trained with the first seed only: the random adapter start ends nats behind the others, and the parent is the
 # reference line, so neither needs a seed spread.
 FIRST_SEED_ONLY = ("ce-torch-default", "parent")
-# adapter-then-all: the adapter alone for the first quarter of the steps, then everything, from its result.
+# adapter-then-all: the adapter alone for the first quarter of the steps, then everything, from its result. The
+# two runs are one run (`stop_at`, `model.continue_schedule`): the second goes on with the first one's data, step
+# count, LR schedule, curricula and depth draws, so the arm reads the same rows as every other arm.
 ADAPTER_SHARE = 0.25
 EXIT_THRESHOLD, EXIT_MIN_STEPS, EXIT_MAX = 5e-4, 2, 16
 CURVE_RECURRENCES = "1,2,4,8,16,32"
@@ -77,18 +79,35 @@ def train(recipe: Path, out: Path, arm: str, seed: int, steps: int, every: int) 
     common = [f"seed={seed}", f"steps={steps}", f"snapshots.every={every}", "eval.every=0", *PAPER_RATES]
     folder = out / "runs" / f"{arm}-s{seed}"
     if arm == "adapter-then-all":
-        first_steps = max(1, round(steps * ADAPTER_SHARE))
+        first_steps = min(max(1, round(steps * ADAPTER_SHARE)), steps - 1)
         first = out / "runs" / f"{arm}-s{seed}-adapter"
+        chained = [f"model.init_from={first}", "model.continue_schedule=true", "model.shape=null", "model.path=null"]
+        _check_chained(first, ("stop_at",), first_steps)
+        _check_chained(folder, ("model", "continue_schedule"), True)
         if not (first / "final").is_dir():
-            run(["train", recipe, "--out", first, *common, f"steps={first_steps}", "model.trainable=[adapter]"])
-        if not (folder / "final").is_dir():
-            chained = [*common, f"steps={steps - first_steps}", f"model.init_from={first}", "model.shape=null"]
-            chained.append("model.path=null")  # the model comes from the first run's final/ folder
-            run(["train", recipe, "--out", folder, *chained])
+            run(["train", recipe, "--out", first, *common, f"stop_at={first_steps}", "model.trainable=[adapter]"])
+        if not (folder / "final").is_dir():  # the model comes from the first run's final/ folder
+            run(["train", recipe, "--out", folder, *common, *chained])
         return folder
     if not (folder / "final").is_dir():
         run(["train", recipe, "--out", folder, *common, *ARMS[arm]])
     return folder
+
+
+def _check_chained(folder: Path, key: tuple[str, ...], expected) -> None:
+    """Stop on an adapter-then-all run trained before the two runs were one (2026-11-24: the second restarted
+    the data, schedule and curriculum): it would be skipped as done, and its numbers are not comparable."""
+    settings = folder / "config.yaml"
+    if not settings.is_file():
+        return
+    value = yaml.safe_load(settings.read_text())
+    for name in key:
+        value = (value or {}).get(name)
+    if value != expected:
+        sys.exit(
+            f"{folder} was trained as a chain that restarts its schedule ({'.'.join(key)}: {value}, not {expected}); "
+            f"delete it and its evaluations ({folder.parent.parent / 'eval'}/{folder.name}-*), or use another --out."
+        )
 
 
 def evaluate(run_folder: Path, out: Path, store: str, baseline: str, rows: int, recurrences: str) -> Path:
@@ -140,10 +159,14 @@ def measured(path: Path, measure, *args) -> dict:
 
 def summarise(folder: Path, evaluations: dict[str, Path], exits: dict) -> dict:
     """One run's numbers: training FLOPs (teacher included), final losses at r̄, start loss, exit depth."""
-    records = [r for r in read_log(folder) if r["kind"] == "train"]
     final = json.loads((folder / "final" / "training.json").read_text())
-    earlier = final.get("earlier") or {}  # adapter-then-all: the first, adapter-only run's compute counts too
+    # adapter-then-all: the first, adapter-only run's compute counts too. Its second run continues the first's
+    # counters (model.continue_schedule), so `earlier` adds only what preceded the chain (nothing here); the
+    # first run's steps are timed in its own log.
+    earlier = final.get("earlier") or {}
     flops = sum(record.get(key, 0.0) for record in (final, earlier) for key in ("flops_paper", "flops_teacher"))
+    logs = [folder.parent / name for name in earlier.get("runs", []) if (folder.parent / name).is_dir()] + [folder]
+    records = [r for log in logs for r in read_log(log) if r["kind"] == "train"]
     row = {"flops": flops, "seconds": sum(r["seconds"] for r in records), **exits}
     for store, path in evaluations.items():
         evaluation = RunEvaluation.load(path)

@@ -3,6 +3,7 @@ the report compares them (the real study runs the same code on the embedded Smol
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 import torch
 import yaml
 from test_train import tiny_config
+
+from recurfit.train.metrics import read_log
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +25,35 @@ def study():
     return module
 
 
-def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path):
+@pytest.fixture
+def rows_read(monkeypatch):
+    """{run folder name: [(step, stream position, hash of the rows), …]}: what each training step read, in order."""
+    from recurfit.data import RowStream
+    from recurfit.train.loop import Trainer
+
+    read, running = {}, []
+    next_batch, train_step = RowStream.next_batch, Trainer.train_step
+
+    def reading(self, *args):
+        position, rows = self.position, next_batch(self, *args)
+        read.setdefault(running[-1].out.name, []).append(
+            (running[-1].counters.step + 1, position, hashlib.sha256(rows.numpy().tobytes()).hexdigest())
+        )
+        return rows
+
+    def stepping(self):
+        running.append(self)
+        try:
+            return train_step(self)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(RowStream, "next_batch", reading)
+    monkeypatch.setattr(Trainer, "train_step", stepping)
+    return read
+
+
+def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path, rows_read):
     healing = study()
     config = tiny_config(workspace, tmp_path / "unused")
     config["log"] = {"progress": False}
@@ -56,9 +87,24 @@ def test_every_arm_trains_is_evaluated_and_reported(workspace, tmp_path):
         == (1e-3, 5e-5)
         != (config["optimizer"]["muon_lr"], config["optimizer"]["lr"])
     )
-    # The chained arm: an adapter-only run, then everything from its final model.
+    # The chained arm: an adapter-only run, then everything from its final model, continuing its schedule.
     first = out / "runs" / "adapter-then-all-s0-adapter"
     assert (first / "final").is_dir() and (out / "runs" / "adapter-then-all-s0" / "final").is_dir()
+    # Every arm reads the same rows in the same order, step by step: the chained arm's two runs together too.
+    for seed in (0, 1):
+        reference = rows_read[f"ce-identity-s{seed}"]
+        assert [step for step, *_ in reference] == list(range(1, 9))
+        chain = rows_read[f"adapter-then-all-s{seed}-adapter"] + rows_read[f"adapter-then-all-s{seed}"]
+        assert len(rows_read[f"adapter-then-all-s{seed}-adapter"]) == 2 and chain == reference
+        for arm in set(arms.split(",")) - {"adapter-then-all"}:
+            if seed == 0 or arm not in healing.FIRST_SEED_ONLY:
+                assert rows_read[f"{arm}-s{seed}"] == reference, arm
+    assert rows_read["ce-identity-s0"] != rows_read["ce-identity-s1"]  # the seed sets the data order
+    # Its compute and time count once each: the second run's counters go on from the first's.
+    chained, alone = results["adapter-then-all"]["0"], results["ce-identity"]["0"]
+    assert chained["flops"] == pytest.approx(alone["flops"], rel=1e-12)
+    logs = [read_log(out / "runs" / name) for name in ("adapter-then-all-s0-adapter", "adapter-then-all-s0")]
+    assert chained["seconds"] == pytest.approx(sum(r["seconds"] for log in logs for r in log if r["kind"] == "train"))
     report = (out / "report.md").read_text()
     assert "| distill | 0,1 |" in report and "gap closed" in report and "the seed spread" in report
     for store in ("prose", "math"):
@@ -81,3 +127,21 @@ def test_exit_depths_follow_the_kl_rule(workspace, tmp_path, monkeypatch):
     never = healing.exit_depths(tmp_path / "model", str(workspace / "math"), rows=4)
     assert never["mean_depth"] == healing.EXIT_MAX
     assert torch.isfinite(torch.tensor(never["loss_full"]))
+
+
+def test_a_restarting_chain_from_before_is_not_taken_as_done(tmp_path):
+    """adapter-then-all runs trained when the second run restarted the schedule stop the study, naming the fix."""
+    healing = study()
+    first = tmp_path / "runs" / "adapter-then-all-s0-adapter"
+    first.mkdir(parents=True)
+    (first / "config.yaml").write_text(yaml.safe_dump({"steps": 5, "model": {"trainable": ["adapter"]}}))
+    with pytest.raises(
+        SystemExit, match="trained as a chain that restarts its schedule .*delete it and its evaluations"
+    ):
+        healing.train(Path("recipe.yaml"), tmp_path, "adapter-then-all", 0, 20, 5)
+    (first / "config.yaml").write_text(yaml.safe_dump({"steps": 20, "stop_at": 5}))
+    second = tmp_path / "runs" / "adapter-then-all-s0"
+    second.mkdir()
+    (second / "config.yaml").write_text(yaml.safe_dump({"steps": 15, "model": {"init_from": str(first)}}))
+    with pytest.raises(SystemExit, match=r"model.continue_schedule: None, not True"):
+        healing.train(Path("recipe.yaml"), tmp_path, "adapter-then-all", 0, 20, 5)
