@@ -131,3 +131,21 @@ def test_an_inconsistent_continuation_is_a_one_line_error(tmp_path, workspace):
         config(workspace, tmp_path / "x", "stop_at=9")
     with pytest.raises(RecurfitError, match="model.continue_schedule continues a run: set model.init_from"):
         config(workspace, tmp_path / "x", "model.continue_schedule=true")
+
+
+def test_a_continued_run_resumes_exactly(tmp_path, workspace):
+    first = tmp_path / "first"
+    train(config(workspace, first, f"stop_at={STOP}", "model.trainable=[adapter]"))
+    whole = train(continuing(workspace, tmp_path / "whole", first))
+    cut = continuing(workspace, tmp_path / "cut", first)
+    trainer = Trainer(cut)
+    trainer.train_step(), trainer.train_step()
+    trainer.checkpoint()
+    trainer.close()
+    resumed = train(cut, resume=True)
+    assert resumed.counters.step == STEPS and resumed.losses == whole.losses[2:]
+    lrs = {r["step"]: r["lr"] for r in trained_steps(tmp_path / "whole")}
+    assert {r["step"]: r["lr"] for r in trained_steps(tmp_path / "cut")} == {
+        s: lrs[s] for s in range(STOP + 3, STEPS + 1)
+    }
+    assert training_record(tmp_path / "cut")["earlier"] == training_record(tmp_path / "whole")["earlier"]
