@@ -69,3 +69,181 @@ def test_distillation_and_supervision_equal_the_plain_losses(small_chunks):
     torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-6)
     for student in depths:
         torch.testing.assert_close(gradient(chunked, student), gradient(reference, student), rtol=1e-5, atol=1e-8)
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def tiny_plan_model(**overrides):
+    """A (2, 2, 2) retrofit of a tiny llama on the meta device, and a config of micro-batch 2 of 8."""
+    from conftest import tiny_parent
+
+    from recurfit import retrofit
+    from recurfit.train import load_config
+    from recurfit.train.model import planned_parts
+
+    settings = {"out": "unused", "data": {"phases": [{"sources": ["unused"]}]}, "batch": {"micro": 2, "global": 8}}
+    config = load_config(None, [f"{key}={value}" for key, value in overrides.items()], base=settings)
+    with torch.device("meta"):
+        model = retrofit(tiny_parent("llama", num_layers=6, place=False), (2, 2, 2))
+    return config, planned_parts(model, config)
+
+
+def plan(config, model, **kwargs):
+    from recurfit.train.memory import plan_memory
+
+    return plan_memory(config, model, 32, **{"device": "cuda", **kwargs})
+
+
+def test_the_peak_is_the_resident_parts_and_the_larger_transient_one():
+    config, model = tiny_plan_model(**{"depth.supervise": "{last: 2}", "distill": "{alpha: 0.5}"})
+    result = plan(config, model, world=4, teacher_parameters=1000)
+    parts = result.parts()
+    resident = sum(parts[name] for name in result.RESIDENT)
+    transient = sum(parts[name] for name in result.FORWARD_BACKWARD)
+    assert result.peak == resident + max(transient, parts["optimizer_step"])
+    assert all(parts[name] > 0 for name in ("distributed", "teacher", "readouts", "autocast_copies"))
+    assert parts["gradients"] == parts["parameters"]  # every part trains
+    assert parts["distributed"] == parts["gradients"]  # DDP's buckets: a second copy of the gradients
+
+
+def test_the_plan_grows_with_k_and_the_micro_batch():
+    peaks = {}
+    for k in (1, 2, 4, 8):
+        config, model = tiny_plan_model(**{"depth.mean_recurrence": 8, "depth.backprop_depth": k})
+        peaks[k] = [plan(config, model, micro=micro).peak for micro in (1, 2, 4, 8)]
+    for k, by_micro in peaks.items():
+        assert by_micro == sorted(set(by_micro)), k
+    assert [peaks[k][0] for k in (1, 2, 4, 8)] == sorted(set(peaks[k][0] for k in (1, 2, 4, 8)))
+
+
+def test_k_is_the_largest_the_sampler_draws():
+    config, model = tiny_plan_model(**{"depth.mean_recurrence": 4, "depth.backprop_depth": 8})
+    assert plan(config, model).k == 4  # k = min(k̄, r̄): the sampler never gives more
+    config, model = tiny_plan_model(**{"depth.mean_recurrence": 32, "depth.backprop_depth": 8})
+    assert plan(config, model).k == 8
+
+
+def test_frozen_parts_have_no_gradients_or_optimizer_state():
+    config, model = tiny_plan_model(**{"model.trainable": "[adapter]"})
+    result = plan(config, model)
+    adapter = sum(p.numel() for p in model.model.adapter.parameters())
+    assert result.gradients == 4 * adapter and result.optimizer_muon == 4 * adapter and result.optimizer_adamw == 0
+
+
+def test_fsdp_shards_what_it_shards():
+    config, model = tiny_plan_model(distributed="fsdp")
+    one, four = plan(config, model, world=1), plan(config, model, world=4)
+    assert four.parameters == one.parameters // 4 and four.gradients == one.gradients // 4
+    assert four.optimizer_muon == one.optimizer_muon  # BatchedMuon keeps each momentum whole
+
+
+@pytest.mark.parametrize("autocast, stream", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+def test_a_layers_saved_activations_are_what_autograd_saves(autocast, stream):
+    """L of the module docstring against the bytes autograd keeps for one llama decoder layer (SDPA)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from recurfit.train.memory import layer_bytes, layer_shape
+
+    parent_config = LlamaConfig(
+        vocab_size=101, hidden_size=128, intermediate_size=320, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(parent_config).train()
+    batch, length = 2, 16
+    hidden = torch.randn(batch, length, 128, requires_grad=True)
+    positions = torch.arange(length)[None]
+    saved = {}
+
+    def keep(tensor):
+        if tensor.shape[:1] in ((batch,), (batch * length,)):  # activations, not weights or rotary tables
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        rotary = model.model.rotary_emb(hidden, positions)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model.model.layers[0](hidden.to(stream), position_embeddings=rotary, position_ids=positions)
+    assert sum(saved.values()) == batch * length * layer_bytes(layer_shape(model), autocast, stream.itemsize)
+
+
+# ---------------------------------------------------------------- device memory and --dry-run
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("0.5 gb", 5 * 10**8), ("512MiB", 2**29), ("1000", 1000)],
+)
+def test_device_memory_sizes(text, size):
+    from recurfit.train.memory import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["80 GBs", "eighty", "-1GB", "0GB", ""])
+def test_a_bad_device_memory_is_a_one_line_error(text):
+    from recurfit.errors import RecurfitError
+    from recurfit.train.memory import parse_size
+
+    with pytest.raises(RecurfitError, match="--device-memory must be a size such as 80GB"):
+        parse_size(text)
+
+
+def test_the_fitting_micro_batch_keeps_the_global_batch():
+    from recurfit.train.memory import USABLE_FRACTION, verdict
+
+    config, model = tiny_plan_model()
+
+    def plan_of(micro):
+        return plan(config, model, micro=micro)
+
+    memory = int(plan_of(1).peak / USABLE_FRACTION) + 1  # micro-batch 1 fits, 2 (the config's) does not
+    assert verdict(plan_of, config, 1, memory) == (
+        False,
+        f"Does not fit: predicted peak {plan_of(2).peak / 1e6:.1f} MB of {memory / 1e6:.1f} MB (90% usable) per "
+        "device at micro-batch 2; batch.micro=1 fits (the same global batch).",
+    )
+    assert verdict(plan_of, config, 1, 10**12)[0]
+    assert "no micro-batch fits" in verdict(plan_of, config, 1, 1000)[1]
+
+
+@pytest.fixture
+def config_file(workspace, tmp_path):
+    import yaml
+    from test_train import tiny_config
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(workspace, tmp_path / "run")))
+    return path
+
+
+def test_dry_run_prints_the_plan_and_says_whether_it_fits(config_file, capsys):
+    from conftest import run_cli
+
+    code, text = run_cli(capsys, "train", config_file, "--dry-run", "--device-memory", "80GB", "--world-size", "2")
+    assert code == 0, text
+    assert "Memory plan per device: micro-batch 2 × 32 tokens, k = 2 with gradient, bf16 autocast, 2 × DDP" in text
+    assert "activations" in text and "optimizer muon" in text and "Fits: predicted peak" in text
+
+
+def test_dry_run_that_does_not_fit_is_a_one_line_error(config_file, capsys):
+    from conftest import run_cli
+
+    code, text = run_cli(capsys, "train", config_file, "--dry-run", "--device-memory", "1MB")
+    assert code != 0
+    assert "error: Does not fit: predicted peak" in text and "no micro-batch fits" in text
+    code, text = run_cli(capsys, "train", config_file, "--dry-run", "--device-memory", "lots")
+    assert code != 0 and "--device-memory must be a size such as 80GB" in text
+
+
+def test_a_run_that_does_not_fit_warns_and_goes_on(config_file, capsys):
+    import argparse
+
+    from recurfit.cli.train import _warn_memory
+    from recurfit.train import load_config
+
+    config = load_config(config_file)
+    lines = []
+    args = argparse.Namespace(device_memory="1MB", world_size=None)
+    _warn_memory(config, args, 10**6, lambda line, **_: lines.append(line))
+    assert len(lines) == 1 and lines[0].startswith("[yellow]warning:[/] Does not fit: predicted peak")
