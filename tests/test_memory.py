@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,3 +249,18 @@ def test_a_run_that_does_not_fit_warns_and_goes_on(config_file, capsys):
     args = argparse.Namespace(device_memory="1MB", world_size=None)
     _warn_memory(config, args, 10**6, lambda line, **_: lines.append(line))
     assert len(lines) == 1 and lines[0].startswith("[yellow]warning:[/] Does not fit: predicted peak")
+
+
+# ---------------------------------------------------------------- the paper recipes' headers
+
+PAPER_RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "paper").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
+def test_each_paper_recipe_states_its_planned_peak_and_fits_an_80gb_gpu(path):
+    """The header agrees with the planner (scripts/recipe_memory.py writes it), and the recipe's micro-batch fits."""
+    from recurfit.train.memory import PAPER_GPU_MEMORY, fits, recipe_header, recipe_plan
+
+    plan = recipe_plan(path)
+    assert recipe_header(plan) in path.read_text().splitlines()
+    assert fits(plan, PAPER_GPU_MEMORY)

@@ -51,8 +51,10 @@ against measured peaks in benchmarks/memory_plan.py (docs/performance.md, "The m
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -456,3 +458,42 @@ def plan_table(plan: MemoryPlan):
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
     table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", "resident + max(forward/backward, step)")
     return table
+
+
+# ---------------------------------------------------------------- the paper recipes' headers
+
+# What a paper recipe's header states: its plan on one 80 GB GPU of several under DDP (a device's plan is the
+# same at any world size of 2 or more), at the recipes' --seq-len 1024.
+PAPER_GPU_MEMORY = 80 * 10**9
+PAPER_WORLD = 8
+PAPER_SEQ_LEN = 1024
+
+
+def recipe_plan(path: Path, micro: int | None = None) -> MemoryPlan:
+    """The plan of a paper recipe (at `micro`, else its own micro-batch) from PAPER_PARENTS, without download.
+    A chained recipe (model.init_from) trains the model of the recipe whose `out` it continues."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .config import load_config
+    from .model import _restructure, planned_parts
+
+    config = load_config(path)
+    model_config = config.model
+    if model_config.init_from is not None:
+        earlier = (load_config(other) for other in sorted(path.parent.glob("*.yaml")))
+        model_config = next(c.model for c in earlier if c.out == model_config.init_from)
+    settings = dict(PAPER_PARENTS[model_config.path])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    model = _restructure(parent, model_config, config.depth, "paper", None, config.seed)
+    model = planned_parts(model, dataclasses.replace(config, model=model_config))
+    return plan_memory(config, model, PAPER_SEQ_LEN, world=PAPER_WORLD, micro=micro)
+
+
+def recipe_header(plan: MemoryPlan) -> str:
+    """The header line of a paper recipe that states its plan."""
+    return (
+        f"# Memory (`recurfit train RECIPE --dry-run --device-memory 80GB`): predicted peak {gb(plan.peak)} per "
+        f"80 GB GPU at micro-batch {plan.micro}, k = {plan.k}, bf16 autocast, DDP."
+    )
