@@ -202,8 +202,8 @@ def test_the_fitting_micro_batch_keeps_the_global_batch():
     memory = int(plan_of(1).peak / USABLE_FRACTION) + 1  # micro-batch 1 fits, 2 (the config's) does not
     assert verdict(plan_of, config, 1, memory) == (
         False,
-        f"Does not fit: predicted peak {plan_of(2).peak / 1e6:.1f} MB of {memory / 1e6:.1f} MB (90% usable) per "
-        "device at micro-batch 2; batch.micro=1 fits (the same global batch).",
+        f"Does not fit: predicted peak {plan_of(2).peak / 1e6:.1f} MB per device at micro-batch 2, more than the "
+        f"{0.9 * memory / 1e6:.1f} MB usable of {memory / 1e6:.1f} MB; batch.micro=1 fits (the same global batch).",
     )
     assert verdict(plan_of, config, 1, 10**12)[0]
     assert "no micro-batch fits" in verdict(plan_of, config, 1, 1000)[1]

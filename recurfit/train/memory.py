@@ -16,7 +16,8 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
                       2 per frozen one per use that gradient flows through
     activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F]
-    readouts          (m - 1) × T × (C·L(s) + F + c·V): depth supervision's extra readouts (m supervised depths)
+    readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
+                      each with its logits and their gradient
     logits and loss   T·V × (2c + (c + 4) with a teacher) + one chunk: the logits (kept for backward), their
                       gradient, the teacher's logits and float32 log-probabilities; the float32 upcast exists
                       one chunk of 2**24 elements at a time (losses.ChunkedLoss): its softmax (and upcast
@@ -236,7 +237,7 @@ def plan_memory(
         autocast_copies=_autocast_copies(model, k, autocast),
         activations=tokens * _activation_bytes(config, model, k, autocast),
         readouts=tokens * _readout_bytes(config, model, k, autocast),
-        logits_and_loss=_logits_bytes(config, model, tokens, autocast),
+        logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
         optimizer_step=step,
         micro=micro,
         seq_len=seq_len,
@@ -334,22 +335,24 @@ def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: b
 
 
 def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
-    """Per token, depth supervision's extra readouts: the coda, final norm, head input and logits each."""
+    """Per token, depth supervision's extra readouts: the coda, final norm, head input, logits and their
+    gradient each."""
     if not is_recurrent(model) or config.depth.supervise is None:
         return 0
     extra = len(supervised_steps((0, k), config.depth.supervise)) - 1
     shape, stream = layer_shape(model), _stream_bytes(model, autocast)
     coda = _stack_bytes(shape, layer_counts(model)["coda"], autocast, stream, config.model.gradient_checkpointing)
-    logits = (2 if autocast else 4) * vocab_size(model)
+    # Each readout's logits, and their gradient: backward reaches every depth's loss before any head, so the
+    # gradients of all depths' logits exist at once (measured: benchmarks/memory_plan.py --loss).
+    logits = 2 * (2 if autocast else 4) * vocab_size(model)
     return extra * (coda + _readout_head_bytes(shape, autocast, stream) + logits)
 
 
-def _logits_bytes(config: TrainConfig, model: nn.Module, tokens: int, autocast: bool) -> int:
+def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
     """The final logits (kept for backward), their gradient, the teacher's logits and log-probabilities, and
     the chunked loss's float32 buffers of one chunk: a softmax (and an upcast under autocast), four more for
     the KL's."""
-    vocab, c = vocab_size(model), 2 if autocast else 4
-    distill = config.distill is not None
+    c = 2 if autocast else 4
     per_token = 2 * c + (c + 4 if distill else 0)
     buffers = 1 + (c < 4) + 4 * distill
     chunk = min(tokens, chunk_rows(vocab)) * vocab
@@ -408,15 +411,16 @@ def verdict(plan_of, config: TrainConfig, world: int, memory: int) -> tuple[bool
     """(fits, the line that says so) for the config's micro-batch; when it does not fit, the line names the
     largest micro-batch that does (`plan_of(micro)`: the plan at a micro-batch)."""
     plan = plan_of(config.batch.micro)
-    usable = f"{gb(plan.peak)} of {gb(memory)} ({USABLE_FRACTION:.0%} usable)"
+    peak = f"predicted peak {gb(plan.peak)} per device at micro-batch {plan.micro}"
+    usable = f"the {gb(USABLE_FRACTION * memory)} usable of {gb(memory)}"
     if fits(plan, memory):
-        return True, f"Fits: predicted peak {usable} per device at micro-batch {plan.micro}."
+        return True, f"Fits: {peak}, within {usable}."
     fitting = fitting_micro(plan_of, config, world, memory)
     if fitting is None:
         advice = "no micro-batch fits; try model.gradient_checkpointing=true or distributed=fsdp"
     else:
         advice = f"batch.micro={fitting} fits (the same global batch)"
-    return False, f"Does not fit: predicted peak {usable} per device at micro-batch {plan.micro}; {advice}."
+    return False, f"Does not fit: {peak}, more than {usable}; {advice}."
 
 
 def gb(size: float) -> str:
