@@ -118,9 +118,9 @@ def _device_memory(args) -> int | None:
     return parse_size(args.device_memory) if args.device_memory else visible_device_memory()
 
 
-def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, str | None]:
+def _memory_plan(config, model, args, memory: int | None, say, device: str | None = None) -> tuple[bool, str | None]:
     """Print the memory plan per device and, with a device memory, whether it fits; returns (fits, the verdict
-    line). The plan is for a GPU when a device memory is known, else for this CPU."""
+    line). The plan is for `device`, by default a GPU when a device memory is known, else this CPU."""
     from ..train.memory import plan_memory, plan_table, verdict
     from ..train.model import teacher_parameters
     from ..train.report import tokens_per_row
@@ -130,7 +130,7 @@ def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, st
         return True, None
     seq_len, teacher = tokens_per_row(config), teacher_parameters(config)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    device = "cuda" if memory is not None else "cpu"
+    device = device or ("cuda" if memory is not None else "cpu")
 
     def plan_of(micro: int):
         return plan_memory(config, model, seq_len, world=world, device=device, micro=micro, teacher_parameters=teacher)
@@ -145,13 +145,16 @@ def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, st
 
 def _warn_memory(config, args, memory: int | None, say) -> None:
     """A real run's memory check: a warning, never a stop, when the plan does not fit the device."""
+    import torch
+
     from ..errors import RecurfitError
     from ..train.model import check_plan
 
     if memory is None:
         return
     try:
-        fits, line = _memory_plan(config, check_plan(config), args, memory, lambda *a, **k: None)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # where the run trains, as the trainer picks
+        fits, line = _memory_plan(config, check_plan(config), args, memory, lambda *a, **k: None, device)
     except (RecurfitError, OSError, ValueError):
         return  # the run's own checks report what is wrong, with their messages
     if not fits:
