@@ -90,8 +90,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def teacher_log_probs(teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The teacher's float32 log-probabilities at temperature T, one row per position (no gradient)."""
-    return F.log_softmax(teacher.detach().flatten(0, 1).float() / temperature, dim=-1)
+    """The teacher's float32 log-probabilities at temperature T, one row per position (no gradient), computed
+    a chunk at a time: the float32 result is the only copy of the whole."""
+    flat = teacher.detach().flatten(0, 1)
+    result = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    rows = chunk_rows(flat.shape[-1])
+    for start in range(0, flat.shape[0], rows):
+        result[start : start + rows] = F.log_softmax(flat[start : start + rows].float() / temperature, dim=-1)
+    return result
 
 
 def distillation_losses(
