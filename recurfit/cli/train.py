@@ -118,23 +118,21 @@ def _device_memory(args) -> int | None:
     return parse_size(args.device_memory) if args.device_memory else visible_device_memory()
 
 
-def _memory_plan(config, model, args, memory: int | None, say, device: str | None = None) -> tuple[bool, str | None]:
+def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, str | None]:
     """Print the memory plan per device and, with a device memory, whether it fits; returns (fits, the verdict
-    line). The plan is for `device`, by default a GPU when a device memory is known, else this CPU."""
-    from ..train.memory import plan_memory, plan_table, verdict
+    line). The plan is for a GPU when a device memory is known, else for this CPU."""
+    from ..train.memory import plan_table, planner, verdict
     from ..train.model import teacher_parameters
     from ..train.report import tokens_per_row
 
     if model is None:
         say("Memory plan: not before the model exists (a chained run's earlier run, or a shape chosen from weights).")
         return True, None
-    seq_len, teacher = tokens_per_row(config), teacher_parameters(config)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    device = device or ("cuda" if memory is not None else "cpu")
-
-    def plan_of(micro: int):
-        return plan_memory(config, model, seq_len, world=world, device=device, micro=micro, teacher_parameters=teacher)
-
+    world = _world_size(args)
+    device = "cuda" if memory is not None else "cpu"
+    plan_of = planner(
+        config, model, tokens_per_row(config), world=world, device=device, teacher_parameters=teacher_parameters(config)
+    )
     say(plan_table(plan_of(config.batch.micro)))
     if memory is None:
         return True, None
@@ -143,19 +141,36 @@ def _memory_plan(config, model, args, memory: int | None, say, device: str | Non
     return fits, line
 
 
+def _world_size(args) -> int:
+    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _warn_memory(config, args, memory: int | None, say) -> None:
-    """A real run's memory check: a warning, never a stop, when the plan does not fit the device."""
+    """A real run's memory check, on the device it trains on: a warning, never a stop, when the plan does not
+    fit (the run's own checks report a config that is wrong)."""
     import torch
 
     from ..errors import RecurfitError
-    from ..train.model import check_plan
+    from ..train.memory import memory_warning
+    from ..train.model import check_plan, teacher_parameters
+    from ..train.report import tokens_per_row
 
     if memory is None:
         return
     try:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # where the run trains, as the trainer picks
-        fits, line = _memory_plan(config, check_plan(config), args, memory, lambda *a, **k: None, device)
+        model = check_plan(config)
+        if model is None:
+            return
+        line = memory_warning(
+            config,
+            model,
+            tokens_per_row(config),
+            world=_world_size(args),
+            device="cuda" if torch.cuda.is_available() else "cpu",  # as the trainer picks
+            teacher_parameters=teacher_parameters(config),
+            memory=memory,
+        )
     except (RecurfitError, OSError, ValueError):
-        return  # the run's own checks report what is wrong, with their messages
-    if not fits:
-        say(f"[yellow]warning:[/] {line}", highlight=False)
+        return
+    if line is not None:
+        say(f"[yellow]warning:[/]{line.removeprefix('warning:')}", highlight=False)

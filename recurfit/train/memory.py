@@ -423,6 +423,30 @@ def verdict(plan_of, config: TrainConfig, world: int, memory: int) -> tuple[bool
     return False, f"Does not fit: {peak}, more than {usable}; {advice}."
 
 
+def planner(config: TrainConfig, model: nn.Module, seq_len: int, *, world: int, device: str, teacher_parameters=0):
+    """`plan_of(micro)`: the plan of this run at a micro-batch (what `verdict` tries)."""
+
+    def plan_of(micro: int) -> MemoryPlan:
+        return plan_memory(
+            config, model, seq_len, world=world, device=device, micro=micro, teacher_parameters=teacher_parameters
+        )
+
+    return plan_of
+
+
+def memory_warning(
+    config: TrainConfig, model: nn.Module, seq_len: int, *, world: int, device: str, teacher_parameters=0, memory=None
+) -> str | None:
+    """The line a run starts with when its plan does not fit `memory` (None: the visible GPU's); None when it
+    fits or no device memory is known. A run warns and goes on: the plan is a prediction."""
+    memory = memory or visible_device_memory()
+    if memory is None:
+        return None
+    plan_of = planner(config, model, seq_len, world=world, device=device, teacher_parameters=teacher_parameters)
+    fits, line = verdict(plan_of, config, world, memory)
+    return None if fits else f"warning: {line}"
+
+
 def gb(size: float) -> str:
     return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
