@@ -4,6 +4,7 @@
                                                             # distillation with depth supervision
     .venv/bin/python benchmarks/memory_plan.py --quick      # one shape, one k (a smoke test)
     .venv/bin/python benchmarks/memory_plan.py --loss       # the loss alone at Llama-3's 128,256-token vocabulary
+    .venv/bin/python benchmarks/memory_plan.py --distill    # only the distillation cases
 
 Each measurement runs in a fresh process: build the model (retrofit of a random parent) and its optimizers,
 read the resident set (VmRSS), reset the kernel's high-water mark (`/proc/self/clear_refs`), run two
@@ -36,11 +37,13 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, (P, R, C), micro-bat
 }
 
 
-def cases(quick: bool) -> list[dict]:
+def cases(quick: bool, distill_only: bool = False) -> list[dict]:
     if quick:
         return [dict(shape="A", k=2, loss="chunked")]
-    runs = [dict(shape=s, k=k, loss=loss) for s in SHAPES for k in (2, 4) for loss in ("chunked", "plain")]
-    return runs + [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
+    distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
+    if distill_only:
+        return distilled
+    return [dict(shape=s, k=k, loss=loss) for s in SHAPES for k in (2, 4) for loss in ("chunked", "plain")] + distilled
 
 
 # ---------------------------------------------------------------- one measurement (a child process)
@@ -199,13 +202,13 @@ def measure_loss(case: dict) -> dict:
         if case["loss"] == "chunked"
         else plain_loss(healing, depths, targets, teacher)
     )
+    del teacher  # as in the trainer's micro-batch: the teacher's logits are gone before backward
     loss.backward()
     measured = status("VmHWM") - before
-    autocast = dtype == torch.bfloat16
-    made = LOSS_TOKENS * LOSS_VOCAB * dtype.itemsize * (2 if distill else 1)  # the final logits and the teacher's
-    planned = loss_bytes(LOSS_TOKENS, LOSS_VOCAB, autocast, distill) - made
-    if distill:  # the plan counts the first depth's logits' gradient with the readouts (its logits exist already)
-        planned += LOSS_TOKENS * LOSS_VOCAB * dtype.itemsize
+    # The plan's logits and loss less the final logits, made before the loss. With distillation, the first
+    # depth's gradient (the plan counts it with the readouts) takes the place of the teacher's logits, freed.
+    logits = LOSS_TOKENS * LOSS_VOCAB * dtype.itemsize
+    planned = loss_bytes(LOSS_TOKENS, LOSS_VOCAB, dtype == torch.bfloat16, distill) - logits
     return {**case, "measured": measured, "predicted": planned}
 
 
@@ -231,6 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loss", action="store_true", help="the loss alone, plain against chunked")
+    parser.add_argument("--distill", action="store_true", help="only the distillation cases")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -242,7 +246,7 @@ def main() -> None:
         return loss_table(args.json)
     results = []
     print(f"{'case':58s} {'loss':8s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}")
-    for case in cases(args.quick):
+    for case in cases(args.quick, args.distill):
         result = run_child(case)
         results.append(result)
         predicted, measured = result["predicted"], result["measured"]

@@ -18,8 +18,8 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F]
     readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
                       each with its logits and their gradient
-    logits and loss   T·V × (2c + (c + 4) with a teacher) + one chunk: the logits (kept for backward), their
-                      gradient, the teacher's logits and float32 log-probabilities; the float32 upcast exists
+    logits and loss   T·V × (2c + 4 with a teacher) + one chunk: the logits (kept for backward), their
+                      gradient, the teacher's float32 log-probabilities; the float32 upcast exists
                       one chunk of 2**24 elements at a time (losses.ChunkedLoss): its softmax (and upcast
                       under autocast), four more buffers for the KL
     optimizer step    AdamW's foreach temporaries on a GPU (4 per weight), Newton-Schulz's chunk (24 bytes
@@ -349,11 +349,11 @@ def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool
 
 
 def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
-    """The final logits (kept for backward), their gradient, the teacher's logits and log-probabilities, and
-    the chunked loss's float32 buffers of one chunk: a softmax (and an upcast under autocast), four more for
-    the KL's."""
+    """At the start of backward, the loss's peak: the final logits (kept for backward), their gradient, the
+    teacher's float32 log-probabilities, and the chunked loss's float32 buffers of one chunk: a softmax (and an
+    upcast under autocast), four more for the KL's. (The teacher's own logits are freed before backward.)"""
     c = 2 if autocast else 4
-    per_token = 2 * c + (c + 4 if distill else 0)
+    per_token = 2 * c + (4 if distill else 0)
     buffers = 1 + (c < 4) + 4 * distill
     chunk = min(tokens, chunk_rows(vocab)) * vocab
     return tokens * vocab * per_token + 4 * buffers * chunk
