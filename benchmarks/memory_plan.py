@@ -1,7 +1,8 @@
 """The memory plan against measured peaks: training steps of tiny random Llama retrofits on the CPU.
 
     .venv/bin/python benchmarks/memory_plan.py              # 3 shapes × k = 2, 4, chunked and plain loss,
-                                                            # distillation with depth supervision
+                                                            # distillation with depth supervision,
+                                                            # gradient checkpointing
     .venv/bin/python benchmarks/memory_plan.py --quick      # one shape, one k (a smoke test)
     .venv/bin/python benchmarks/memory_plan.py --loss       # the loss alone at Llama-3's 128,256-token vocabulary
     .venv/bin/python benchmarks/memory_plan.py --distill    # only the distillation cases
@@ -43,7 +44,8 @@ def cases(quick: bool, distill_only: bool = False) -> list[dict]:
     distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
     if distill_only:
         return distilled
-    return [dict(shape=s, k=k, loss=loss) for s in SHAPES for k in (2, 4) for loss in ("chunked", "plain")] + distilled
+    runs = [dict(shape=s, k=k, loss=loss) for s in SHAPES for k in (2, 4) for loss in ("chunked", "plain")]
+    return runs + distilled + [dict(shape="B", k=4, loss="chunked", checkpointing=True)]
 
 
 # ---------------------------------------------------------------- one measurement (a child process)
@@ -89,6 +91,9 @@ def build(case: dict):
     ]
     if case.get("distill"):
         overrides += ["distill={alpha: 0.5, temperature: 2.0}", "depth.supervise={last: 2}"]
+    if case.get("checkpointing"):
+        overrides.append("model.gradient_checkpointing=true")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as build_model
     config = load_config(None, overrides)
     # The teacher: a parent of its own (the retrofit adopted the first one's tensors), frozen.
     teacher = AutoModelForCausalLM.from_config(parent_config, dtype=torch.float32) if case.get("distill") else None
@@ -227,7 +232,8 @@ def label(result: dict) -> str:
     size = SHAPES[result["shape"]]
     what = f"{result['shape']}: h {size['hidden']}, V {size['vocab']:,}, {tuple(size['shape'])}"
     what += f", {size['micro']}×{size['seq']}, k={result['k']}"
-    return what + (", distill+supervise 2" if result.get("distill") else "")
+    what += ", distill+supervise 2" if result.get("distill") else ""
+    return what + (", checkpointing" if result.get("checkpointing") else "")
 
 
 def main() -> None:
