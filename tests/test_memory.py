@@ -169,6 +169,52 @@ def test_a_layers_saved_activations_are_what_autograd_saves(autocast, stream):
     assert sum(saved.values()) == batch * length * layer_bytes(layer_shape(model), autocast, stream.itemsize)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "checkpointed"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
+    """A (2, 2, 2) retrofit at (n, k) = (1, 3): what autograd keeps at the end of the forward and loss is the plan's
+    activations and logits (less, under checkpointing, the one layer backward recomputes at a time), and its
+    bf16 weight copies are the plan's autocast copies (less that layer's)."""
+    from conftest import tiny_parent
+
+    from recurfit import retrofit
+    from recurfit.train.memory import (
+        _activation_bytes,
+        _autocast_copies,
+        _decoder_layers,
+        layer_bytes,
+        layer_shape,
+        vocab_size,
+    )
+
+    config, _ = tiny_plan_model(**({"model.gradient_checkpointing": "true"} if checkpointing else {}))
+    model = retrofit(tiny_parent("llama", num_layers=6, place=False), (2, 2, 2)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch, length, k = 3, 10, 3
+    ids = torch.randint(0, vocab_size(model), (batch, length))
+    activations, copies = {}, {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.shape[:1] in ((batch,), (batch * length,)):
+            activations[storage.data_ptr()] = storage.nbytes()
+        elif tensor.dtype == torch.bfloat16:  # weights cast by autocast
+            copies[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses.cross_entropy(model(input_ids=ids, num_steps=(1, k)).logits, ids)
+    recomputed_layer = layer_bytes(layer_shape(model), autocast, 4) if checkpointing else 0
+    logits = (2 if autocast else 4) * vocab_size(model)
+    planned = _activation_bytes(config, model, k, autocast) - recomputed_layer + logits
+    assert sum(activations.values()) == batch * length * planned
+    layer_copies = 2 * sum(p.numel() for p in _decoder_layers(model)[0].parameters() if p.ndim == 2)
+    expected = _autocast_copies(model, k, autocast, checkpointing) - (layer_copies if checkpointing and autocast else 0)
+    assert sum(copies.values()) == expected
+
+
 # ---------------------------------------------------------------- device memory and --dry-run
 
 

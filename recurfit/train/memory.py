@@ -14,8 +14,8 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
                       layer (two layers gathered at a time, one unsharded gradient)
     teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
-                      2 per frozen one per use that gradient flows through
-    activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F]
+                      2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
+    activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F + 8]   (8: the token ids)
     readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
                       each with its logits and their gradient
     logits and loss   T·V × (2c + 4 with a teacher) + one chunk: the logits (kept for backward), their
@@ -141,7 +141,7 @@ class LayerShape:
 
 
 def layer_shape(model: nn.Module) -> LayerShape:
-    layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    layer = _decoder_layers(model)[0]
     attention, mlp = layer.self_attn, layer.mlp
     config = model.config.get_text_config()
     return LayerShape(
@@ -234,7 +234,7 @@ def plan_memory(
     step = _step_bytes(config, model, device, shard)
     return MemoryPlan(
         **resident,
-        autocast_copies=_autocast_copies(model, k, autocast),
+        autocast_copies=_autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
         activations=tokens * _activation_bytes(config, model, k, autocast),
         readouts=tokens * _readout_bytes(config, model, k, autocast),
         logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
@@ -265,7 +265,7 @@ def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int) -> int
         return 0
     if config.distributed == "ddp":
         return 4 * _numel(p for p in model.parameters() if p.requires_grad)
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    layers = _decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = _numel(p for p in model.parameters() if id(p) not in in_layers)
     return 4 * root + 3 * 4 * max((_numel(layer.parameters()) for layer in layers), default=0)
@@ -277,21 +277,31 @@ def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) ->
     return teacher_parameters * teacher_dtype(config.distill, torch.device(device)).itemsize
 
 
-def _autocast_copies(model: nn.Module, k: int, autocast: bool) -> int:
+def _autocast_copies(model: nn.Module, k: int, autocast: bool, checkpointing: bool = False) -> int:
     """bf16 copies of the matrices the forward multiplies by: once each trained one (autocast caches it), per
-    use each frozen one that gradient flows through (not cached, kept for backward each time)."""
+    use each frozen one that gradient flows through (not cached, kept for backward each time). Checkpointed
+    layers keep none: backward casts one layer's again while recomputing it."""
     if not autocast:
         return 0
     embeddings = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
+    in_layers = {id(p) for layer in _decoder_layers(model) for p in layer.parameters()}
     flows, total = gradient_flows(model), 0
     for part, parameters in part_parameters(model).items():
         uses = k if part in ("core", "adapter") else 1
         for p in parameters:
-            if p.ndim != 2 or (p is embeddings and p is not head):
+            if p.ndim != 2 or (p is embeddings and p is not head) or (checkpointing and id(p) in in_layers):
                 continue
             total += 2 * p.numel() * (1 if p.requires_grad else uses if flows[part] else 0)
+    if checkpointing:
+        total += 2 * max(
+            (_numel(p for p in layer.parameters() if p.ndim == 2) for layer in _decoder_layers(model)), default=0
+        )
     return total
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def _stream_bytes(model: nn.Module, autocast: bool) -> int:
@@ -331,6 +341,8 @@ def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: b
             total += _stack_bytes(shape, counts["coda"], autocast, stream, checkpointing)
     if checkpointing:  # one layer's activations exist while backward recomputes it
         total += layer_bytes(shape, autocast, 4)
+    if any(p.requires_grad for p in model.get_input_embeddings().parameters()):
+        total += 8  # the token ids the embedding keeps
     return total + _readout_head_bytes(shape, autocast, stream if is_recurrent(model) else 4)
 
 
