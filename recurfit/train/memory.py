@@ -65,6 +65,7 @@ from ..model.modeling import RecurrentForCausalLM
 from ..model.sampling import split_depth
 from .config import TrainConfig
 from .losses import chunk_rows, supervised_steps, teacher_dtype
+from .model import is_recurrent
 from .optim import NS_BATCH_ELEMENTS, split_parameters
 from .parts import part_modules
 
@@ -246,10 +247,6 @@ def plan_memory(
         strategy=config.distributed,
         autocast=autocast,
     )
-
-
-def is_recurrent(model: nn.Module) -> bool:
-    return isinstance(model, RecurrentForCausalLM)
 
 
 def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
