@@ -61,7 +61,6 @@ import torch
 from torch import nn
 
 from ..errors import RecurfitError
-from ..model.modeling import RecurrentForCausalLM
 from ..model.sampling import split_depth
 from .config import TrainConfig
 from .losses import chunk_rows, supervised_steps, teacher_dtype
@@ -175,7 +174,7 @@ def vocab_size(model: nn.Module) -> int:
 def layer_counts(model: nn.Module) -> dict[str, int]:
     """Decoder layers per part: prelude, core, coda (a baseline: its layers as a prelude)."""
     body = model.model
-    if isinstance(model, RecurrentForCausalLM):
+    if is_recurrent(model):
         return {"prelude": len(body.prelude), "core": len(body.core), "coda": len(body.coda)}
     return {"prelude": len(body.layers), "core": 0, "coda": 0}
 
