@@ -5,7 +5,8 @@
 - paper:  the paper's accounting (`accounting.paper_training_flops`), as the FLOPs axes of its figures;
 - drawn:  what the run's `flops` log field adds up: every step's drawn (n, k), with the adapter and final norm;
 - mean:   recurfit's earlier `flops_paper`: each step's mean depth, with the adapter and final norm.
-Only the three parents of the paper recipes are known (their Hub configs, written out below).
+Only the three parents of the paper recipes are known (their Hub configs, written out in
+recurfit/train/memory.py).
 """
 
 from __future__ import annotations
@@ -20,21 +21,7 @@ import recurfit
 from recurfit.model.accounting import training_flops_per_token
 from recurfit.train import load_config
 from recurfit.train.loop import depth_schedule, paper_run_flops
-
-PARENTS = {
-    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
-    ),
-    "meta-llama/Llama-3.2-1B": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-    ),
-    "allenai/OLMo-2-0425-1B": dict(
-        model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
-    ),
-}  # fmt: skip
+from recurfit.train.memory import PAPER_PARENTS as PARENTS
 
 
 def main(recipe: str, *overrides: str) -> None:

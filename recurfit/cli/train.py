@@ -28,13 +28,27 @@ def add_parsers(commands) -> None:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="check the data stores and the shape, print the resolved config and the depth and LR schedules, then exit",
+        help="check the data stores and the shape, print the resolved config, the depth and LR schedules and the "
+        "memory plan, then exit",
+    )
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory of each device the run is planned for, e.g. 80GB or 80GiB (default: the visible GPU's): "
+        "--dry-run fails, and a run warns, when the plan does not fit, naming the micro-batch that does",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="processes the memory plan assumes (default: WORLD_SIZE under torchrun, else 1)",
     )
     p.set_defaults(run=cmd_train)
 
 
 def cmd_train(args) -> None:
     """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
+    from ..errors import RecurfitError
     from ..model.summary import flops_table, parts_table
     from ..train import Trainer, already_finished, load_config
     from ..train.model import check_plan
@@ -51,11 +65,17 @@ def cmd_train(args) -> None:
             f"further, start a new run from it with model.init_from={finished.out}."
         )
         return
+    memory = _device_memory(args)
     if args.dry_run:
-        check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
+        model = check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
         _print_train_config(config, say, "not run: --dry-run")
         say(schedule_table(config))
+        fits, line = _memory_plan(config, model, args, memory, say)
+        if not fits:
+            raise RecurfitError(line)
         return
+    if main_process:
+        _warn_memory(config, args, memory, say)
     trainer = Trainer(config, resume=args.resume, force=args.force)  # checks everything, then saves config.yaml
     try:
         _print_train_config(config, say, f"saved as {config.out}/config.yaml")
@@ -88,3 +108,69 @@ def _print_train_config(config, say, status: str) -> None:
     say(config.to_yaml(), markup=False, highlight=False)
     for warning in phase_warnings(config, tokens_per_row(config)):
         say(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
+def _device_memory(args) -> int | None:
+    """--device-memory in bytes, else the visible GPU's total memory, else None (read before anything runs: a
+    bad size is a one-line error)."""
+    from ..train.memory import parse_size, visible_device_memory
+
+    return parse_size(args.device_memory) if args.device_memory else visible_device_memory()
+
+
+def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, str | None]:
+    """Print the memory plan per device and, with a device memory, whether it fits; returns (fits, the verdict
+    line). The plan is for a GPU when a device memory is known, else for this CPU."""
+    from ..train.memory import plan_table, planner, verdict
+    from ..train.model import teacher_parameters
+    from ..train.report import tokens_per_row
+
+    if model is None:
+        say("Memory plan: not before the model exists (a chained run's earlier run, or a shape chosen from weights).")
+        return True, None
+    world = _world_size(args)
+    device = "cuda" if memory is not None else "cpu"
+    plan_of = planner(
+        config, model, tokens_per_row(config), world=world, device=device, teacher_parameters=teacher_parameters(config)
+    )
+    say(plan_table(plan_of(config.batch.micro)))
+    if memory is None:
+        return True, None
+    fits, line = verdict(plan_of, config, world, memory)
+    say(line, highlight=False)
+    return fits, line
+
+
+def _world_size(args) -> int:
+    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _warn_memory(config, args, memory: int | None, say) -> None:
+    """A real run's memory check, on the device it trains on: a warning, never a stop, when the plan does not
+    fit (the run's own checks report a config that is wrong)."""
+    import torch
+
+    from ..errors import RecurfitError
+    from ..train.memory import memory_warning
+    from ..train.model import check_plan, teacher_parameters
+    from ..train.report import tokens_per_row
+
+    if memory is None:
+        return
+    try:
+        model = check_plan(config)
+        if model is None:
+            return
+        line = memory_warning(
+            config,
+            model,
+            tokens_per_row(config),
+            world=_world_size(args),
+            device="cuda" if torch.cuda.is_available() else "cpu",  # as the trainer picks
+            teacher_parameters=teacher_parameters(config),
+            memory=memory,
+        )
+    except (RecurfitError, OSError, ValueError):
+        return
+    if line is not None:
+        say(f"[yellow]warning:[/]{line.removeprefix('warning:')}", highlight=False)

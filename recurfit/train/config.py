@@ -274,6 +274,9 @@ class DistillConfig:
     revision: str | None = None  # of a Hub `teacher`
     alpha: float = 0.5  # the weight of the cross-entropy; 1 - alpha weighs the KL
     temperature: float = 2.0
+    # The teacher's weights. auto: bfloat16 on a GPU (half the memory of float32; it only runs forward, under the
+    # run's autocast), float32 on a CPU.
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
 
     def problems(self, model: ModelConfig) -> list[str]:
         found = []

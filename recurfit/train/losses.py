@@ -5,7 +5,12 @@
 
 KL is taken between the next-token distributions at temperature T (softmax of logits / T), averaged over
 tokens; T² keeps its gradient's scale independent of T (Hinton et al., 2015). With both on, every supervised
-depth is distilled from the same teacher logits. docs/training.md ("Healing") gives the settings and costs.
+depth is distilled from the same teacher log-probabilities, computed once per micro-batch. docs/training.md
+("Healing") gives the settings and costs.
+
+Both losses are computed over chunks of rows (`ChunkedLoss`): the float32 upcast of a large vocabulary's
+logits exists one chunk at a time, never for the whole micro-batch, and backward recomputes each chunk's
+softmax instead of keeping a float32 log-softmax of every position (docs/training.md, "The memory plan").
 """
 
 from __future__ import annotations
@@ -20,17 +25,88 @@ from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
 from .distributed import fsdp_units
 
+# Rows of logits (positions) upcast to float32 at once: 2**24 elements, 64 MiB, whatever the vocabulary.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per chunk of the chunked losses at this vocabulary size."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+class ChunkedLoss(torch.autograd.Function):
+    """Mean next-token cross-entropy, and with teacher log-probabilities the mean KL(teacher_T ‖ student_T), over
+    rows of `logits` (positions × vocabulary) in chunks, in float32 whatever the logits' precision.
+
+    Forward keeps the logits as they are (a reference, not a copy) and one float32 log-sum-exp per row; backward
+    recomputes each chunk's softmax and writes its gradient, in the logits' dtype, into one buffer:
+
+        d CE / d z   = (softmax(z) - onehot(target)) / rows
+        d KL / d z   = (softmax(z / T) · Σ p_teacher - p_teacher) / (T · rows)
+
+    which is what autograd computes through log_softmax, so the chunked losses equal the plain ones (tested).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, teacher_log_probs, temperature: float):
+        rows = chunk_rows(logits.shape[-1])
+        ce, kl = logits.new_zeros((), dtype=torch.float32), logits.new_zeros((), dtype=torch.float32)
+        for start in range(0, logits.shape[0], rows):
+            chunk = logits[start : start + rows].float()
+            target = targets[start : start + rows]
+            ce += (chunk.logsumexp(-1) - chunk.gather(-1, target[:, None]).squeeze(-1)).sum()
+            if teacher_log_probs is not None:
+                student = F.log_softmax(chunk / temperature, dim=-1)
+                teacher = teacher_log_probs[start : start + rows]
+                kl += (teacher.exp() * (teacher - student)).sum()
+        ctx.save_for_backward(logits, targets, teacher_log_probs)
+        ctx.temperature = temperature
+        count = logits.shape[0]
+        return ce / count, kl / count
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_kl):
+        logits, targets, teacher_log_probs = ctx.saved_tensors
+        temperature, count = ctx.temperature, logits.shape[0]
+        grad = torch.empty_like(logits)
+        rows = chunk_rows(logits.shape[-1])
+        for start in range(0, count, rows):
+            chunk = logits[start : start + rows].float()
+            target = targets[start : start + rows]
+            part = chunk.softmax(-1)
+            part[torch.arange(len(target), device=part.device), target] -= 1
+            part *= grad_ce / count
+            if teacher_log_probs is not None:
+                teacher = teacher_log_probs[start : start + rows].exp()
+                student = (chunk / temperature).softmax(-1) * teacher.sum(-1, keepdim=True)
+                part += (student - teacher) * (grad_kl / (temperature * count))
+            grad[start : start + rows] = part
+        return grad, None, None, None
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in float32 whatever the logits' precision."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy, in float32 whatever the logits' precision, chunked (`ChunkedLoss`)."""
+    ce, _ = ChunkedLoss.apply(logits.flatten(0, 1), targets.flatten(), None, 1.0)
+    return ce
 
 
-def distillation_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher_T ‖ student_T) per token, averaged over tokens, in float32 (not scaled by T²)."""
-    student_log = F.log_softmax(student.float().flatten(0, 1) / temperature, dim=-1)
-    teacher_log = F.log_softmax(teacher.float().flatten(0, 1) / temperature, dim=-1)
-    return F.kl_div(student_log, teacher_log, reduction="batchmean", log_target=True)
+def teacher_log_probs(teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The teacher's float32 log-probabilities at temperature T, one row per position (no gradient), computed
+    a chunk at a time: the float32 result is the only copy of the whole."""
+    flat = teacher.detach().flatten(0, 1)
+    result = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
+    rows = chunk_rows(flat.shape[-1])
+    for start in range(0, flat.shape[0], rows):
+        result[start : start + rows] = F.log_softmax(flat[start : start + rows].float() / temperature, dim=-1)
+    return result
+
+
+def distillation_losses(
+    student: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE, KL(teacher_T ‖ student_T)) per token, averaged over tokens, in float32 (KL not scaled by T²);
+    `teacher` holds `teacher_log_probs`."""
+    return ChunkedLoss.apply(student.flatten(0, 1), targets.flatten(), teacher, temperature)
 
 
 def supervised_steps(num_steps: tuple[int, int], supervise: SuperviseConfig | None) -> list[int]:
@@ -73,12 +149,15 @@ class HealingLoss:
         logits; `parts` receives the final depth's `ce` (and `kl`), and with supervision the weighted means
         `ce_supervised` (and `kl_supervised`), detached."""
         weights = depth_weights(len(logits), self.supervise.weighting if self.supervise else "uniform")
-        terms = {"ce": [cross_entropy(depth_logits, targets) for depth_logits in logits]}
-        losses = terms["ce"]
-        if self.distill is not None:
+        if self.distill is None:
+            terms = {"ce": [cross_entropy(depth_logits, targets) for depth_logits in logits]}
+            losses = terms["ce"]
+        else:
             alpha, temperature = self.distill.alpha, self.distill.temperature
-            terms["kl"] = [distillation_kl(depth_logits, teacher, temperature) for depth_logits in logits]
-            losses = [alpha * ce + (1 - alpha) * temperature**2 * kl for ce, kl in zip(losses, terms["kl"])]
+            target = teacher_log_probs(teacher, temperature)  # once per micro-batch, whatever the depths
+            pairs = [distillation_losses(depth_logits, targets, target, temperature) for depth_logits in logits]
+            terms = {"ce": [ce for ce, _ in pairs], "kl": [kl for _, kl in pairs]}
+            losses = [alpha * ce + (1 - alpha) * temperature**2 * kl for ce, kl in pairs]
         for name, values in terms.items():
             parts[name] = values[-1].detach()
             if self.supervise is not None:
@@ -92,7 +171,8 @@ class Teacher:
     def __init__(self, config: DistillConfig, model: ModelConfig, vocab_size: int, processes, strategy: str):
         source, revision = config.source(model)
         self.name = source or "the embedded SmolLM2-135M"
-        teacher = load_model(source, dtype=torch.float32, revision=revision).requires_grad_(False)
+        dtype = teacher_dtype(config, processes.device)
+        teacher = load_model(source, dtype=dtype, revision=revision).requires_grad_(False)
         if teacher.config.vocab_size != vocab_size:
             raise RecurfitError(
                 f"distill.teacher {self.name} has a {teacher.config.vocab_size}-token vocabulary and the model "
@@ -111,6 +191,13 @@ class Teacher:
     @torch.no_grad()
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=inputs).logits
+
+
+def teacher_dtype(config: DistillConfig, device: torch.device) -> torch.dtype:
+    """`distill.dtype`: auto holds the teacher in bfloat16 on a GPU and in float32 elsewhere."""
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if config.dtype == "bf16" else torch.float32
 
 
 def describe(distill: DistillConfig | None, supervise: SuperviseConfig | None, teacher: Teacher | None) -> list[str]:

@@ -16,7 +16,7 @@ from ..model.loading import load_config, load_model, meta_model
 from ..model.modeling import RecurrentForCausalLM
 from ..surgery.retrofit import prune_layers, retrofit, untie_embeddings
 from .config import DepthConfig, ModelConfig, TrainConfig
-from .parts import check_part_names
+from .parts import check_part_names, select_parts
 
 
 def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module:
@@ -89,25 +89,43 @@ def _restructure(
     return model
 
 
-def check_plan(config: TrainConfig) -> None:
+def check_plan(config: TrainConfig) -> nn.Module | None:
     """What --dry-run checks without loading weights or data: every token store opens, and the parent (its config
-    alone, on the meta device) holds the pruning and shape asked for."""
+    alone, on the meta device) holds the pruning and shape asked for. Returns the model the run trains, on the
+    meta device with its frozen parts frozen (for the memory plan); None when only weights can tell: a chained
+    run whose earlier run has no final model yet, or a shape the angular distance chooses."""
     for phase in config.data.phases:
         for source in phase.sources:
             TokenStore(source.path, "train")
     for path in config.data.validation:
         TokenStore(path, "val")
     if config.model.init_from is not None:  # a chained run: its model is the earlier run's, perhaps not trained yet
-        return
+        final = Path(config.model.source)
+        return planned_parts(meta_model(load_config(str(final))), config) if (final / "config.json").is_file() else None
     check_sources(config.model)
     model = meta_model(load_config(config.model.source))
     # ShortGPT and the angular distance pick layers from weights; any selection fits the same shapes, and the
     # shape the angular distance's knees choose is known only from the weights (it is a retrofit all the same)
-    recurrent = True
-    if config.model.select != "angular" or config.model.shape is not None:
-        model = _restructure(model, config.model, config.depth, "paper", None, config.seed)
-        recurrent = is_recurrent(model)
-    check_part_names(config, recurrent)
+    if config.model.select == "angular" and config.model.shape is None:
+        check_part_names(config, True)
+        return None
+    model = _restructure(model, config.model, config.depth, "paper", None, config.seed)
+    return planned_parts(model, config)
+
+
+def planned_parts(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """`model` (meta device) with its parts frozen as the run freezes them, untied if the run unties it."""
+    if config.model.untie_embeddings:
+        untie_embeddings(model)
+    return select_parts(model, config)
+
+
+def teacher_parameters(config: TrainConfig) -> int:
+    """The distillation teacher's parameter count, from its config alone (0 without distillation)."""
+    if config.distill is None:
+        return 0
+    source, _ = config.distill.source(config.model)
+    return sum(p.numel() for p in meta_model(load_config(source)).parameters())
 
 
 def check_sources(config: ModelConfig) -> None:

@@ -1,0 +1,535 @@
+"""The memory plan: the peak memory of one training process, predicted from the config and the model's shapes
+(a meta-device model: no weights), before anything is loaded. `recurfit train CONFIG --dry-run` prints it.
+
+Per process (device), in bytes; N: parameters (fp32 master weights), T = micro-batch × seq_len tokens, V the
+vocabulary, h the hidden size, i the MLP's, q/kv the query and key-value widths, H the heads, c the bytes of
+an activation (2 under bf16 autocast, 4 in fp32), W the world size:
+
+    parameters        4·N                       (FSDP2: 4·N / W)
+    gradients         4·N_trained               (FSDP2: / W)
+    optimizer         Muon: 4 per hidden matrix weight (momentum, kept whole under FSDP2 too);
+                      AdamW: 8 per weight it updates (two moments; FSDP2: / W)
+    DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
+    FSDP2 gathered    4 × (the root's weights: embeddings, head, adapter, final norm) + 3 × 4 × the largest
+                      layer (two layers gathered at a time, one unsharded gradient)
+    teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
+    autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
+                      2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
+    activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F + 8]   (8: the token ids)
+    readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
+                      each with its logits and their gradient
+    logits and loss   T·V × (2c + 4 with a teacher) + one chunk: the logits (kept for backward), their
+                      gradient, the teacher's float32 log-probabilities; the float32 upcast exists
+                      one chunk of 2**24 elements at a time (losses.ChunkedLoss): its softmax (and upcast
+                      under autocast), four more buffers for the KL
+    optimizer step    AdamW's foreach temporaries on a GPU (4 per weight), Newton-Schulz's chunk (24 bytes
+                      per element of the largest): a separate peak, after backward has freed the activations
+
+with the saved activations of one decoder layer per token (what autograd keeps for backward: transformers'
+layers with SDPA attention, SiLU-gated MLP and RMSNorm; measured in tests/test_memory.py), s the bytes of
+the residual stream entering the layer (fp32 from the embeddings; bf16 after a linear adapter under autocast):
+
+    fp32:      L = 4·(6h + 2q + 2kv + 4i) + 4H + 8
+    autocast:  L = 2·(4 + s)·h + 5·2h + 4q + 4kv + 8i + 4H + 8
+               (each norm keeps a float32 input and its normalised output; each of the 5 projections reading a
+               norm's output keeps its own bf16 copy; SDPA keeps q, k, v, out and its log-sum-exp; the MLP keeps
+               gate, SiLU(gate), up and their product)
+    A = 2h·c   the adapter's input [s; e] (when the adapter trains)
+    F = (4 + s)·h + c·h + 4: the final norm and the head's input
+
+k is the largest backprop depth the sampler can draw, min(k̄, r̄) (`sampling.split_depth`): a step's k never
+exceeds it. A part whose gradient is not needed (a frozen prelude under frozen embeddings) keeps nothing;
+frozen parts that gradient flows through are counted as trained (a slight overestimate). With gradient
+checkpointing each layer keeps only its input (s·h per token), plus one layer's activations while recomputing.
+
+    peak = parameters + gradients + optimizer + DDP/FSDP2 + teacher
+           + max(autocast copies + activations + readouts + logits and loss, optimizer step)
+
+Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
+runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
+against measured peaks in benchmarks/memory_plan.py (docs/performance.md, "The memory plan").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import RecurfitError
+from ..model.sampling import split_depth
+from .config import TrainConfig
+from .losses import chunk_rows, supervised_steps, teacher_dtype
+from .model import is_recurrent
+from .optim import NS_BATCH_ELEMENTS, split_parameters
+from .parts import part_modules
+
+# Of a device's memory, the part a plan may fill: the rest is left to the CUDA context, cuBLAS's workspaces
+# and the caching allocator's fragmentation.
+USABLE_FRACTION = 0.9
+
+# The parents of the paper recipes (their Hub configs, written out): the recipes' plans need no download.
+PAPER_PARENTS = {
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.2-1B": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+    ),
+    "allenai/OLMo-2-0425-1B": dict(
+        model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted bytes per device, part by part (module docstring), and what they were computed for."""
+
+    parameters: int
+    gradients: int
+    optimizer_muon: int
+    optimizer_adamw: int
+    distributed: int  # DDP buckets or FSDP2's gathered weights
+    teacher: int
+    autocast_copies: int
+    activations: int
+    readouts: int
+    logits_and_loss: int
+    optimizer_step: int
+    micro: int
+    seq_len: int
+    k: int
+    world: int
+    strategy: str
+    autocast: bool
+
+    RESIDENT = ("parameters", "gradients", "optimizer_muon", "optimizer_adamw", "distributed", "teacher")
+    FORWARD_BACKWARD = ("autocast_copies", "activations", "readouts", "logits_and_loss")
+
+    @property
+    def peak(self) -> int:
+        resident = sum(getattr(self, name) for name in self.RESIDENT)
+        transient = sum(getattr(self, name) for name in self.FORWARD_BACKWARD)
+        return resident + max(transient, self.optimizer_step)
+
+    def parts(self) -> dict[str, int]:
+        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step"]
+        return {name: getattr(self, name) for name in names}
+
+
+# ---------------------------------------------------------------- the model's shapes
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The widths of one decoder layer that its saved activations scale with."""
+
+    hidden: int
+    query: int
+    key_value: int
+    intermediate: int
+    heads: int
+    qk_norm: bool
+
+
+def layer_shape(model: nn.Module) -> LayerShape:
+    layer = _decoder_layers(model)[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    config = model.config.get_text_config()
+    return LayerShape(
+        hidden=config.hidden_size,
+        query=attention.q_proj.out_features,
+        key_value=attention.k_proj.out_features,
+        intermediate=mlp.up_proj.out_features,
+        heads=config.num_attention_heads,
+        qk_norm=hasattr(attention, "q_norm"),
+    )
+
+
+def layer_bytes(shape: LayerShape, autocast: bool, stream: int) -> int:
+    """Bytes one decoder layer keeps for backward per token (module docstring: L)."""
+    h, q, kv, i = shape.hidden, shape.query, shape.key_value, shape.intermediate
+    small = 4 * shape.heads + 8  # SDPA's log-sum-exp per head, the norms' reciprocal RMS
+    if not autocast:
+        total = 4 * (6 * h + 2 * q + 2 * kv + 4 * i) + small
+        norms = 4 * 2 * (q + kv) if shape.qk_norm else 0
+    else:
+        total = 2 * (4 + stream) * h + 5 * 2 * h + 4 * q + 4 * kv + 8 * i + small
+        norms = (4 + 2) * (q + kv) if shape.qk_norm else 0
+    return total + norms
+
+
+def vocab_size(model: nn.Module) -> int:
+    return model.get_output_embeddings().out_features
+
+
+def layer_counts(model: nn.Module) -> dict[str, int]:
+    """Decoder layers per part: prelude, core, coda (a baseline: its layers as a prelude)."""
+    body = model.model
+    if is_recurrent(model):
+        return {"prelude": len(body.prelude), "core": len(body.core), "coda": len(body.coda)}
+    return {"prelude": len(body.layers), "core": 0, "coda": 0}
+
+
+# ---------------------------------------------------------------- which parts train, and what flows
+
+
+def _numel(parameters) -> int:
+    return sum(p.numel() for p in {id(p): p for p in parameters}.values())
+
+
+def part_parameters(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    return {part: [p for m in modules for p in m.parameters()] for part, modules in part_modules(model).items()}
+
+
+def gradient_flows(model: nn.Module) -> dict[str, bool]:
+    """Per part, whether backward runs through it: some part at or before it in the forward trains."""
+    flows, upstream = {}, False
+    for part, parameters in part_parameters(model).items():  # part_modules lists the parts in forward order
+        upstream = upstream or any(p.requires_grad for p in parameters)
+        flows[part] = upstream
+    return flows
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan_memory(
+    config: TrainConfig,
+    model: nn.Module,
+    seq_len: int,
+    *,
+    world: int = 1,
+    device: str = "cuda",
+    micro: int | None = None,
+    teacher_parameters: int = 0,
+) -> MemoryPlan:
+    """The plan of a run of `config` training `model` (meta device is fine; its frozen parts `requires_grad`
+    False, as `parts.select_parts` leaves them) on rows of `seq_len` tokens, per device of a `device` type, one
+    of `world` processes; `micro` replaces the config's micro-batch, `teacher_parameters` sizes the teacher."""
+    micro = micro or config.batch.micro
+    autocast = config.precision == "bf16" or (config.precision == "auto" and device == "cuda")
+    fsdp = config.distributed == "fsdp" and world > 1
+    shard = world if fsdp else 1
+    k = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)[1] if is_recurrent(model) else 1
+    trained = [p for p in model.parameters() if p.requires_grad]
+    muon, adamw = _optimizer_bytes(config, model)
+    tokens = micro * seq_len
+    resident = dict(
+        parameters=4 * _numel(model.parameters()) // shard,
+        gradients=4 * _numel(trained) // shard,
+        optimizer_muon=muon,
+        optimizer_adamw=adamw // shard,
+        distributed=_distributed_bytes(config, model, world),
+        teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
+    )
+    step = _step_bytes(config, model, device, shard)
+    return MemoryPlan(
+        **resident,
+        autocast_copies=_autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
+        activations=tokens * _activation_bytes(config, model, k, autocast),
+        readouts=tokens * _readout_bytes(config, model, k, autocast),
+        logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
+        optimizer_step=step,
+        micro=micro,
+        seq_len=seq_len,
+        k=k,
+        world=world,
+        strategy=config.distributed,
+        autocast=autocast,
+    )
+
+
+def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
+    """(Muon's momentum, AdamW's two moments) over the trained weights each updates."""
+    if config.optimizer.name != "muon":
+        return 0, 8 * _numel(p for p in model.parameters() if p.requires_grad)
+    matrices, others = split_parameters(model)
+    return 4 * _numel(matrices), 8 * _numel(others)
+
+
+def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int) -> int:
+    if world <= 1:
+        return 0
+    if config.distributed == "ddp":
+        return 4 * _numel(p for p in model.parameters() if p.requires_grad)
+    layers = _decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = _numel(p for p in model.parameters() if id(p) not in in_layers)
+    return 4 * root + 3 * 4 * max((_numel(layer.parameters()) for layer in layers), default=0)
+
+
+def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) -> int:
+    if config.distill is None:
+        return 0
+    return teacher_parameters * teacher_dtype(config.distill, torch.device(device)).itemsize
+
+
+def _autocast_copies(model: nn.Module, k: int, autocast: bool, checkpointing: bool = False) -> int:
+    """bf16 copies of the matrices the forward multiplies by: once each trained one (autocast caches it), per
+    use each frozen one that gradient flows through (not cached, kept for backward each time). Checkpointed
+    layers keep none: backward casts one layer's again while recomputing it."""
+    if not autocast:
+        return 0
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    in_layers = {id(p) for layer in _decoder_layers(model) for p in layer.parameters()}
+    flows, total = gradient_flows(model), 0
+    for part, parameters in part_parameters(model).items():
+        uses = k if part in ("core", "adapter") else 1
+        for p in parameters:
+            if p.ndim != 2 or (p is embeddings and p is not head) or (checkpointing and id(p) in in_layers):
+                continue
+            total += 2 * p.numel() * (1 if p.requires_grad else uses if flows[part] else 0)
+    if checkpointing:
+        total += 2 * max(
+            (_numel(p for p in layer.parameters() if p.ndim == 2) for layer in _decoder_layers(model)), default=0
+        )
+    return total
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def _stream_bytes(model: nn.Module, autocast: bool) -> int:
+    """Bytes of the residual stream in the core and coda: bf16 after a linear adapter under autocast (the
+    prelude's stays float32, from the float32 embeddings)."""
+    linear_adapter = is_recurrent(model) and isinstance(model.model.adapter, nn.Linear)
+    return 2 if autocast and linear_adapter else 4
+
+
+def _stack_bytes(shape: LayerShape, layers: int, autocast: bool, stream: int, checkpointing: bool) -> int:
+    """Per token, what `layers` decoder layers keep: their activations, or their inputs under checkpointing."""
+    if checkpointing:
+        return layers * stream * shape.hidden
+    return layers * layer_bytes(shape, autocast, stream)
+
+
+def _readout_head_bytes(shape: LayerShape, autocast: bool, stream: int) -> int:
+    """F: the final norm (a float32 input and its normalised output) and the head's input, per token."""
+    return (4 + stream) * shape.hidden + (2 if autocast else 4) * shape.hidden + 4
+
+
+def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
+    """Per token: what the prelude, k recurrences with gradient, the coda and the final readout keep."""
+    shape, counts, flows = layer_shape(model), layer_counts(model), gradient_flows(model)
+    checkpointing = config.model.gradient_checkpointing
+    stream = _stream_bytes(model, autocast)
+    total = 0
+    if flows.get("prelude", flows.get("layers")):
+        total += _stack_bytes(shape, counts["prelude"], autocast, 4, checkpointing)
+    if is_recurrent(model):
+        adapter = model.model.adapter
+        if any(p.requires_grad for p in adapter.parameters()):
+            total += k * 2 * shape.hidden * (2 if autocast else 4)
+        if flows["core"]:
+            total += k * _stack_bytes(shape, counts["core"], autocast, stream, checkpointing)
+        if flows["coda"]:
+            total += _stack_bytes(shape, counts["coda"], autocast, stream, checkpointing)
+    if checkpointing:  # one layer's activations exist while backward recomputes it
+        total += layer_bytes(shape, autocast, 4)
+    if any(p.requires_grad for p in model.get_input_embeddings().parameters()):
+        total += 8  # the token ids the embedding keeps
+    return total + _readout_head_bytes(shape, autocast, stream if is_recurrent(model) else 4)
+
+
+def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
+    """Per token, depth supervision's extra readouts: the coda, final norm, head input, logits and their
+    gradient each."""
+    if not is_recurrent(model) or config.depth.supervise is None:
+        return 0
+    extra = len(supervised_steps((0, k), config.depth.supervise)) - 1
+    shape, stream = layer_shape(model), _stream_bytes(model, autocast)
+    coda = _stack_bytes(shape, layer_counts(model)["coda"], autocast, stream, config.model.gradient_checkpointing)
+    # Each readout's logits, and their gradient: backward reaches every depth's loss before any head, so the
+    # gradients of all depths' logits exist at once (measured: benchmarks/memory_plan.py --loss).
+    logits = 2 * (2 if autocast else 4) * vocab_size(model)
+    return extra * (coda + _readout_head_bytes(shape, autocast, stream) + logits)
+
+
+def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
+    """At the start of backward, the loss's peak: the final logits (kept for backward), their gradient, the
+    teacher's float32 log-probabilities, and the chunked loss's float32 buffers of one chunk: a softmax (and an
+    upcast under autocast), four more for the KL's. (The teacher's own logits are freed before backward.)"""
+    c = 2 if autocast else 4
+    per_token = 2 * c + (4 if distill else 0)
+    buffers = 1 + (c < 4) + 4 * distill
+    chunk = min(tokens, chunk_rows(vocab)) * vocab
+    return tokens * vocab * per_token + 4 * buffers * chunk
+
+
+def _step_bytes(config: TrainConfig, model: nn.Module, device: str, shard: int) -> int:
+    """The optimizer step's temporaries: AdamW's foreach buffers (on a GPU), Newton-Schulz's largest chunk."""
+    muon, adamw = _optimizer_bytes(config, model)
+    foreach = adamw // 2 // shard if device == "cuda" else 0  # one float32 buffer per weight
+    if not muon:
+        return foreach
+    matrices, _ = split_parameters(model)
+    largest = max(p.numel() for p in matrices)
+    return foreach + 24 * max(min(NS_BATCH_ELEMENTS, 4 * largest), largest)
+
+
+# ---------------------------------------------------------------- fitting a device
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'80GB' (10⁹ bytes), '80GiB' (2³⁰), '512MB', '1.5TB', a number of bytes: the bytes; a one-line error else."""
+    match = SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise RecurfitError(f"--device-memory must be a size such as 80GB, 80GiB or 512MB, got {text!r}.")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "B").upper()])
+
+
+def visible_device_memory() -> int | None:
+    """The visible GPU's total memory, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def fits(plan: MemoryPlan, memory: int) -> bool:
+    return plan.peak <= USABLE_FRACTION * memory
+
+
+def micro_batches(config: TrainConfig, world: int) -> list[int]:
+    """The micro-batches that keep the global batch: divisors of each process's share of it, largest first."""
+    share = max(config.batch.global_ // world, 1)
+    return [m for m in range(share, 0, -1) if share % m == 0]
+
+
+def fitting_micro(plan_of, config: TrainConfig, world: int, memory: int) -> int | None:
+    """The largest micro-batch whose plan (`plan_of(micro)`) fits `memory`, or None when none does."""
+    return next((m for m in micro_batches(config, world) if fits(plan_of(m), memory)), None)
+
+
+def verdict(plan_of, config: TrainConfig, world: int, memory: int) -> tuple[bool, str]:
+    """(fits, the line that says so) for the config's micro-batch; when it does not fit, the line names the
+    largest micro-batch that does (`plan_of(micro)`: the plan at a micro-batch)."""
+    plan = plan_of(config.batch.micro)
+    peak = f"predicted peak {gb(plan.peak)} per device at micro-batch {plan.micro}"
+    usable = f"the {gb(USABLE_FRACTION * memory)} usable of {gb(memory)}"
+    if fits(plan, memory):
+        return True, f"Fits: {peak}, within {usable}."
+    fitting = fitting_micro(plan_of, config, world, memory)
+    if fitting is None:
+        advice = "no micro-batch fits; try model.gradient_checkpointing=true or distributed=fsdp"
+    else:
+        advice = f"batch.micro={fitting} fits (the same global batch)"
+    return False, f"Does not fit: {peak}, more than {usable}; {advice}."
+
+
+def planner(config: TrainConfig, model: nn.Module, seq_len: int, *, world: int, device: str, teacher_parameters=0):
+    """`plan_of(micro)`: the plan of this run at a micro-batch (what `verdict` tries)."""
+
+    def plan_of(micro: int) -> MemoryPlan:
+        return plan_memory(
+            config, model, seq_len, world=world, device=device, micro=micro, teacher_parameters=teacher_parameters
+        )
+
+    return plan_of
+
+
+def memory_warning(
+    config: TrainConfig, model: nn.Module, seq_len: int, *, world: int, device: str, teacher_parameters=0, memory=None
+) -> str | None:
+    """The line a run starts with when its plan does not fit `memory` (None: the visible GPU's); None when it
+    fits or no device memory is known. A run warns and goes on: the plan is a prediction."""
+    memory = memory or visible_device_memory()
+    if memory is None:
+        return None
+    plan_of = planner(config, model, seq_len, world=world, device=device, teacher_parameters=teacher_parameters)
+    fits, line = verdict(plan_of, config, world, memory)
+    return None if fits else f"warning: {line}"
+
+
+def gb(size: float) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+# ---------------------------------------------------------------- the table
+
+
+DESCRIPTIONS = {
+    "parameters": "fp32 master weights",
+    "gradients": "fp32, of the trained weights",
+    "optimizer_muon": "Muon momentum (hidden matrices)",
+    "optimizer_adamw": "AdamW moments",
+    "distributed": "DDP buckets / FSDP2 gathered weights",
+    "teacher": "distillation teacher's weights",
+    "autocast_copies": "bf16 weight copies kept for backward",
+    "activations": "saved for backward",
+    "readouts": "depth supervision's extra readouts",
+    "logits_and_loss": "logits, their gradient, loss chunks",
+    "optimizer_step": "step temporaries (after backward)",
+}
+
+
+def plan_table(plan: MemoryPlan):
+    from rich.table import Table
+
+    precision = "bf16 autocast" if plan.autocast else "fp32"
+    where = f"{plan.world} × {plan.strategy.upper()}" if plan.world > 1 else "one process"
+    title = (
+        f"Memory plan per device: micro-batch {plan.micro} × {plan.seq_len:,} tokens, k = {plan.k} with "
+        f"gradient, {precision}, {where}"
+    )
+    table = Table(title=title, title_justify="left")
+    for column, justify in (("part", "left"), ("size", "right"), ("what", "left")):
+        table.add_column(column, justify=justify)
+    for name, size in plan.parts().items():
+        if size:
+            table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
+    table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", "resident + max(forward/backward, step)")
+    return table
+
+
+# ---------------------------------------------------------------- the paper recipes' headers
+
+# What a paper recipe's header states: its plan on one 80 GB GPU of several under DDP (a device's plan is the
+# same at any world size of 2 or more), at the recipes' --seq-len 1024.
+PAPER_GPU_MEMORY = 80 * 10**9
+PAPER_WORLD = 8
+PAPER_SEQ_LEN = 1024
+
+
+def recipe_plan(path: Path, micro: int | None = None) -> MemoryPlan:
+    """The plan of a paper recipe (at `micro`, else its own micro-batch) from PAPER_PARENTS, without download.
+    A chained recipe (model.init_from) trains the model of the recipe whose `out` it continues."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .config import load_config
+    from .model import _restructure, planned_parts
+
+    config = load_config(path)
+    model_config = config.model
+    if model_config.init_from is not None:
+        earlier = (load_config(other) for other in sorted(path.parent.glob("*.yaml")))
+        model_config = next(c.model for c in earlier if c.out == model_config.init_from)
+    settings = dict(PAPER_PARENTS[model_config.path])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    model = _restructure(parent, model_config, config.depth, "paper", None, config.seed)
+    model = planned_parts(model, dataclasses.replace(config, model=model_config))
+    return plan_memory(config, model, PAPER_SEQ_LEN, world=PAPER_WORLD, micro=micro)
+
+
+def recipe_header(plan: MemoryPlan) -> str:
+    """The header line of a paper recipe that states its plan."""
+    return (
+        f"# Memory (`recurfit train RECIPE --dry-run --device-memory 80GB`): predicted peak {gb(plan.peak)} per "
+        f"80 GB GPU at micro-batch {plan.micro}, k = {plan.k}, bf16 autocast, DDP."
+    )
