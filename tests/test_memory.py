@@ -140,6 +140,21 @@ def test_fsdp_shards_what_it_shards():
     assert four.optimizer_muon == one.optimizer_muon  # BatchedMuon keeps each momentum whole
 
 
+def test_fsdp_keeps_the_recurrent_body_whole_and_accumulates_whole_gradients():
+    """distributed.fsdp_units: each prelude layer a unit, the body (all but the head) gathered for the whole
+    step, in bf16 under bf16 on a GPU; gradients accumulate whole over a process's micro-batches."""
+    config, model = tiny_plan_model(distributed="fsdp", precision="fp32")
+    total = sum(p.numel() for p in model.parameters())
+    prelude = [sum(p.numel() for p in layer.parameters()) for layer in model.model.prelude]
+    whole = total - sum(prelude)
+    # world 2: 4 rows per process in micro-batches of 2, so gradients of every weight accumulate whole
+    assert plan(config, model, world=2).distributed == 4 * (whole + 2 * max(prelude)) + 4 * total
+    # world 4: one micro-batch per process: only the gathered units' gradients are whole at once
+    assert plan(config, model, world=4).distributed == 4 * (whole + 2 * max(prelude)) + 4 * whole
+    config, model = tiny_plan_model(distributed="fsdp", precision="bf16")
+    assert plan(config, model, world=4).distributed == 2 * (whole + 2 * max(prelude)) + 4 * whole
+
+
 @pytest.mark.parametrize("autocast, stream", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
 def test_a_layers_saved_activations_are_what_autograd_saves(autocast, stream):
     """L of the module docstring against the bytes autograd keeps for one llama decoder layer (SDPA)."""

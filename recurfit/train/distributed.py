@@ -126,22 +126,26 @@ class Processes:
             dist.destroy_process_group()
 
 
-def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
-    """`fully_shard` the units (see the module's docstring), root last; returns each with its reshard_after_forward.
+def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module | None]:
+    """What FSDP2 shards as units of their own, besides the root (see the module's docstring): the layers that
+    run once per forward, and the recurrent body (`model.model`: all but the head; None for a fixed-depth model,
+    a baseline or a teacher, whose every decoder layer runs once)."""
+    body = getattr(model, "model", None)
+    if hasattr(body, "core"):
+        return list(body.prelude), body
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")], None
 
-    A recurrent model: each prelude layer, then the body (`model.model`: the rest but the head), which a `trained`
-    model keeps gathered from its forward to its backward (a distillation teacher has no backward: resharded),
-    then the root (the head). A fixed-depth model (a baseline, a teacher): each decoder layer, then the root."""
+
+def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
+    """`fully_shard` the `sharding_units`, root last; returns each with its reshard_after_forward. A `trained`
+    model keeps its recurrent body gathered from its forward to its backward (a distillation teacher has no
+    backward: resharded)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
-    body = getattr(model, "model", None)
-    recurrent = hasattr(body, "core")
-    once = (
-        list(body.prelude) if recurrent else [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    )
+    once, body = sharding_units(model)
     units = [(layer, True) for layer in once]
-    if recurrent:
+    if body is not None:
         units.append((body, not trained))  # runs its core n + k times per forward: gathered once, kept for backward
     for module, reshard in units:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)

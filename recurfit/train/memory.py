@@ -10,8 +10,11 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     optimizer         Muon: 4 per hidden matrix weight (momentum, kept whole under FSDP2 too);
                       AdamW: 8 per weight it updates (two moments; FSDP2: / W)
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
-    FSDP2 gathered    4 × (the root's weights: embeddings, head, adapter, final norm) + 3 × 4 × the largest
-                      layer (two layers gathered at a time, one unsharded gradient)
+    FSDP2 gathered    g × (the recurrent body and the head: gathered for the whole step) + 2g × the largest
+                      prelude layer (gathered for its forward, and the next one prefetched), g = 2 when the
+                      units gather in bf16 (bf16 on a GPU), else 4; plus the unsharded gradients, 4 per trained
+                      weight when a process runs two or more micro-batches per step (they accumulate whole until
+                      the last one's reduce-scatter), else 4 per trained weight of the body and head
     teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
                       2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
@@ -63,6 +66,7 @@ from torch import nn
 from ..errors import RecurfitError
 from ..model.sampling import split_depth
 from .config import TrainConfig
+from .distributed import sharding_units
 from .losses import chunk_rows, supervised_steps, teacher_dtype
 from .model import is_recurrent
 from .optim import NS_BATCH_ELEMENTS, split_parameters
@@ -228,7 +232,7 @@ def plan_memory(
         gradients=4 * _numel(trained) // shard,
         optimizer_muon=muon,
         optimizer_adamw=adamw // shard,
-        distributed=_distributed_bytes(config, model, world),
+        distributed=_distributed_bytes(config, model, world, micro, device, autocast),
         teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
     )
     step = _step_bytes(config, model, device, shard)
@@ -256,15 +260,21 @@ def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
     return 4 * _numel(matrices), 8 * _numel(others)
 
 
-def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int) -> int:
+def _distributed_bytes(
+    config: TrainConfig, model: nn.Module, world: int, micro: int, device: str, autocast: bool
+) -> int:
     if world <= 1:
         return 0
     if config.distributed == "ddp":
         return 4 * _numel(p for p in model.parameters() if p.requires_grad)
-    layers = _decoder_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = _numel(p for p in model.parameters() if id(p) not in in_layers)
-    return 4 * root + 3 * 4 * max((_numel(layer.parameters()) for layer in layers), default=0)
+    once, _ = sharding_units(model)  # the rest, body and head, is gathered for the whole step
+    in_once = {id(p) for layer in once for p in layer.parameters()}
+    whole = [p for p in model.parameters() if id(p) not in in_once]
+    gathered = 2 if autocast and device == "cuda" else 4  # fsdp_units' MixedPrecisionPolicy
+    accumulating = config.batch.global_ // world > micro
+    gradients = [p for p in (model.parameters() if accumulating else whole) if p.requires_grad]
+    largest = max((_numel(layer.parameters()) for layer in once), default=0)
+    return gathered * (_numel(whole) + 2 * largest) + 4 * _numel(gradients)
 
 
 def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) -> int:
@@ -467,7 +477,7 @@ DESCRIPTIONS = {
     "gradients": "fp32, of the trained weights",
     "optimizer_muon": "Muon momentum (hidden matrices)",
     "optimizer_adamw": "AdamW moments",
-    "distributed": "DDP buckets / FSDP2 gathered weights",
+    "distributed": "DDP buckets / FSDP2 gathered + grads",
     "teacher": "distillation teacher's weights",
     "autocast_copies": "bf16 weight copies kept for backward",
     "activations": "saved for backward",
