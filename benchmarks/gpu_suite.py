@@ -182,7 +182,8 @@ def part_two(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
 
 def part_three(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     """What only a GPU shows of training at scale: one-process NCCL runs with accumulation, draws per micro-batch
-    and a resume; the core's gradient under CUDA bf16 autocast; the healing objectives on CUDA; recompiles."""
+    and a resume; the memory plan against the peak; the core's gradient under CUDA bf16 autocast; the healing
+    objectives on CUDA; recompiles."""
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "--device", sizes.device]
     check = [__file__, *(["--cpu-smoke"] if smoke else []), "--work", work]
     healing = ["tests/test_healing.py", *(["-k", "hand_computation or weighted_mean"] if smoke else [])]
@@ -190,6 +191,7 @@ def part_three(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
         Step("prepare", 60, python(__file__, "--prepare-train", work, *(["--cpu-smoke"] if smoke else []))),
         Step("resume-ddp", 130, python(*check, "--resume-check", "ddp")),
         Step("resume-fsdp", 130, python(*check, "--resume-check", "fsdp")),
+        Step("memory-probe", 90, python(*check, "--memory-probe")),
         Step("autocast-grad", 40, python(*tests, "tests/test_distributed.py", "-k", "autocast")),
         Step("tests-healing", 120, python(*tests, *healing, "--junitxml", work / "junit-healing.xml")),
         Step("recompiles", 150, python(*check, "--recompiles")),
@@ -469,6 +471,38 @@ def kill_every_process_of(config: Path) -> None:
             pass
 
 
+def memory_probe(work: Path, smoke: bool) -> int:
+    """Two training steps at (n, k) = (24, 8), micro-batch 8, of prepare_train's TinyLlama (4, 8, 4) on one GPU:
+    the peak allocated memory against the memory plan's (`recurfit train --dry-run`), target within ±15 %. The
+    smoke runs the same code on the CPU, which keeps no allocator statistics: it prints the plan alone."""
+    import torch
+
+    from recurfit.train import Trainer, load_config
+    from recurfit.train.memory import plan_memory
+
+    run = scale_run(work, smoke, out=str(work / "memory"), steps=2, distributed="ddp")
+    run["batch"] = {"micro": 1 if smoke else 8, "global": 1 if smoke else 8}
+    run["depth"] = {"mean_recurrence": 4 if smoke else 32, "backprop_depth": 2 if smoke else 8, "fixed": True}
+    run["checkpoint"], run["eval"] = {"every": 0, "keep": 1}, {"every": 0, "steps": [1], "rows": 1}
+    config = load_config(None, base=run)
+    trainer = Trainer(config, force=True)
+    device = trainer.processes.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    records = [trainer.train_step() for _ in range(2)]  # the optimizer states exist from the first step on
+    plan = plan_memory(config, trainer.model, trainer.stream.seq_len, world=1, device=device.type)
+    trainer.close()
+    depth = ", ".join(f"({r['n']}, {r['k']})" for r in records)
+    print(f"memory plan at {depth}, micro-batch {plan.micro} × {plan.seq_len}: {plan.parts()}")
+    if device.type != "cuda":
+        print(f"planned peak {plan.peak / 2**30:.2f} GiB; measured: not on a CPU (no allocator statistics)")
+        return 0
+    measured = torch.cuda.max_memory_allocated()
+    ratio = plan.peak / measured
+    print(f"peak memory: planned {plan.peak / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB, ratio {ratio:.3f}")
+    return 0 if 0.85 <= ratio <= 1.15 else 1
+
+
 def recompiles(work: Path, smoke: bool) -> int:
     """`compile: true` training with a depth per micro-batch and validation every 2 steps, under
     TORCH_LOGS=recompiles: how many times dynamo recompiled, and why (the smoke runs eager: inductor takes
@@ -501,6 +535,7 @@ def main() -> int:
     parser.add_argument("--prepare-train", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--resume-check", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
     parser.add_argument("--recompiles", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.environment:
         environment()
@@ -512,6 +547,8 @@ def main() -> int:
         return resume_check(args.work, args.resume_check, args.cpu_smoke)
     if args.recompiles:
         return recompiles(args.work, args.cpu_smoke)
+    if args.memory_probe:
+        return memory_probe(args.work, args.cpu_smoke)
     if args.out is None:
         parser.error("--out is required: the folder the results go to ($OUT on the device machine)")
     return run_parts(args)
