@@ -72,8 +72,8 @@ def resume(config, processes: Processes) -> dict:
 
 
 def main(mode: str, config_path: str, out: str) -> None:
-    processes = Processes.from_environment()
     config = load_config(config_path)
+    processes = Processes.from_environment(config.distributed_timeout)
     if mode == "resume":
         result = resume(config, processes)
     else:

@@ -36,8 +36,9 @@ class Processes:
     sharded: list = field(default_factory=list)  # FSDP2: (unit, reshard_after_forward) of every unit `wrap` made
 
     @classmethod
-    def from_environment(cls, timeout: float = 3600) -> Processes:
-        """This process's place under torchrun (alone without it); collectives fail after `timeout` seconds."""
+    def from_environment(cls, timeout: float) -> Processes:
+        """This process's place under torchrun (alone without it); collectives fail after `timeout` seconds (the
+        config's `distributed_timeout`)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
@@ -96,18 +97,14 @@ class Processes:
                 unit.set_reshard_after_forward(reshard, recurse=False)
                 unit.reshard()
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.grouped:
-            value = value.clone()
-            dist.all_reduce(value)
-            value /= self.world
-        return value
-
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.grouped:
             value = value.clone()
             dist.all_reduce(value)
         return value
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.sum(value) / self.world
 
     def broadcast(self, value):
         """The main process's `value` (any picklable object), on every process."""
