@@ -12,6 +12,7 @@ from test_train import TWO_PROCESSES, one_and_two_processes, tiny_config, train_
 
 from recurfit.errors import RecurfitError
 from recurfit.model.accounting import training_flops_per_token
+from recurfit.model.sampling import mixed_seed
 from recurfit.train import Trainer, train
 from recurfit.train.losses import depth_weights, supervised_steps
 from recurfit.train.metrics import read_log
@@ -39,7 +40,7 @@ def hand_loss(student, teacher, targets, alpha: float | None, temperature: float
 
 def reference_logits(trainer: Trainer, inputs: torch.Tensor, first_row: int, num_steps) -> torch.Tensor:
     """The student's logits from its own forward, with the s_0 the loop draws for this micro-batch."""
-    torch.manual_seed(trainer.config.seed * 1_000_003 + first_row)
+    torch.manual_seed(mixed_seed(trainer.config.seed, first_row))
     return trainer.model(input_ids=inputs, num_steps=num_steps).logits
 
 

@@ -97,6 +97,12 @@ def split_depth(mean_recurrence: int, backprop_depth: int) -> tuple[int, int]:
     return mean_recurrence - k, k
 
 
+def mixed_seed(seed: int, position: int) -> int:
+    """One generator seed from a run's `seed` and a position in it (a step, a row): distinct for the positions of
+    one run, and for the first million positions of different seeds."""
+    return seed * 1_000_003 + position
+
+
 @dataclass(frozen=True)
 class DepthSchedule:
     """The depth of every training step, decided in one place: curricula for the mean recurrence r̄ and the
@@ -118,5 +124,5 @@ class DepthSchedule:
         n, k = self.mean_depth(step)
         if self.fixed:
             return n, k
-        seed = self.seed * 1_000_003 + step if row is None else hash((self.seed, step, row)) % 2**63
+        seed = mixed_seed(self.seed, step) if row is None else hash((self.seed, step, row)) % 2**63
         return sample_depth(n + k, k, torch.Generator().manual_seed(seed))

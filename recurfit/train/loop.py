@@ -39,7 +39,7 @@ from ..model.accounting import (
 )
 from ..model.card import write_model_card
 from ..model.loading import optional_tokenizer, save_tokenizer
-from ..model.sampling import Curriculum, DepthSchedule
+from ..model.sampling import Curriculum, DepthSchedule, mixed_seed
 from ..progress import progress_bar
 from .checkpoint import (
     Checkpoint,
@@ -280,7 +280,7 @@ class Trainer:
     def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, parts: dict):
         """The training objective of one micro-batch, its terms added to `parts`."""
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
-        torch.manual_seed(self.config.seed * 1_000_003 + first_row)
+        torch.manual_seed(mixed_seed(self.config.seed, first_row))
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         healing = self.healing.active
@@ -439,7 +439,7 @@ class Trainer:
     def _validation_losses(self, rows: torch.Tensor, depths: list[int], index: int) -> torch.Tensor:
         """The next-token CE of `rows` after each of `depths` recurrences (increasing), from one forward whose
         s_0 is seeded from the micro-batch's `index` (the same on any number of processes)."""
-        torch.manual_seed(self.config.seed * 1_000_003 + index)
+        torch.manual_seed(mixed_seed(self.config.seed, index))
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
         kwargs = {"num_steps": (0, depths[-1]), "readout_steps": depths[:-1]} if self.recurrent else {}
