@@ -432,13 +432,18 @@ def test_normalisation_is_one_rule_for_ascii_and_unicode_text():
 def test_a_batch_is_hashed_as_its_texts_word_by_word():
     """`batch_word_hashes` (the batch at once, in numpy) gives what the rule and the per-word reference give: the
     hashes of `words(text)` of each text in turn, and where each text's words begin; capitals outside ASCII
-    (`Σ` lower-cased by its context among them), Unicode spaces and punctuation, empty texts and long words."""
+    (`Σ`, lower-cased by its context, and the Ohm and Kelvin signs, `İ` and `ẞ`, whose lower cases are shorter
+    or longer, among them), Unicode spaces and punctuation, empty texts and long words."""
     import random
     from itertools import chain
 
     from recurfit.data import decontaminate as dc
 
-    alphabet = [chr(c) for c in range(128)] + list("’“”–—…éÉßİΣΑσ\u00a0\u2009\u3000\u0301€½²\U0001f600") + ["a"] * 40
+    alphabet = (
+        [chr(c) for c in range(128)]
+        + list("’“”–—…éÉßẞİΣΑσДΩK\u2126\u212a\u00a0\u2009\u3000\u0301€½²\U0001f600")
+        + ["a"] * 40
+    )
     rng = random.Random(0)
     for _ in range(400):
         texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(rng.randint(1, 6))]

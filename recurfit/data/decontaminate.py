@@ -48,9 +48,10 @@ from .sources import bundled, request_docs
 N = 13  # words per n-gram
 MIN_WORDS = 8  # the n of items shorter than N words; shorter still, an item is not indexed
 RULES_VERSION = 1  # bump when the rule above or the item texts change: cached indexes are then rebuilt
-# Bump when the hashes change (word or n-gram): part of the cached index's name only, not of a store's
-# fingerprint, since the same documents are dropped. 2: word hashes from a polynomial over the bytes, not CRC-32.
-HASHES_VERSION = 2
+# Bump when the hashes (of words or n-grams) or the index file's layout change: part of the cached index's name
+# only, not of a store's fingerprint, since the same documents are dropped. 2: word hashes from a polynomial over
+# the bytes, not CRC-32; a table per n.
+INDEX_VERSION = 2
 # The ASCII characters neither alphanumeric nor whitespace, and those str.split splits on but bytes.split does not.
 ASCII_DELETED = bytes(c for c in range(128) if not chr(c).isalnum() and not chr(c).isspace())
 ASCII_SPACES = bytes.maketrans(b"\x1c\x1d\x1e\x1f", b"    ")
@@ -217,21 +218,28 @@ class _Powers:
 
 _POWERS = _Powers(int(P))
 _PIECE = 1 << 20  # bytes hashed at a time: the power tables stay this small (unless a word is longer)
-# The non-ASCII characters met so far, by their UTF-8 bytes read as a big-endian integer: KEEP (alphanumeric),
-# SPACE (whitespace) or DELETE (the rest), plus CASED where str.lower changes the character. Built one new
-# character at a time.
-KEEP, SPACE, DELETE, CASED = 0, 1, 2, 4
-_NON_ASCII: dict[int, int] = {}
+# The non-ASCII characters met so far, each by its UTF-8 bytes read as a big-endian integer (its key): the
+# class of its lower case, KEEP (alphanumeric), SPACE (whitespace) or DELETE (the rest), and that lower case's
+# key; 0 for the 26 capitals (`Σ`, whose lower case depends on its neighbours, and those whose lower case has
+# another length in UTF-8, such as `İ`) that only str.lower, on their whole text, lower-cases as the rule does.
+# Built one new character at a time.
+KEEP, SPACE, DELETE = 0, 1, 2
+_CHARACTERS: dict[int, tuple[int, int]] = {}
 _KEY_MASKS = np.array([0xFFFF0000, 0xFFFFFF00, 0xFFFFFFFF], dtype=np.uint32)  # 2-, 3- and 4-byte characters
 
 
-def _non_ascii_class(key: int) -> int:
-    found = _NON_ASCII.get(key)
+def _character(key: int) -> tuple[int, int]:
+    found = _CHARACTERS.get(key)
     if found is None:
         raw = key.to_bytes(4, "big")
         char = raw[: 2 + (raw[0] >= 0xE0) + (raw[0] >= 0xF0)].decode()
-        found = KEEP if char.isalnum() else SPACE if char.isspace() else DELETE
-        found = _NON_ASCII[key] = found | (CASED if char.lower() != char else 0)
+        lower = char.lower()
+        if char == "Σ" or len(lower) != 1 or len(lower.encode()) != len(char.encode()):
+            found = (KEEP, 0)
+        else:
+            kind = KEEP if lower.isalnum() else SPACE if lower.isspace() else DELETE
+            found = (kind, int.from_bytes(lower.encode().ljust(4, b"\0"), "big"))
+        _CHARACTERS[key] = found
     return found
 
 
@@ -239,50 +247,50 @@ def normalised_bytes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """The batch's normalised text as one array of UTF-8 bytes, every run of whitespace a 0 byte, with each
     text's start in it: the texts' words, in order, are the runs of non-zero bytes."""
     # bytes.translate lower-cases the ASCII letters, deletes the other ASCII characters but spaces and turns
-    # those into 0 bytes, at memory speed; str.lower, slower on text that is not all ASCII, only for the texts
-    # that hold a non-ASCII character it changes (it lower-cases no other character, and leaves ASCII letters
-    # as the table does).
+    # those into 0 bytes, at memory speed. str.lower (slower on text that is not all ASCII) lower-cases each
+    # character on its own but `Σ`, and lower case is idempotent: so the other capitals are lower-cased in
+    # place, and str.lower runs only on the texts holding one of the 26 characters `_character` leaves to it.
     parts = [text.encode().translate(ASCII_RULE, ASCII_DELETED) for text in texts]
-    data, starts, lead, size, classes = _joined(parts)
-    if classes is not None and (classes & CASED).any():
-        cased = np.unique(np.searchsorted(starts, lead[(classes & CASED) != 0], "right") - 1)
-        for i in cased.tolist():
+    for attempt in range(2):
+        starts = np.zeros(len(parts), dtype=np.int64)
+        np.cumsum([len(part) + 1 for part in parts[:-1]], out=starts[1:])
+        joined = b"\0".join(parts)
+        data = np.frombuffer(joined, dtype=np.uint8)
+        if joined.isascii():
+            return data, starts
+        # The other characters: each read as one integer from its 2 to 4 bytes, each distinct one looked up once.
+        lead = np.flatnonzero(data >= 0xC0)  # a multi-byte character's first byte
+        size = 2 + (data[lead] >= 0xE0) + (data[lead] >= 0xF0)
+        raw = data[np.minimum(lead[:, None] + np.arange(4), len(data) - 1)].astype(np.uint32)
+        keys = ((raw[:, 0] << 24) | (raw[:, 1] << 16) | (raw[:, 2] << 8) | raw[:, 3]) & _KEY_MASKS[size - 2]
+        distinct, which = np.unique(keys, return_inverse=True)
+        found = [_character(key) for key in distinct.tolist()]
+        classes = np.array([kind for kind, _ in found], dtype=np.uint8)[which]
+        lowered = np.array([lower for _, lower in found], dtype=np.uint32)[which]
+        by_str_lower = lowered == 0
+        if attempt == 1 or not by_str_lower.any():
+            break
+        for i in np.unique(np.searchsorted(starts, lead[by_str_lower], "right") - 1).tolist():
             parts[i] = texts[i].lower().encode().translate(ASCII_RULE, ASCII_DELETED)
-        data, starts, lead, size, classes = _joined(parts)
-    if classes is None:
-        return data, starts
-    changed = (classes & 3) != KEEP
+    recased = (lowered != keys) & ~by_str_lower  # (none by str.lower is left now: it lower-cased their texts)
+    if recased.any():
+        data = data.copy()
+        for offset in range(4):
+            where = recased & (size > offset)
+            data[lead[where] + offset] = (lowered[where] >> np.uint32(24 - 8 * offset)).astype(np.uint8)
+    changed = classes != KEEP
     if not changed.any():
         return data, starts
-    lead, size, classes = lead[changed], size[changed], classes[changed] & 3
+    lead, size, classes = lead[changed], size[changed], classes[changed]
     drop = np.zeros(len(data), dtype=bool)
     drop[lead[classes == DELETE]] = True
     for offset in (1, 2, 3):  # the bytes after a deleted or space character's first
         drop[(lead + offset)[size > offset]] = True
     if (classes == SPACE).any():
-        data = data.copy()
+        data = data.copy() if not recased.any() else data
         data[lead[classes == SPACE]] = 0
     dropped = np.flatnonzero(drop)
     return data[~drop], starts - np.searchsorted(dropped, starts)
-
-
-def _joined(parts: list[bytes]) -> tuple:
-    """`parts` joined by 0 bytes, as an array, with each part's start in it; and for the non-ASCII characters
-    (None where there are none), their first byte's position, their size in bytes and their class."""
-    starts = np.zeros(len(parts), dtype=np.int64)
-    np.cumsum([len(part) + 1 for part in parts[:-1]], out=starts[1:])
-    joined = b"\0".join(parts)
-    data = np.frombuffer(joined, dtype=np.uint8)
-    if joined.isascii():
-        return data, starts, None, None, None
-    # Each read as one integer from its 2 to 4 bytes, and each distinct one classified once.
-    lead = np.flatnonzero(data >= 0xC0)  # a multi-byte character's first byte
-    size = 2 + (data[lead] >= 0xE0) + (data[lead] >= 0xF0)
-    raw = data[np.minimum(lead[:, None] + np.arange(4), len(data) - 1)].astype(np.uint32)
-    keys = ((raw[:, 0] << 24) | (raw[:, 1] << 16) | (raw[:, 2] << 8) | raw[:, 3]) & _KEY_MASKS[size - 2]
-    distinct, which = np.unique(keys, return_inverse=True)
-    classes = np.fromiter(map(_non_ascii_class, distinct.tolist()), dtype=np.uint8, count=len(distinct))[which]
-    return data, starts, lead, size, classes
 
 
 def batch_word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -338,14 +346,41 @@ def _power(exponent: int) -> np.uint64:
 # ---------------------------------------------------------------- the index
 
 
-class EvalIndex:
-    """The n-grams of the chosen sets' items: `masks(texts)` says which sets each text shares one with."""
+class Table:
+    """The indexed n-grams of one length: their hashes, sorted, the bit mask of the sets each came from, and a
+    bitmap of 32 bits per n-gram in front that turns about 97 % of the lookups of absent n-grams away."""
 
-    def __init__(self, sets: Sequence[str], hashes: np.ndarray, masks: np.ndarray, items: dict[str, int]):
-        self.sets, self.hashes, self.set_masks, self.items = tuple(sets), hashes, masks, items
-        bits = max(16, int(np.ceil(np.log2(max(len(hashes), 1) * 32))))  # ~3 % of absent n-grams pass the bitmap
+    def __init__(self, hashes: np.ndarray, masks: np.ndarray):
+        self.hashes, self.masks = hashes, masks
+        bits = max(16, int(np.ceil(np.log2(max(len(hashes), 1) * 32))))
         self.shift = np.uint64(64 - bits)
         self.bitmap = np.packbits(np.bincount((hashes >> self.shift).astype(np.int64), minlength=1 << bits) > 0)
+
+    def maybe(self, grams: np.ndarray) -> np.ndarray:
+        """False where an n-gram is surely not indexed (its bit in the bitmap is clear)."""
+        slot = (grams >> self.shift).astype(np.int64)
+        return (self.bitmap[slot >> 3] << (slot & 7).astype(np.uint8)) & 0x80 != 0
+
+    def present(self, grams: np.ndarray) -> np.ndarray:
+        """Those of `grams` (few: what `maybe` let through) that are indexed."""
+        if len(self.hashes) == 0:
+            return grams[:0]
+        # Sorted first, the binary searches walk the index in order (twice as fast); nearly always none is in it.
+        grams = np.sort(grams)
+        where = np.minimum(np.searchsorted(self.hashes, grams), len(self.hashes) - 1)
+        return grams[self.hashes[where] == grams]
+
+    def sets_of(self, grams: np.ndarray) -> np.ndarray:
+        """The set masks of indexed n-grams."""
+        return self.masks[np.searchsorted(self.hashes, grams)]
+
+
+class EvalIndex:
+    """The n-grams of the chosen sets' items, a table per n: `masks(texts)` says which sets each text shares one
+    with."""
+
+    def __init__(self, sets: Sequence[str], tables: dict[int, Table], items: dict[str, int]):
+        self.sets, self.tables, self.items = tuple(sets), tables, items
 
     def masks(self, texts: Sequence[str]) -> np.ndarray:
         """Per text, the bit mask of the sets (bit i: `self.sets[i]`) whose n-grams it holds; 0 for a clean text."""
@@ -354,25 +389,18 @@ class EvalIndex:
             return found
         hashes, first = batch_word_hashes(texts)
         owner = np.repeat(np.arange(len(texts)), np.diff(first))  # the text each word belongs to
-        for length, grams in ngram_hashes(hashes, (MIN_WORDS, N)):
-            starts = np.flatnonzero(self._maybe(grams))
+        for length, grams in ngram_hashes(hashes, self.tables):
+            table = self.tables[length]
+            starts = np.flatnonzero(table.maybe(grams))
             starts = starts[owner[starts] == owner[starts + length - 1]]  # runs within one text
             if len(starts) == 0:
                 continue
-            # Sorted first, the binary searches walk the index in order (twice as fast); nearly always none is in it.
-            candidates = np.sort(grams[starts])
-            where = np.minimum(np.searchsorted(self.hashes, candidates), len(self.hashes) - 1)
-            present = candidates[self.hashes[where] == candidates]
+            present = table.present(grams[starts])
             if len(present) == 0:
                 continue
             starts = starts[np.isin(grams[starts], present)]
-            np.bitwise_or.at(found, owner[starts], self.set_masks[np.searchsorted(self.hashes, grams[starts])])
+            np.bitwise_or.at(found, owner[starts], table.sets_of(grams[starts]))
         return found
-
-    def _maybe(self, grams: np.ndarray) -> np.ndarray:
-        """False where an n-gram is surely not indexed (its bit in the bitmap is clear)."""
-        slot = (grams >> self.shift).astype(np.int64)
-        return (self.bitmap[slot >> 3] << (slot & 7).astype(np.uint8)) & 0x80 != 0
 
     def count(self, masks: np.ndarray) -> dict:
         """The documents `masks` drops: in all, and per set (a document matching two sets counts under both)."""
@@ -420,43 +448,47 @@ def eval_data_version() -> str:
         ) from None
 
 
-def item_ngrams(texts: Sequence[str]) -> np.ndarray:
-    """The hashes items put in the index: each item's N-grams, or its MIN_WORDS-grams if it is shorter than N."""
+def item_ngrams(texts: Sequence[str]) -> dict[int, np.ndarray]:
+    """The hashes items put in the index, by n: each item's N-grams, or its MIN_WORDS-grams if it is shorter."""
+    found = {length: np.zeros(0, dtype=np.uint64) for length in (MIN_WORDS, N)}
     if not len(texts):
-        return np.zeros(0, dtype=np.uint64)
+        return found
     hashes, first = batch_word_hashes(texts)
     counts = np.diff(first)
     owner = np.repeat(np.arange(len(texts)), counts)
     n = np.where(counts >= N, N, np.where(counts >= MIN_WORDS, MIN_WORDS, 0))  # 0: not indexed
-    found = [np.zeros(0, dtype=np.uint64)]
     for length, grams in ngram_hashes(hashes, (MIN_WORDS, N)):
         starts = np.arange(len(grams))
-        found.append(grams[(owner[starts] == owner[starts + length - 1]) & (n[owner[starts]] == length)])
-    return np.concatenate(found)
+        found[length] = grams[(owner[starts] == owner[starts + length - 1]) & (n[owner[starts]] == length)]
+    return found
 
 
 def build(sets: Sequence[str]) -> EvalIndex:
     """The index of `sets`, read from the bundled evaluation data (seconds; `load` caches it)."""
-    parts, masks, items = [], [], {}
+    parts, masks, items = {MIN_WORDS: [], N: []}, {MIN_WORDS: [], N: []}, {}
     for bit, name in enumerate(sets):
         texts = list(EVAL_SETS[name]())
         items[name] = len(texts)
-        grams = np.unique(item_ngrams(texts))
-        parts.append(grams)
-        masks.append(np.full(len(grams), 1 << bit, dtype=np.uint32))
-    hashes, set_masks = np.concatenate(parts), np.concatenate(masks)
-    order = np.argsort(hashes, kind="stable")
-    hashes, set_masks = hashes[order], set_masks[order]
-    # An n-gram of several sets: one entry whose mask names them all.
-    first = np.concatenate([[True], hashes[1:] != hashes[:-1]])
-    merged = np.bitwise_or.reduceat(set_masks, np.flatnonzero(first)) if len(hashes) else set_masks
-    return EvalIndex(sets, hashes[first], merged, items)
+        for length, grams in item_ngrams(texts).items():
+            grams = np.unique(grams)
+            parts[length].append(grams)
+            masks[length].append(np.full(len(grams), 1 << bit, dtype=np.uint32))
+    tables = {}
+    for length in parts:
+        hashes, set_masks = np.concatenate(parts[length]), np.concatenate(masks[length])
+        order = np.argsort(hashes, kind="stable")
+        hashes, set_masks = hashes[order], set_masks[order]
+        # An n-gram of several sets: one entry whose mask names them all.
+        first = np.concatenate([[True], hashes[1:] != hashes[:-1]])
+        merged = np.bitwise_or.reduceat(set_masks, np.flatnonzero(first)) if len(hashes) else set_masks
+        tables[length] = Table(hashes[first], merged)
+    return EvalIndex(sets, tables, items)
 
 
 def cache_file(sets: Sequence[str]) -> Path:
     from ..io.assets import cache_root
 
-    key = f"{','.join(sets)}|n={N}|min={MIN_WORDS}|rules={RULES_VERSION}|hashes={HASHES_VERSION}|{eval_data_version()}"
+    key = f"{','.join(sets)}|n={N}|min={MIN_WORDS}|rules={RULES_VERSION}|index={INDEX_VERSION}|{eval_data_version()}"
     return cache_root() / "decontamination" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
 
 
@@ -467,11 +499,13 @@ def load(sets: tuple[str, ...]) -> EvalIndex:
     if path.is_file():
         with np.load(path) as saved:
             items = dict(zip(sets, saved["items"].tolist()))
-            return EvalIndex(sets, saved["hashes"], saved["masks"], items)
+            tables = {n: Table(saved[f"hashes_{n}"], saved[f"masks_{n}"]) for n in (MIN_WORDS, N)}
+            return EvalIndex(sets, tables, items)
     print(f"Indexing the {N}-grams of {', '.join(sets)} (once; cached in {path.parent})…", file=sys.stderr)
     index = build(sets)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # another process may write it too
-    np.savez(partial, hashes=index.hashes, masks=index.set_masks, items=np.array([index.items[s] for s in sets]))
+    arrays = {f"{kind}_{n}": getattr(table, kind) for n, table in index.tables.items() for kind in ("hashes", "masks")}
+    np.savez(partial, items=np.array([index.items[s] for s in sets]), **arrays)
     partial.replace(path)
     return index
