@@ -202,18 +202,20 @@ def word_hashes(items: Sequence[bytes]) -> np.ndarray:
 
 
 class _Powers:
-    """P^j and P^-j (mod 2^64) for j = 0, 1, …, grown on demand."""
+    """P^j and P^-j (mod 2^64) for j = 0, 1, …, grown on demand; and a buffer as long, for the products."""
 
     def __init__(self, base: int):
         self.base, self.up, self.down = base, np.ones(1, np.uint64), np.ones(1, np.uint64)
+        self.buffer = np.empty(1, np.uint64)
 
-    def __call__(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if len(self.up) < count:
             size = max(count, 2 * len(self.up))
             inverse = pow(self.base, -1, 2**64)
             self.up = np.multiply.accumulate(np.r_[np.uint64(1), np.full(size - 1, self.base, np.uint64)])
             self.down = np.multiply.accumulate(np.r_[np.uint64(1), np.full(size - 1, inverse, np.uint64)])
-        return self.up[:count], self.down[:count]
+            self.buffer = np.empty(size, np.uint64)
+        return self.up[:count], self.down[:count], self.buffer[:count]
 
 
 _POWERS = _Powers(int(P))
@@ -298,9 +300,9 @@ def batch_word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     and the index of each text's first word in them, with their count at the end."""
     data, text_starts = normalised_bytes(texts)
     word = data != 0
-    first = word.copy()
-    first[1:] &= ~word[:-1]
-    starts = np.flatnonzero(first)
+    starts = np.flatnonzero(word[1:] > word[:-1]) + 1  # a word's first byte follows a 0 byte
+    if len(data) and word[0]:
+        starts = np.r_[0, starts]
     sums = np.empty(len(starts), dtype=np.uint64)
     # Σ byte[j] · P^j over a word starting at s is P^-s · Σ byte[j] · P^j with j counted from anywhere before it:
     # one product per byte, a running sum, and a difference of two running sums per word (0 bytes add nothing),
@@ -308,11 +310,12 @@ def batch_word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     pieces = np.unique(np.r_[np.searchsorted(starts, np.arange(0, len(data), _PIECE)), len(starts)])
     for lo, hi in zip(pieces[:-1], pieces[1:]):
         begin, end = starts[lo], starts[hi] if hi < len(starts) else len(data)
-        up, down = _POWERS(end - begin)
+        up, down, running = _POWERS(end - begin)
         local = starts[lo:hi] - begin
-        running = np.cumsum(data[begin:end] * up)
-        before = running[local[1:] - 1]  # the running sum just before each word but the first
-        sums[lo:hi] = (np.r_[before, running[-1]] - np.r_[np.uint64(0), before]) * down[local]
+        np.multiply(data[begin:end], up, out=running)
+        np.cumsum(running, out=running)
+        totals = running[np.r_[local[1:] - 1, end - begin - 1]]  # the running sum at each word's end
+        sums[lo:hi] = np.diff(totals, prepend=np.uint64(0)) * down[local]
     return _mix(sums), np.r_[np.searchsorted(starts, text_starts), len(starts)]
 
 
