@@ -221,7 +221,7 @@ class _Powers:
 
 
 _POWERS = _Powers(int(P))
-_PIECE = 1 << 20  # bytes hashed at a time: the power tables stay this small (unless a word is longer)
+_PIECE = 1 << 16  # bytes hashed at a time: the power tables stay this small, in cache (unless a word is longer)
 # The non-ASCII characters met so far, each by its UTF-8 bytes read as a big-endian integer (its key): the
 # class of its lower case, KEEP (alphanumeric), SPACE (whitespace) or DELETE (the rest), and that lower case's
 # key; 0 for the 26 capitals (`Σ`, whose lower case depends on its neighbours, and those whose lower case has
