@@ -464,3 +464,13 @@ def test_a_batch_is_hashed_as_its_texts_word_by_word():
             for value in values[start : start + length].tolist():
                 expected_hash = (expected_hash * int(dc.P) + value) % 2**64
             assert int(grams[start]) == expected_hash
+
+
+def test_sets_without_short_items_have_an_empty_table_of_8_grams():
+    """GSM8K has no item of 8 to 12 words: its index holds 13-grams only, and still finds its items."""
+    from recurfit.data import decontaminate as dc
+
+    index = dc.build(("gsm8k",))
+    assert len(index.tables[dc.MIN_WORDS].hashes) == 0 and len(index.tables[dc.N].hashes) > 100_000
+    item = next(dc.EVAL_SETS["gsm8k"]())
+    assert index.masks([item, "Janet’s ducks lay eggs.", ""]).tolist() == [1, 0, 0]

@@ -484,9 +484,9 @@ def build(sets: Sequence[str]) -> EvalIndex:
         order = np.argsort(hashes, kind="stable")
         hashes, set_masks = hashes[order], set_masks[order]
         # An n-gram of several sets: one entry whose mask names them all.
-        first = np.concatenate([[True], hashes[1:] != hashes[:-1]])
+        first = np.concatenate([[True], hashes[1:] != hashes[:-1]])[: len(hashes)]
         merged = np.bitwise_or.reduceat(set_masks, np.flatnonzero(first)) if len(hashes) else set_masks
-        tables[length] = Table(hashes[first], merged)
+        tables[length] = Table(hashes[first], merged)  # (the 8-grams' is empty for GSM8K, LAMBADA or Winogrande)
     return EvalIndex(sets, tables, items)
 
 
