@@ -448,3 +448,50 @@ def test_normalisation_is_one_rule_for_ascii_and_unicode_text():
         text = "".join(rng.choice(alphabet) for _ in range(24))
         assert words(text) == [word.encode() for word in rule.sub("", text.lower()).split()], repr(text)
     assert words("Janet’s ducks, 16 eggs!") == words("janets DUCKS 16 eggs") == [b"janets", b"ducks", b"16", b"eggs"]
+
+
+def test_a_batch_is_hashed_as_its_texts_word_by_word():
+    """`batch_word_hashes` (the batch at once, in numpy) gives what the rule and the per-word reference give: the
+    hashes of `words(text)` of each text in turn, and where each text's words begin; capitals outside ASCII
+    (`Σ`, lower-cased by its context, and the Ohm and Kelvin signs, `İ` and `ẞ`, whose lower cases are shorter
+    or longer, among them), Unicode spaces and punctuation, empty texts and long words."""
+    import random
+    from itertools import chain
+
+    from recurfit.data import decontaminate as dc
+
+    alphabet = (
+        [chr(c) for c in range(128)]
+        + list("’“”–—…éÉßẞİΣΑσДΩK\u2126\u212a\u00a0\u2009\u3000\u0301€½²\U0001f600")
+        + ["a"] * 40
+    )
+    rng = random.Random(0)
+    for _ in range(400):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(rng.randint(1, 6))]
+        hashes, first = dc.batch_word_hashes(texts)
+        split = [dc.words(text) for text in texts]
+        np.testing.assert_array_equal(hashes, dc.word_hashes(list(chain.from_iterable(split))), err_msg=repr(texts))
+        np.testing.assert_array_equal(np.diff(first), [len(found) for found in split], err_msg=repr(texts))
+    texts = ["ΣΑΣ ΟΔΟΣ.", "x" * 1_200_000, "Janet’s ducks", ""]  # a word longer than the pieces hashed at once
+    hashes, first = dc.batch_word_hashes(texts)
+    expected = ["σας".encode(), "οδος".encode(), b"x" * 1_200_000, b"janets", b"ducks"]  # final ς
+    np.testing.assert_array_equal(hashes, dc.word_hashes(expected))
+    assert first.tolist() == [0, 2, 3, 5, 5]
+    # An n-gram's hash is Horner's rule over its words' hashes, however the runs are put together.
+    values = np.random.default_rng(0).integers(0, 2**63, 40).astype(np.uint64) * np.uint64(2) + np.uint64(1)
+    for length, grams in dc.ngram_hashes(values, (8, 13)):
+        for start in range(len(values) - length + 1):
+            expected_hash = 0
+            for value in values[start : start + length].tolist():
+                expected_hash = (expected_hash * int(dc.P) + value) % 2**64
+            assert int(grams[start]) == expected_hash
+
+
+def test_sets_without_short_items_have_an_empty_table_of_8_grams():
+    """GSM8K has no item of 8 to 12 words: its index holds 13-grams only, and still finds its items."""
+    from recurfit.data import decontaminate as dc
+
+    index = dc.build(("gsm8k",))
+    assert len(index.tables[dc.MIN_WORDS].hashes) == 0 and len(index.tables[dc.N].hashes) > 100_000
+    item = next(dc.EVAL_SETS["gsm8k"]())
+    assert index.masks([item, "Janet’s ducks lay eggs.", ""]).tolist() == [1, 0, 0]

