@@ -30,17 +30,20 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-# The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class).
+# The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
+# class, whose weight mapper loads the body where the body has no `load_weights` of its own).
 VLLM_FAMILIES = {
-    "llama": ("vllm.model_executor.models.llama", "LlamaModel"),
-    "mistral": ("vllm.model_executor.models.mistral", "MistralModel"),
-    "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Model"),
-    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Model"),
-    "gemma": ("vllm.model_executor.models.gemma", "GemmaModel"),
+    "llama": ("vllm.model_executor.models.llama", "LlamaModel", "LlamaForCausalLM"),
+    "mistral": ("vllm.model_executor.models.mistral", "MistralModel", "MistralForCausalLM"),
+    "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Model", "Qwen2ForCausalLM"),
+    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Model", "Qwen3ForCausalLM"),
+    "gemma": ("vllm.model_executor.models.gemma", "GemmaModel", "GemmaForCausalLM"),
 }
+# Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
+ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
 SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
 SERVING_POLICIES = ("all", "latest")
 
@@ -52,6 +55,12 @@ def check_servable(config) -> None:
         raise ValueError(
             f"recurfit on vLLM: text_config.model_type {family!r} has no vLLM layers here; "
             f"served families: {', '.join(VLLM_FAMILIES)}."
+        )
+    kinds = set(getattr(config.text_config, "layer_types", None) or [])
+    if family in ONE_ATTENTION_KIND and len(kinds) > 1:
+        raise ValueError(
+            f"recurfit on vLLM: text_config.layer_types mixes {sorted(kinds)}, which vLLM's {family} layers do not "
+            "serve (the parent's use_sliding_window with max_window_layers below the layer count)."
         )
     policy = getattr(config, "cache_policy", "all")
     if policy not in SERVING_POLICIES:
@@ -112,11 +121,11 @@ class RecurfitForCausalLM(nn.Module):
         self.recurrence = config.mean_recurrence
         self.policy = getattr(config, "cache_policy", "all")
         self.state_init_std = float(config.state_init_std)
-        module, body = VLLM_FAMILIES[text.model_type]
+        module, body, causal_lm = VLLM_FAMILIES[text.model_type]
+        module = importlib.import_module(module)
+        self.body_mapper = getattr(getattr(module, causal_lm), "hf_to_vllm_mapper", None)
         body_prefix = maybe_prefix(prefix, "model")
-        self.model = getattr(importlib.import_module(module), body)(
-            vllm_config=_body_config(vllm_config, text), prefix=body_prefix
-        )
+        self.model = getattr(module, body)(vllm_config=_body_config(vllm_config, text), prefix=body_prefix)
         scale = config.embedding_scale
         if scale is None and text.model_type in SCALED_EMBEDDINGS:
             scale = text.hidden_size**0.5
@@ -230,7 +239,11 @@ class RecurfitForCausalLM(nn.Module):
             param = own[target]
             getattr(param, "weight_loader", _copy_loader)(param, tensor)
             loaded.add(target)
-        loaded |= {f"model.{name}" for name in self.model.load_weights(body_weights)}
+        if hasattr(self.model, "load_weights"):
+            body_loaded = self.model.load_weights(body_weights)
+        else:  # GemmaModel: its CausalLM class loads it, with the q/k/v and gate/up stacking in its mapper
+            body_loaded = AutoWeightsLoader(self.model).load_weights(body_weights, mapper=self.body_mapper)
+        loaded |= {f"model.{name}" for name in body_loaded}
         return loaded
 
 
