@@ -7,21 +7,24 @@ Needs vLLM (scripts/setup-vllm.sh). `--prompts` prompts of `--prompt-length` tok
 embedded:prose) each get `--new-tokens` greedy tokens at every r in `--depths`: first through recurfit's
 `generate` (one batch of all prompts, the `all` cache), then through `vllm.LLM` on the saved folder with
 `hf_overrides={"mean_recurrence": r}` (vLLM's scheduler batches them itself). Prints tokens/s for both, their
-ratio, vLLM's load time (not counted), and how many rows came out identical. Without MODEL the untrained
+ratio, vLLM's load time (not counted), and how many rows came out identical. The machine is shared and noisy:
+after one clean recurfit pass per r, `--repeats` rounds alternate recurfit and vLLM at each r (one engine
+per r, kept loaded), and the summary takes each side's fastest round. Without MODEL the untrained
 retrofit has s_0 = 0 (state_init_std 0), so both engines compute the same function and the rows can be compared.
-vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); recurfit's measurements come first, as vLLM's
-CPU worker binds this process's threads.
+Each vLLM engine runs in its own process (vLLM's default), so that its CPU worker's thread binding leaves
+recurfit's threads in this process alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import tempfile
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's CPU worker otherwise drops to one thread ("Reducing Torch threads ... for serving"); recurfit's torch
+# takes the cores by default. Both get every core, through the environment the engine processes inherit.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import torch  # noqa: E402
 
@@ -75,7 +78,7 @@ def recurfit_run(model, batch, r: int, new_tokens: int, device) -> tuple[float, 
     return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
 
 
-def vllm_run(folder, batch, r: int, args) -> tuple[float, float, list[list[int]]]:
+def vllm_engine(folder, r: int, args):
     import vllm
 
     start = time.perf_counter()
@@ -89,14 +92,16 @@ def vllm_run(folder, batch, r: int, args) -> tuple[float, float, list[list[int]]
         seed=0,
         **extra,
     )
-    loaded = time.perf_counter() - start
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    return llm, time.perf_counter() - start
+
+
+def vllm_run(llm, batch, new_tokens: int) -> tuple[float, list[list[int]]]:
+    import vllm
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    del llm
-    gc.collect()
-    return loaded, seconds, [list(o.outputs[0].token_ids) for o in outputs]
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def main() -> None:
@@ -109,7 +114,8 @@ def main() -> None:
     parser.add_argument("--depths", default="4,8")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM's KV cache on a CPU")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM's KV cache on a CPU, per engine")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds alternating recurfit and vLLM")
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     device = torch.device(args.device)
@@ -119,19 +125,33 @@ def main() -> None:
         model = load_model(folder, dtype=DTYPES[args.dtype][1], device=device)
         tokens = args.prompts * args.new_tokens
         print(f"{folder}: {args.prompts} prompts x {args.new_tokens} new tokens, {args.dtype} on {device}")
-        ours = {}
+        times = {(engine, r): [] for engine in ("recurfit", "vLLM") for r in depths}
+
+        def record(engine: str, r: int, seconds: float) -> None:
+            times[engine, r].append(seconds)
+            print(f"r={r} {engine}: {tokens / seconds:.1f} tok/s ({seconds:.1f} s, torch threads "
+                  f"{torch.get_num_threads()})", flush=True)  # fmt: skip
+
+        rows = {}
         for r in depths:
-            ours[r] = recurfit_run(model, batch, r, args.new_tokens, device)
-            print(f"r={r} recurfit generate: {tokens / ours[r][0]:.1f} tok/s ({ours[r][0]:.1f} s)", flush=True)
-        del model
-        gc.collect()
+            seconds, rows[r] = recurfit_run(model, batch, r, args.new_tokens, device)
+            record("recurfit", r, seconds)
+        engines = {}
         for r in depths:
-            loaded, seconds, rows = vllm_run(folder, batch, r, args)
-            same = sum(a == b for a, b in zip(rows, ours[r][1]))
+            engines[r], loaded = vllm_engine(folder, r, args)
+            print(f"r={r} vLLM engine loaded in {loaded:.1f} s", flush=True)
+        for _ in range(args.repeats):
+            for r in depths:
+                seconds, served = vllm_run(engines[r], batch, args.new_tokens)
+                record("vLLM", r, seconds)
+                same = sum(a == b for a, b in zip(served, rows[r]))
+                print(f"r={r} rows identical to recurfit's: {same}/{len(served)}", flush=True)
+                record("recurfit", r, recurfit_run(model, batch, r, args.new_tokens, device)[0])
+        for r in depths:
+            ours, theirs = min(times["recurfit", r]), min(times["vLLM", r])
             print(
-                f"r={r} vLLM: {tokens / seconds:.1f} tok/s ({seconds:.1f} s; load {loaded:.0f} s), "
-                f"{ours[r][0] / seconds:.2f}x recurfit; rows identical to recurfit's: {same}/{len(rows)}",
-                flush=True,
+                f"summary r={r}: recurfit {tokens / ours:.1f} tok/s, vLLM {tokens / theirs:.1f} tok/s, "
+                f"ratio {ours / theirs:.2f}x (fastest of {len(times['recurfit', r])} and {len(times['vLLM', r])})"
             )
 
 
