@@ -115,6 +115,8 @@ class RecurfitForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         check_servable(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
         self.config = config
         text = config.text_config
         self.shape = P, R, C = config.shape
