@@ -8,8 +8,9 @@ embedded:prose) each get `--new-tokens` greedy tokens at every r in `--depths`: 
 `generate` (one batch of all prompts, the `all` cache), then through `vllm.LLM` on the saved folder with
 `hf_overrides={"mean_recurrence": r}` (vLLM's scheduler batches them itself). Prints tokens/s for both, their
 ratio, vLLM's load time (not counted), and how many rows came out identical. The machine is shared and noisy:
-after one clean recurfit pass per r, `--repeats` rounds alternate recurfit and vLLM at each r (one engine
-per r, kept loaded), and the summary takes each side's fastest round. Without MODEL the untrained
+after one recurfit pass per r, `--repeats` rounds alternate vLLM and recurfit at each r (one engine at a
+time, shut down before recurfit runs: an idle engine's worker keeps a core busy), and the summary takes each
+side's fastest round. Without MODEL the untrained
 retrofit has s_0 = 0 (state_init_std 0), so both engines compute the same function and the rows can be compared.
 Each vLLM engine runs in its own process (vLLM's default), so that its CPU worker's thread binding leaves
 recurfit's threads in this process alone.
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM's KV cache on a CPU, per engine")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds alternating recurfit and vLLM")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds alternating vLLM and recurfit")
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     device = torch.device(args.device)
@@ -136,16 +137,16 @@ def main() -> None:
         for r in depths:
             seconds, rows[r] = recurfit_run(model, batch, r, args.new_tokens, device)
             record("recurfit", r, seconds)
-        engines = {}
-        for r in depths:
-            engines[r], loaded = vllm_engine(folder, r, args)
-            print(f"r={r} vLLM engine loaded in {loaded:.1f} s", flush=True)
         for _ in range(args.repeats):
             for r in depths:
-                seconds, served = vllm_run(engines[r], batch, args.new_tokens)
+                llm, loaded = vllm_engine(folder, r, args)
+                print(f"r={r} vLLM engine loaded in {loaded:.1f} s", flush=True)
+                seconds, served = vllm_run(llm, batch, args.new_tokens)
                 record("vLLM", r, seconds)
                 same = sum(a == b for a, b in zip(served, rows[r]))
                 print(f"r={r} rows identical to recurfit's: {same}/{len(served)}", flush=True)
+                llm.llm_engine.engine_core.shutdown()  # an idle engine's worker still takes a core
+                del llm
                 record("recurfit", r, recurfit_run(model, batch, r, args.new_tokens, device)[0])
         for r in depths:
             ours, theirs = min(times["recurfit", r]), min(times["vLLM", r])
