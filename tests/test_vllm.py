@@ -1,0 +1,203 @@
+"""Serving through vLLM (recurfit.serving): greedy tokens from `vllm.LLM` on a saved recurfit folder equal
+recurfit's own `generate`, at several recurrences, for a batch of prompts of different lengths.
+
+Needs vLLM (`scripts/setup-vllm.sh`); skipped with the reason when it cannot be imported. vLLM runs in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with a small fixed KV-cache budget so that it starts beside others.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, char_tokenizer, tiny_parent
+
+import recurfit
+from recurfit.model.cache import RecurrentCache
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+try:
+    import vllm
+except Exception as error:  # not installed, or installed with wheels that fail to import (see setup-vllm.sh)
+    pytest.skip(
+        f"vLLM cannot be imported ({type(error).__name__}: {error}); install it with scripts/setup-vllm.sh",
+        allow_module_level=True,
+    )
+
+pytestmark = pytest.mark.cpu_only("vLLM runs here on its own device selection, not --device")
+
+NEW_TOKENS = 64
+PROMPT_LENGTHS = (3, 9, 17)
+# vLLM's CPU attention takes head sizes of 32 and more: the tiny parents get 2 heads of 32 (1 KV head, GQA).
+HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma"]  # the families vLLM 0.32 has layers for
+
+
+def served_model(family: str, shape=(2, 2, 2), **kwargs):
+    """A retrofit whose adapter reads the state, s_0 = 0, and weights spread enough for varied greedy text."""
+    extra = dict(HEADS, head_dim=32) if family == "gemma" else HEADS
+    if family in ("qwen2", "qwen3"):  # vLLM's Qwen layers take one attention kind for all layers
+        extra = dict(extra, use_sliding_window=False)
+    torch.manual_seed(0)
+    model = recurfit.retrofit(
+        tiny_parent(family, place=False, **extra), shape, adapter_init="random", state_init_std=0.0, **kwargs
+    ).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:  # random tiny models otherwise repeat one token
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [[2, *torch.randint(4, VOCAB, (n - 1,), generator=generator).tolist()] for n in PROMPT_LENGTHS]
+
+
+def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") -> list[list[int]]:
+    """recurfit's batched `generate` (left padding) with a `policy` cache: the new tokens of each prompt."""
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        num_steps=r,
+        eos_token_id=None,
+        pad_token_id=0,
+        past_key_values=RecurrentCache(model.config, policy=policy),
+    )
+    return out[:, width:].tolist()
+
+
+def vllm_greedy(folder, batch: list[list[int]], **overrides) -> list[list[int]]:
+    llm = vllm.LLM(
+        str(folder),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=128,
+        kv_cache_memory_bytes=64 << 20,
+        hf_overrides=overrides,
+        seed=0,
+    )
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        del llm
+        gc.collect()
+
+
+def saved(model, folder):
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_greedy_tokens_equal_recurfit_at_r_1_4_8(tmp_path):
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    for r in (1, 4, 8):
+        expected = recurfit_greedy(model, batch, r)
+        assert len({t for row in expected for t in row}) > 20  # varied text, not one repeated token
+        assert vllm_greedy(folder, batch, mean_recurrence=r) == expected, f"r = {r}"
+
+
+@pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
+def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
+    model = served_model(family, mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / family), prompts()
+    assert vllm_greedy(folder, batch) == recurfit_greedy(model, batch, 4)
+
+
+def test_latest_policy_equals_recurfits_latest_cache(tmp_path):
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    expected = recurfit_greedy(model, batch, 4, policy="latest")
+    assert expected != recurfit_greedy(model, batch, 4)  # the policies differ on this model
+    assert vllm_greedy(folder, batch, cache_policy="latest") == expected
+
+
+@pytest.mark.parametrize(
+    "family, overrides, message",
+    [
+        ("olmo2", {}, "text_config.model_type 'olmo2' has no vLLM layers"),
+        ("llama", {"cache_policy": "every"}, "cache_policy must be one of"),
+    ],
+)
+def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):
+    folder = saved(served_model(family), tmp_path / family)
+    with pytest.raises(ValueError, match=message):
+        vllm_greedy(folder, prompts(), **overrides)
+
+
+def test_qwen_with_some_sliding_layers_is_refused(tmp_path):
+    torch.manual_seed(0)
+    parent = tiny_parent("qwen2", place=False, **HEADS)  # sliding window on 3 of 6 layers (conftest)
+    folder = saved(recurfit.retrofit(parent, (2, 2, 2), state_init_std=0.0), tmp_path / "qwen2")
+    with pytest.raises(ValueError, match="layer_types mixes"):
+        vllm_greedy(folder, prompts())
+
+
+# ---------------------------------------------------------------- vllm serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
+    model = served_model("llama", mean_recurrence=2)
+    folder, prompt = saved(model, tmp_path / "llama"), prompts()[1]
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "vllm"), "serve", str(folder), "--port", str(port),
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20),
+        "--hf-overrides", json.dumps({"mean_recurrence": 3}), "--served-model-name", "tiny",
+    ]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, f"vllm serve exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not start in 300 s"
+                time.sleep(2)
+        request = dict(model="tiny", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
+        answer = post(f"http://127.0.0.1:{port}/v1/completions", dict(request, prompt=prompt))
+        assert answer["object"] == "text_completion" and isinstance(answer["choices"][0]["text"], str)
+        assert answer["choices"][0]["token_ids"] == recurfit_greedy(model, [prompt], 3)[0]  # the server's r = 3
+        assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
