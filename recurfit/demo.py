@@ -26,16 +26,16 @@ from rich.console import Console
 from .data import prepare
 from .defaults import LOSS_RECURRENCES
 from .errors import RecurfitError
+from .evaluate.figures import plot_recurrence, plot_training
 from .evaluate.loss import load_examples, loss_sweep
-from .evaluate.plots import plot_recurrence, plot_training
 from .evaluate.suite import task_sweep
 from .generation import GenerationSettings, generate_text
+from .io.runs import read_log
 from .model.accounting import inference_flops_per_token
 from .model.loading import load_model, load_tokenizer, resolve_placement
 from .surgery.retrofit import check_parity, retrofit
 from .train import load_config, train
 from .train.config import OptimizerConfig
-from .train.metrics import read_log
 from .train.optim import newton_schulz_dtype
 
 QUESTION = (
