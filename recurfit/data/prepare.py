@@ -12,7 +12,7 @@
   unfinished ones, and gives the same store as an uninterrupted run.
 
 - **Decontamination.** Every document that shares a 13-word n-gram with a test or validation item of the
-  evaluation sets (all of them unless told otherwise; `decontaminate.py` states the rule) is dropped before
+  evaluation sets (all of them unless told otherwise; `decontaminate/` states the rule) is dropped before
   tokenising, in the workers; the sets, n and the counts of dropped documents, per set, go in `meta.json`
   under `decontamination`, and the sets and n into the fingerprint.
 
@@ -83,7 +83,7 @@ def prepare(
     not depend on document order, and the same document always lands in the same split. `row_filter` (see
     `filters.make_filter`) drops and rewrites rows of every source before tokenising. `decontaminate` names the
     evaluation sets whose test items no document may share an n-gram with (`all`, `none`, or names; see
-    `decontaminate.py`). `say` receives the
+    `decontaminate/`). `say` receives the
     lines worth printing (the expected size, a budget the sources could not fill, a task's share done)."""
     _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout)
     sets = dc.parse_sets(decontaminate)
