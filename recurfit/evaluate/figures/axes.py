@@ -30,6 +30,27 @@ def run_name(name: str | Path) -> str:
     return path.name or str(name)
 
 
+def kind_title(kind: str) -> str:
+    """What a figure of `loss` or `tasks` results shows, for its title."""
+    return "Validation loss" if kind == "loss" else "Task scores"
+
+
+def recurrence_ticks(depths) -> list[int]:
+    """The test recurrences evaluated (None, a fixed depth, left out), sorted: at least two, for an axis to read."""
+    ticks = sorted({r for r in depths if r is not None}) or [1]
+    if len(ticks) == 1:
+        ticks.append(2 * ticks[0])
+    return ticks
+
+
+def recurrence_axis(axis, ticks: list[int]) -> None:
+    """A log₂ x axis of test recurrence, labelled at each r of `ticks`, with room for the end markers."""
+    axis.set_xscale("log", base=2)
+    axis.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
+    axis.set_xticks(ticks, [f"{r:g}" for r in ticks])
+    axis.xaxis.set_minor_locator(NullLocator())
+
+
 def panel_grid(count: int, title: str):
     columns = min(count, 3)
     rows = -(-count // columns)

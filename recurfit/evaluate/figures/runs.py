@@ -21,9 +21,12 @@ from .axes import (
     draw_series,
     finish_metric_axis,
     flops_axis_label,
+    kind_title,
     panel_grid,
     panel_title,
     paper_axis_flops,
+    recurrence_axis,
+    recurrence_ticks,
     references,
     shared_metrics,
     standard_errors,
@@ -103,7 +106,7 @@ def _metrics(evaluations: Sequence[RunEvaluation]) -> list[str]:
 
 
 def _kind(evaluations: Sequence[RunEvaluation]) -> str:
-    return "Validation loss" if evaluations[0].kind == "loss" else "Task scores"
+    return kind_title(evaluations[0].kind)
 
 
 def plot_over_training(
@@ -161,9 +164,7 @@ def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], pat
     metrics = _metrics(evaluations)
     figure, axes = panel_grid(len(metrics), f"{_kind(evaluations)} at the end of training")
     recurrent = [e for e in evaluations if e.recurrent]
-    depths = sorted({row.steps for e in recurrent for row in e.final.rows}) or [1, 2]
-    if len(depths) == 1:
-        depths.append(2 * depths[0])
+    depths = recurrence_ticks(row.steps for e in recurrent for row in e.final.rows)
     for axis, metric in zip(axes, metrics):
         for evaluation in evaluations:
             rows = [row for row in evaluation.final.rows if metric in row.metrics]
@@ -177,10 +178,7 @@ def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], pat
         for row, style in references([e.final for e in evaluations], metric):
             axis.axhline(row.metrics[metric], label=row.label, **REFERENCE_STYLES[style])
         axis.set_title(panel_title(evaluations[0].final, metric), fontsize=9)
-        axis.set_xscale("log", base=2)
-        axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)
-        axis.set_xticks(depths, [f"{r:g}" for r in depths])
-        axis.xaxis.set_minor_locator(NullLocator())
+        recurrence_axis(axis, depths)
         _inference_flops_axis(axis, recurrent, depths)
         finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
     return save_figure(figure, path, _legend_columns(figure))

@@ -6,17 +6,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.ticker import NullLocator
-
 from ...io.figures import save_figure
 from ..results import Sweep
 from .axes import (
     REFERENCE_STYLES,
     draw_series,
     finish_metric_axis,
+    kind_title,
     log_flops_axis,
     panel_grid,
     panel_title,
+    recurrence_axis,
+    recurrence_ticks,
     references,
     run_name,
     shared_metrics,
@@ -27,34 +28,20 @@ from .axes import (
 def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
     """Each metric against test recurrence r (log₂ axis), one line per model; the parent dashed, chance dotted."""
     metrics = shared_metrics(sweeps)
-    kind = "Validation loss" if sweeps[0].kind == "loss" else "Task scores"
-    figure, axes = panel_grid(len(metrics), f"{kind} against test-time recurrence")
-    depths = sorted({row.steps for sweep in sweeps for row in sweep.rows if row.steps is not None}) or [1]
-    if len(depths) == 1:  # an axis needs two ticks to read
-        depths.append(2 * depths[0])
+    figure, axes = panel_grid(len(metrics), f"{kind_title(sweeps[0].kind)} against test-time recurrence")
+    depths = recurrence_ticks(row.steps for sweep in sweeps for row in sweep.rows)
     for axis, metric in zip(axes, metrics):
         for sweep in sweeps:
             recurrent = [row for row in sweep.rows if row.steps is not None and metric in row.metrics]
             if recurrent:
-                ys = [row.metrics[metric] for row in recurrent]
-                draw_series(
-                    axis,
-                    [row.steps for row in recurrent],
-                    ys,
-                    standard_errors(sweep, metric, ys),
-                    marker="o",
-                    label=run_name(sweep.model),
-                )
+                _draw_sweep(axis, sweep, metric, recurrent, [row.steps for row in recurrent])
             elif metric in sweep.rows[0].metrics:  # a fixed-depth model: one value whatever r
                 axis.axhline(sweep.rows[0].metrics[metric], label=run_name(sweep.model))
         for row, style in references(sweeps, metric):
             axis.axhline(row.metrics[metric], label=row.label, **REFERENCE_STYLES[style])
         _note_equal_lines(axis, sweeps, metric)
         axis.set_title(panel_title(sweeps[0], metric), fontsize=9)
-        axis.set_xscale("log", base=2)
-        axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)  # room for the end markers
-        axis.set_xticks(depths, [f"{r:g}" for r in depths])
-        axis.xaxis.set_minor_locator(NullLocator())
+        recurrence_axis(axis, depths)
         finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
     return save_figure(figure, path)
 
@@ -62,20 +49,11 @@ def plot_recurrence(sweeps: Sequence[Sweep], path: Path) -> Path:
 def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
     """Each metric against inference FLOPs per token: what a point of accuracy costs in compute."""
     metrics = shared_metrics(sweeps)
-    kind = "Validation loss" if sweeps[0].kind == "loss" else "Task scores"
-    figure, axes = panel_grid(len(metrics), f"{kind} against inference compute")
+    figure, axes = panel_grid(len(metrics), f"{kind_title(sweeps[0].kind)} against inference compute")
     for axis, metric in zip(axes, metrics):
         for sweep in sweeps:
             rows = [row for row in sweep.rows if row.flops_per_token and metric in row.metrics]
-            ys = [row.metrics[metric] for row in rows]
-            draw_series(
-                axis,
-                [row.flops_per_token for row in rows],
-                ys,
-                standard_errors(sweep, metric, ys),
-                marker="o",
-                label=run_name(sweep.model),
-            )
+            _draw_sweep(axis, sweep, metric, rows, [row.flops_per_token for row in rows])
             for row in rows:
                 if row.steps is not None:
                     axis.annotate(
@@ -99,6 +77,12 @@ def plot_flops(sweeps: Sequence[Sweep], path: Path) -> Path:
         log_flops_axis(axis.xaxis, right_room=1.35)  # the r= labels sit right of their points
         finish_metric_axis(axis, metric, "inference FLOPs per token\n(2 × effective parameters; M = 10⁶, G = 10⁹)")
     return save_figure(figure, path)
+
+
+def _draw_sweep(axis, sweep: Sweep, metric: str, rows, xs) -> None:
+    """One model's line: `metric` of `rows` at `xs`, with error bars where the results give n."""
+    ys = [row.metrics[metric] for row in rows]
+    draw_series(axis, xs, ys, standard_errors(sweep, metric, ys), marker="o", label=run_name(sweep.model))
 
 
 def _note_equal_lines(axis, sweeps: Sequence[Sweep], metric: str) -> None:
