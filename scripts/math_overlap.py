@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 import numpy as np
 
 from recurfit.data import decontaminate as dc
+from recurfit.data.sources import request_docs
 from recurfit.data.word_problems import word_problems
 
 
@@ -30,9 +31,9 @@ def four_grams(text: str) -> set[tuple[bytes, ...]]:
 
 
 def test_questions() -> list[set]:
-    questions = [doc["question"] for doc in dc.request_docs("gsm8k")]
+    questions = [doc["question"] for doc in request_docs("gsm8k")]
     for subject in dc.MATH_SUBJECTS:
-        questions += [doc["problem"] for doc in dc.request_docs(f"minerva_math_{subject}")]
+        questions += [doc["problem"] for doc in request_docs(f"minerva_math_{subject}")]
     return [four_grams(question) for question in questions]
 
 

@@ -224,13 +224,13 @@ def workspace(tmp_path_factory):
 @pytest.fixture
 def drawn(monkeypatch):
     """Every figure `recurfit.evaluate` saves, kept open after its files are written."""
-    from recurfit.evaluate import plots, run_figures
+    from recurfit.evaluate.figures import runs, sweeps, training
     from recurfit.io import figures as io_figures
 
     figures = []
     save_figure = io_figures.save_figure
     monkeypatch.setattr(io_figures.plt, "close", lambda figure: None)
-    for module in (io_figures, plots, run_figures):  # the last two hold the name; surgery's plot looks it up
+    for module in (io_figures, sweeps, training, runs):  # the last three hold the name; surgery's plot looks it up
         monkeypatch.setattr(
             module,
             "save_figure",

@@ -6,7 +6,9 @@ import yaml
 
 from recurfit.data.decontaminate import EVAL_SETS
 from recurfit.data.store import TokenStore
-from recurfit.demo import DemoSettings, _rates, run_demo
+from recurfit.demo.report import _rates
+from recurfit.demo.run import run_demo
+from recurfit.demo.settings import DemoSettings
 from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_tokenizer
 
@@ -67,12 +69,12 @@ def test_the_report_names_the_rates_and_how_they_relate_to_the_papers(tmp_path):
     assert "not the paper's" in _rates(DemoSettings(muon_lr=2e-3, lr=5e-5))
 
 
-def test_the_command_line_defaults_are_the_settings_defaults_and_rates_reach_the_settings(monkeypatch):
-    from recurfit import demo as demo_module
+def test_options_left_out_are_the_settings_own_and_rates_given_reach_the_settings(monkeypatch):
     from recurfit.cli import main
+    from recurfit.demo import run
 
     seen = []
-    monkeypatch.setattr(demo_module, "run_demo", lambda settings, console: seen.append(settings))
+    monkeypatch.setattr(run, "run_demo", lambda settings, console: seen.append(settings))
     assert main(["demo", "--out", "x"]) in (0, None)
     defaults = DemoSettings()
     assert (seen[0].shape, seen[0].steps, seen[0].muon_lr, seen[0].lr) == (
@@ -85,3 +87,18 @@ def test_the_command_line_defaults_are_the_settings_defaults_and_rates_reach_the
     assert (seen[1].muon_lr, seen[1].lr) == (1e-3, 5e-5)
     with pytest.raises(SystemExit):
         main(["demo", "--muon-lr", "-1"])
+
+
+def test_the_recipe_run_by_hand_is_the_demos_retrofit_at_its_defaults():
+    """recipes/demo.yaml is the packaged recipe, and `recurfit train recipes/demo.yaml` after the demo's data stage
+    trains what `recurfit demo` trains: its healing tokens and eval schedule follow the demo's rules."""
+    from importlib import resources
+    from pathlib import Path
+
+    from recurfit.demo.settings import recipe, training_config
+
+    packaged = resources.files("recurfit.demo").joinpath("recipe.yaml").read_text()
+    assert (Path(__file__).parent.parent / "recipes" / "demo.yaml").read_text() == packaged
+    settings = DemoSettings()
+    data = {name: settings.out / "data" / name for name in ("prose", "math")}
+    assert training_config(settings, data, settings.out / "recurrent", settings.shape) == recipe()

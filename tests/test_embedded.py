@@ -50,7 +50,7 @@ def test_keeping_all_30_layers_is_the_parent(smollm2):
 
 
 def test_demo_shape_keeps_parity_and_the_retrofit_command_reports_it(tmp_path, capsys):
-    from recurfit.demo import DemoSettings
+    from recurfit.demo.settings import DemoSettings
 
     shape = DemoSettings().shape
     assert main(["retrofit", "--shape", ",".join(map(str, shape)), "--out", str(tmp_path / "r")]) == 0

@@ -446,7 +446,9 @@ def test_plot_overlays_results_and_training_runs(saved, workspace, tmp_path, cap
 
 
 def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_path, monkeypatch):
-    from recurfit.evaluate import plots
+    from recurfit.evaluate import figures as plots
+    from recurfit.evaluate.figures import sweeps as sweep_figures
+    from recurfit.evaluate.figures import training as training_figures
 
     parent = Row("parent (p)", {"loss": 3.0}, flops_per_token=10**8)
     sweeps = [
@@ -472,7 +474,8 @@ def test_figures_draw_a_shared_parent_once_and_a_validation_panel_per_store(tmp_
         )
     )
     figures = []
-    monkeypatch.setattr(plots, "save_figure", lambda figure, path: figures.append(figure) or path)
+    for module in (sweep_figures, training_figures):
+        monkeypatch.setattr(module, "save_figure", lambda figure, path: figures.append(figure) or path)
     plots.plot_recurrence(sweeps, tmp_path / "r.png")
     plots.plot_training([log.parent], tmp_path / "t.png")
     recurrence, training = figures

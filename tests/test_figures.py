@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from matplotlib.container import ErrorbarContainer
 
-from recurfit.evaluate import plots
+from recurfit.evaluate import figures
 from recurfit.evaluate.results import Row, Sweep
 
 DEPTHS = (1, 2, 4, 8, 16, 32)
@@ -83,11 +83,11 @@ def check_figure(figure) -> None:
 def test_every_figure_has_readable_ticks_nothing_clipped_and_the_legend_off_the_data(drawn, tmp_path):
     sweeps = [loss_sweep("runs/smollm2-cpu/final", 4.0), loss_sweep("runs/other/final", 4.5)]
     sweeps[1].parent.label = "parent (a long name: untrained, 30 layers)"  # a wide legend under one panel
-    plots.plot_recurrence(sweeps, tmp_path / "loss_recurrence.png")
-    plots.plot_flops(sweeps, tmp_path / "loss_flops.png")
-    plots.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")
-    plots.plot_flops([task_sweep()], tmp_path / "tasks_flops.png")
-    plots.plot_training([training_run(tmp_path / "smollm2-cpu")], tmp_path / "training.png")
+    figures.plot_recurrence(sweeps, tmp_path / "loss_recurrence.png")
+    figures.plot_flops(sweeps, tmp_path / "loss_flops.png")
+    figures.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")
+    figures.plot_flops([task_sweep()], tmp_path / "tasks_flops.png")
+    figures.plot_training([training_run(tmp_path / "smollm2-cpu")], tmp_path / "training.png")
     for figure in drawn:
         check_figure(figure)
     for name in ("loss_recurrence", "loss_flops", "tasks_recurrence", "tasks_flops", "training"):
@@ -108,23 +108,23 @@ def test_every_figure_has_readable_ticks_nothing_clipped_and_the_legend_off_the_
 def test_a_zero_score_and_a_single_point_keep_their_markers_and_ticks(drawn, tmp_path):
     sweep = task_sweep()
     sweep.rows = sweep.rows[:1]  # one depth: a FLOPs range of a single point
-    plots.plot_flops([sweep], tmp_path / "one.png")
-    plots.plot_recurrence([sweep], tmp_path / "one_r.png")
+    figures.plot_flops([sweep], tmp_path / "one.png")
+    figures.plot_recurrence([sweep], tmp_path / "one_r.png")
     for figure in drawn:
         check_figure(figure)
 
 
 def test_run_names_are_the_run_folder():
-    assert plots.run_name("runs/smollm2-cpu/final") == plots.run_name("runs/smollm2-cpu/") == "smollm2-cpu"
-    assert plots.run_name("embedded SmolLM2-135M (4, 8, 4)") == "embedded SmolLM2-135M (4, 8, 4)"
+    assert figures.run_name("runs/smollm2-cpu/final") == figures.run_name("runs/smollm2-cpu/") == "smollm2-cpu"
+    assert figures.run_name("embedded SmolLM2-135M (4, 8, 4)") == "embedded SmolLM2-135M (4, 8, 4)"
 
 
 # ---------------------------------------------------------------- FLOPs axis labels, lines of equal value
 
 
 def test_flops_figures_keep_their_axis_labels_inside_and_apart(drawn, tmp_path):
-    plots.plot_flops([loss_sweep("runs/smollm2-cpu/final", 4.0)], tmp_path / "loss_flops.png")
-    plots.plot_flops([task_sweep()], tmp_path / "tasks_flops.png")
+    figures.plot_flops([loss_sweep("runs/smollm2-cpu/final", 4.0)], tmp_path / "loss_flops.png")
+    figures.plot_flops([task_sweep()], tmp_path / "tasks_flops.png")
     for figure in drawn:
         figure.canvas.draw()
         page = figure.bbox
@@ -136,7 +136,7 @@ def test_flops_figures_keep_their_axis_labels_inside_and_apart(drawn, tmp_path):
 
 
 def test_lines_of_equal_value_stay_visible_and_are_named(drawn, tmp_path):
-    plots.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")
+    figures.plot_recurrence([task_sweep()], tmp_path / "tasks_recurrence.png")
     arc, gsm8k = drawn[0].axes[:2]
     data = gsm8k.containers[0].lines[0]  # the errorbar's line through the scores
     parent, chance = (

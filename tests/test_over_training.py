@@ -14,8 +14,8 @@ from test_train import tiny_config
 from recurfit.errors import RecurfitError
 from recurfit.evaluate.over_training import RunEvaluation, evaluate_run, find_snapshots
 from recurfit.evaluate.results import Sweep
+from recurfit.io.runs import read_log
 from recurfit.train import load_config, train
-from recurfit.train.metrics import read_log
 
 TASK = "arc_challenge (acc_norm)"
 
@@ -159,9 +159,9 @@ def test_a_continued_run_counts_the_runs_it_continued(runs, workspace, tmp_path,
 
 
 def test_the_training_figure_can_draw_the_papers_flops_axis(runs, tmp_path, drawn):
-    from recurfit.evaluate import plots
+    from recurfit.evaluate import figures
 
-    plots.plot_training([runs / "recurrent"], tmp_path / "training.png", paper_tokens_per_step=2**20)
+    figures.plot_training([runs / "recurrent"], tmp_path / "training.png", paper_tokens_per_step=2**20)
     train = [r for r in read_log(runs / "recurrent" / "log.jsonl") if r.get("kind") == "train"]
     expected = [r["flops_paper"] * 2**20 * r["step"] / r["tokens"] for r in train]
     assert list(drawn[-1].axes[1].get_lines()[0].get_xdata()) == pytest.approx(expected)
@@ -222,7 +222,7 @@ def test_figures_over_training_from_two_runs(runs, tmp_path, capsys, drawn):
 
 
 def test_legends_name_runs_by_the_settings_that_differ():
-    from recurfit.evaluate.run_figures import run_labels
+    from recurfit.evaluate.figures import run_labels
 
     def evaluation(name, mean, lr, recurrent=True):
         sweep = Sweep("tasks", name, [TASK], [], details={"recurrent": recurrent})

@@ -121,7 +121,7 @@ def _write_sweep(sweep, out: Path, force: bool, extra: dict | None = None) -> No
     """results.json, table.md, the figures (and lm-eval's full output) into `out`, all at once or not at all."""
     import json
 
-    from ..evaluate.plots import plot_flops, plot_recurrence
+    from ..evaluate.figures import plot_flops, plot_recurrence
     from ..io.files import staged_directory
 
     with staged_directory(out, replace=force) as staging:
@@ -244,7 +244,7 @@ def cmd_eval_tasks(args) -> None:
 
 
 def cmd_plot(args) -> None:
-    from ..evaluate.plots import plot_paths
+    from ..evaluate.figures import plot_paths
 
     written = plot_paths(args.paths, Path(args.out), args.paper_tokens_per_step)
     console.print("Wrote " + ", ".join(str(path) for path in written) + ".")

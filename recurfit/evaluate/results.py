@@ -78,7 +78,7 @@ class Sweep:
         for row in [*self.rows, self.parent, self.chance]:
             if row is not None:
                 cells = [row.label, _millions(row.effective_parameters), _giga(row.flops_per_token)]
-                cells += [_number(row.metrics.get(name)) for name in self.metrics]
+                cells += [table_cell(row.metrics.get(name)) for name in self.metrics]
                 lines.append("| " + " | ".join(cells) + " |")
         if self.details.get("headline"):
             headline = ", ".join(self.details["headline"])
@@ -94,7 +94,8 @@ def _giga(value: int | None) -> str:
     return "" if value is None else f"{value / 1e9:.2f} G"
 
 
-def _number(value: float | None) -> str:
+def table_cell(value: float | None) -> str:
+    """A metric as a table shows it: 4 decimals below 10, 2 above; – for none (or NaN)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"

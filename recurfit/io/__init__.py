@@ -5,6 +5,7 @@
 - lock.py    one owner per output folder (fcntl.flock), stale leftovers cleaned
 - hub.py     whether the Hugging Face Hub can be reached now (asked before a Hub id is fetched)
 - figures.py matplotlib without a display; every figure saved as PNG, PDF and SVG with one legend below
+- runs.py    what a training run leaves in its folder, read without the trainer: log.jsonl, config settings
 
 Nothing is imported here, so `recurfit --help` stays torch-free.
 """

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import RecurfitError
+from ..io.runs import flatten_settings
 from .checkpoint import TRAINER, checkpoint_folders
 
 # In a snapshot and in `final/`: the step, tokens and FLOPs of training so far (Trainer.training_record).
@@ -207,14 +208,3 @@ def _switched_sections(before: dict, after: dict) -> list[str]:
             sections = (".".join(parts[:i]) for i in range(1, len(parts)))
             found += [section for section in sections if section in other and other[section] is None]
     return list(dict.fromkeys(found))
-
-
-def flatten_settings(config: dict, prefix: str = "") -> dict:
-    """{"depth.mean_recurrence": 32, …}: a nested config as dotted keys."""
-    flat = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            flat.update(flatten_settings(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat

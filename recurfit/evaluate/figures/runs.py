@@ -1,15 +1,7 @@
 """The paper's figures from evaluations of several training runs (`recurfit plot EVAL_A EVAL_B …`).
 
-    KIND_over_training   each metric against training FLOPs (the paper's accounting), one line per run, every
-                         snapshot at the run's snapshot recurrence (Figs. 2 right, 5-8 left)
-    KIND_final           each metric against test recurrence for the last model of each recurrent run; fixed-depth
-                         runs and the parent as horizontal lines; inference FLOPs per token on the top axis
-                         (the right panels)
-    tasks_final_bars     the last model of each run per task, at its largest test recurrence (Fig. 9)
-    KIND_table.md        Table 1's layout: a row per run and test recurrence, a column per metric
-
-KIND is `tasks` or `loss`. Runs are named by their folders and by the settings in which their configs differ
-(a fixed-depth run as such), so a legend says what is compared.
+Runs are named by their folders and by the settings in which their configs differ (a fixed-depth run as such),
+so a legend says what is compared.
 """
 
 from __future__ import annotations
@@ -20,21 +12,25 @@ from pathlib import Path
 
 from matplotlib.ticker import EngFormatter, NullLocator
 
-from ..io.figures import save_figure
-from ..train.run_folder import flatten_settings
-from .over_training import RunEvaluation
-from .plots import (
+from ...io.figures import save_figure
+from ...io.runs import flatten_settings
+from ..over_training import RunEvaluation
+from ..results import Row, table_cell
+from .axes import (
     REFERENCE_STYLES,
-    _draw,
-    _finish_metric_axis,
-    _grid,
-    _panel_title,
-    _shared_metrics,
-    _stderr,
+    draw_series,
+    finish_metric_axis,
     flops_axis_label,
+    kind_title,
+    panel_grid,
+    panel_title,
     paper_axis_flops,
+    recurrence_axis,
+    recurrence_ticks,
+    references,
+    shared_metrics,
+    standard_errors,
 )
-from .results import Row, _number
 
 # Settings that say how a run ran, not what it is: never what a legend tells runs apart by.
 INCIDENTAL = ("out", "log.", "checkpoint.", "snapshots.", "eval.", "compile", "precision", "distributed", "batch.micro")
@@ -106,11 +102,11 @@ def plot_runs(evaluations: Sequence[RunEvaluation], out: Path, paper_tokens_per_
 
 
 def _metrics(evaluations: Sequence[RunEvaluation]) -> list[str]:
-    return _shared_metrics([e.final for e in evaluations])
+    return shared_metrics([e.final for e in evaluations])
 
 
 def _kind(evaluations: Sequence[RunEvaluation]) -> str:
-    return "Validation loss" if evaluations[0].kind == "loss" else "Task scores"
+    return kind_title(evaluations[0].kind)
 
 
 def plot_over_training(
@@ -122,7 +118,7 @@ def plot_over_training(
     """Each metric against the training FLOPs spent when each model was saved. With `paper_tokens_per_step`, the
     paper's axis instead: only the run's own steps, each at that many tokens (`paper_axis_flops`)."""
     metrics = _metrics(evaluations)
-    figure, axes = _grid(len(metrics), f"{_kind(evaluations)} over training")
+    figure, axes = panel_grid(len(metrics), f"{_kind(evaluations)} over training")
     for axis, metric in zip(axes, metrics):
         for evaluation in evaluations:
             points = [(s, evaluation.curve_row(s)) for s in evaluation.sweeps]
@@ -130,8 +126,8 @@ def plot_over_training(
             ys = [row.metrics[metric] for _, row in points]
             xs = [_training_flops(s, paper_tokens_per_step) for s, _ in points]
             style = {"marker": "o", "color": _color(evaluations, evaluation), "label": labels[evaluation.run]}
-            _draw(axis, xs, ys, _stderr(evaluation.final, metric, ys), **style)
-        title = _panel_title(evaluations[0].final, metric)
+            draw_series(axis, xs, ys, standard_errors(evaluation.final, metric, ys), **style)
+        title = panel_title(evaluations[0].final, metric)
         axis.set_title(f"{title}\nrecurrent runs at their mean training recurrence", fontsize=9)
         axis.set_xlim(left=0)
         axis.margins(x=0.05)
@@ -143,7 +139,7 @@ def plot_over_training(
                 what.append("distillation teachers' forwards")
             if any(s.details.get("earlier") for s in sweeps):
                 what.append("the runs each continued (model.init_from)")
-        _finish_metric_axis(axis, metric, "\n+ ".join(what) + "\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
+        finish_metric_axis(axis, metric, "\n+ ".join(what) + "\n(G = 10⁹, T = 10¹², P = 10¹⁵, E = 10¹⁸)")
     return save_figure(figure, path, _legend_columns(figure))
 
 
@@ -166,11 +162,9 @@ def _flops_of(record: dict, key: str) -> float:
 def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], path: Path) -> Path:
     """Each metric against test recurrence at the end of training; fixed-depth runs and parents as lines."""
     metrics = _metrics(evaluations)
-    figure, axes = _grid(len(metrics), f"{_kind(evaluations)} at the end of training")
+    figure, axes = panel_grid(len(metrics), f"{_kind(evaluations)} at the end of training")
     recurrent = [e for e in evaluations if e.recurrent]
-    depths = sorted({row.steps for e in recurrent for row in e.final.rows}) or [1, 2]
-    if len(depths) == 1:
-        depths.append(2 * depths[0])
+    depths = recurrence_ticks(row.steps for e in recurrent for row in e.final.rows)
     for axis, metric in zip(axes, metrics):
         for evaluation in evaluations:
             rows = [row for row in evaluation.final.rows if metric in row.metrics]
@@ -178,29 +172,16 @@ def plot_final(evaluations: Sequence[RunEvaluation], labels: dict[str, str], pat
             if evaluation.recurrent:
                 ys = [row.metrics[metric] for row in rows]
                 xs = [row.steps for row in rows]
-                _draw(axis, xs, ys, _stderr(evaluation.final, metric, ys), marker="o", **style)
+                draw_series(axis, xs, ys, standard_errors(evaluation.final, metric, ys), marker="o", **style)
             elif rows:
                 axis.axhline(rows[0].metrics[metric], linewidth=1.5, zorder=2, **style)
-        for row, style in _references(evaluations, metric):
+        for row, style in references([e.final for e in evaluations], metric):
             axis.axhline(row.metrics[metric], label=row.label, **REFERENCE_STYLES[style])
-        axis.set_title(_panel_title(evaluations[0].final, metric), fontsize=9)
-        axis.set_xscale("log", base=2)
-        axis.set_xlim(depths[0] / 1.4, depths[-1] * 1.4)
-        axis.set_xticks(depths, [f"{r:g}" for r in depths])
-        axis.xaxis.set_minor_locator(NullLocator())
+        axis.set_title(panel_title(evaluations[0].final, metric), fontsize=9)
+        recurrence_axis(axis, depths)
         _inference_flops_axis(axis, recurrent, depths)
-        _finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
+        finish_metric_axis(axis, metric, "test recurrence r (core iterations)")
     return save_figure(figure, path, _legend_columns(figure))
-
-
-def _references(evaluations: Sequence[RunEvaluation], metric: str):
-    """The parents (--) and random chance (:) of the final sweeps, each distinct one once."""
-    seen = set()
-    for evaluation in evaluations:
-        for row, style in ((evaluation.final.parent, "--"), (evaluation.final.chance, ":")):
-            if row is not None and metric in row.metrics and (row.label, row.metrics[metric]) not in seen:
-                seen.add((row.label, row.metrics[metric]))
-                yield row, style
 
 
 def _inference_flops_axis(axis, recurrent: Sequence[RunEvaluation], depths: list[int]) -> None:
@@ -238,7 +219,7 @@ def _bar_row(evaluation: RunEvaluation) -> Row:
 def plot_final_bars(evaluations: Sequence[RunEvaluation], labels: dict[str, str], path: Path) -> Path:
     """Grouped bars: a group per metric, a bar per run (the paper's Fig. 9)."""
     metrics = _metrics(evaluations)
-    figure, axes = _grid(1, f"{_kind(evaluations)} of each run's last model")
+    figure, axes = panel_grid(1, f"{_kind(evaluations)} of each run's last model")
     axis = axes[0]
     figure.set_figwidth(max(5.0, 1.2 * len(metrics) * max(1, len(evaluations)) ** 0.5 + 2))
     width = 0.8 / len(evaluations)
@@ -246,7 +227,7 @@ def plot_final_bars(evaluations: Sequence[RunEvaluation], labels: dict[str, str]
         row = _bar_row(evaluation)
         present = [(i, m) for i, m in enumerate(metrics) if m in row.metrics]
         ys = [row.metrics[m] for _, m in present]
-        errors = [_stderr(evaluation.final, m, [y]) for (_, m), y in zip(present, ys)]
+        errors = [standard_errors(evaluation.final, m, [y]) for (_, m), y in zip(present, ys)]
         where = f", r={row.steps}" if row.steps else ""
         axis.bar(
             [i - 0.4 + width * (number + 0.5) for i, _ in present],
@@ -258,8 +239,8 @@ def plot_final_bars(evaluations: Sequence[RunEvaluation], labels: dict[str, str]
             label=f"{labels[evaluation.run]}{where}",
         )
     axis.set_xticks(range(len(metrics)), [_wrap(m) for m in metrics], fontsize=8)
-    axis.set_title(_panel_title(evaluations[0].final, metrics[0]) if len(metrics) == 1 else "", fontsize=9)
-    _finish_metric_axis(axis, metrics[0] if len(metrics) == 1 else "score (the paper's metric of each task)", "")
+    axis.set_title(panel_title(evaluations[0].final, metrics[0]) if len(metrics) == 1 else "", fontsize=9)
+    finish_metric_axis(axis, metrics[0] if len(metrics) == 1 else "score (the paper's metric of each task)", "")
     return save_figure(figure, path, _legend_columns(figure))
 
 
@@ -277,11 +258,11 @@ def final_table(evaluations: Sequence[RunEvaluation], labels: dict[str, str]) ->
         final = evaluation.final
         for row in final.rows:
             cells = [labels[evaluation.run], str(row.steps or "–"), f"{final.details.get('step', '–'):,}"]
-            lines.append("| " + " | ".join(cells + [_number(row.metrics.get(m)) for m in metrics]) + " |")
+            lines.append("| " + " | ".join(cells + [table_cell(row.metrics.get(m)) for m in metrics]) + " |")
         for row in (final.parent, final.chance):
             if row is not None:
                 parents.setdefault(row.label, row)
     for label, row in parents.items():
-        lines.append("| " + " | ".join([label, "–", "–", *(_number(row.metrics.get(m)) for m in metrics)]) + " |")
+        lines.append("| " + " | ".join([label, "–", "–", *(table_cell(row.metrics.get(m)) for m in metrics)]) + " |")
     headline = "the metric the paper reports for each task" if evaluations[0].kind == "tasks" else "loss in nats/token"
     return "\n".join(lines) + f"\n\nColumns: {headline}; the last model of each run.\n"

@@ -1,0 +1,96 @@
+"""The demo's settings: one object for the Python API and the command line, torch-free so that `recurfit --help`
+stays fast. Its training values default to the demo's recipe (recipe.yaml, also at recipes/demo.yaml), read the
+first time a DemoSettings is made; everything else defaults here."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from ..defaults import LOSS_RECURRENCES
+
+QUESTION = (
+    "Question: A baker makes 12 loaves of bread each hour for 5 hours and sells 41 of them. How many loaves "
+    "are left?\nAnswer: Let's think step by step."
+)
+RECIPE = "recipe.yaml"  # beside this module, packaged with it
+
+
+@cache
+def _recipe() -> dict:
+    from importlib import resources  # here, not at the top: `recurfit --help` imports this module
+
+    import yaml
+
+    return yaml.safe_load(resources.files(__package__).joinpath(RECIPE).read_text())
+
+
+def recipe() -> dict:
+    """The demo's training recipe as a config mapping (a copy: callers fill in their settings)."""
+    return copy.deepcopy(_recipe())
+
+
+def _from_recipe(*keys: str, convert=None):
+    """A field whose default is the recipe's value at `keys`."""
+
+    def default():
+        value = _recipe()
+        for key in keys:
+            value = value[key]
+        return convert(value) if convert else value
+
+    return field(default_factory=default)
+
+
+@dataclass
+class DemoSettings:
+    out: Path = Path("runs/demo")
+    model: str | None = None  # parent folder or Hub id; None: the embedded SmolLM2-135M-Instruct
+    shape: tuple[int, int, int] = _from_recipe("model", "shape", convert=tuple)
+    steps: int = _from_recipe("steps")
+    heal_steps: int | None = None  # of `steps`, on prose only; None: a quarter of them (at least 1)
+    batch: int = _from_recipe("batch", "global")  # sequences per optimizer step
+    seq_len: int = 256
+    mean_recurrence: int = _from_recipe("depth", "mean_recurrence")
+    backprop_depth: int = _from_recipe("depth", "backprop_depth")
+    muon_lr: float = _from_recipe("optimizer", "muon_lr")
+    lr: float = _from_recipe("optimizer", "lr")
+    math_problems: int = 4000
+    loss_recurrences: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
+    loss_rows: int = 16  # validation sequences per store
+    gsm8k: int = 16  # GSM8K test problems (the first N)
+    gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 4, 8])
+    max_new_tokens: int = 128
+    force: bool = False
+    device: str | None = None  # where the trained models are evaluated (None: cuda if available, else cpu)
+    dtype: str = "auto"  # their precision there (auto: bfloat16 on a GPU, float32 on a CPU)
+
+    def __post_init__(self):
+        if self.heal_steps is None:
+            self.heal_steps = quarter(self.steps)
+
+
+def quarter(steps: int) -> int:
+    """A quarter of the steps, at least one: how long the demo heals on prose, and how often it validates."""
+    return max(steps // 4, 1)
+
+
+def training_config(settings: DemoSettings, data: dict[str, Path], out: Path, shape) -> dict:
+    """The recipe with the settings filled in: a training config for `out` (`shape` None: the parent itself)."""
+    config = recipe()
+    heal_tokens = settings.heal_steps * settings.batch * settings.seq_len
+    config["out"] = str(out)
+    config["model"].update(path=settings.model, shape=list(shape) if shape else None)
+    config["data"]["phases"] = [
+        {"sources": [str(data["prose"])], "tokens": heal_tokens},
+        {"sources": [str(data["math"])]},
+    ]
+    config["data"]["validation"] = [str(data["prose"]), str(data["math"])]
+    config["depth"].update(mean_recurrence=settings.mean_recurrence, backprop_depth=settings.backprop_depth)
+    config["optimizer"].update(muon_lr=settings.muon_lr, lr=settings.lr)
+    config["batch"] = {"micro": min(config["batch"]["micro"], settings.batch), "global": settings.batch}
+    config["steps"] = settings.steps
+    config["eval"].update(every=quarter(settings.steps), steps=[1, settings.mean_recurrence])
+    return config
