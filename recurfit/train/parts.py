@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..defaults import BASELINE_PARTS, RECURRENT_PARTS
 from ..errors import RecurfitError
 from ..model.modeling import RecurrentForCausalLM
-from .config import BASELINE_PARTS, RECURRENT_PARTS, TrainConfig
+from .config import TrainConfig
 from .lora import add_lora, is_lora_parameter
 
 
