@@ -82,7 +82,7 @@ def tiny_plan_model(**overrides):
 
     from recurfit import retrofit
     from recurfit.train import load_config
-    from recurfit.train.model import planned_parts
+    from recurfit.train.initial_model import planned_parts
 
     settings = {"out": "unused", "data": {"phases": [{"sources": ["unused"]}]}, "batch": {"micro": 2, "global": 8}}
     config = load_config(None, [f"{key}={value}" for key, value in overrides.items()], base=settings)

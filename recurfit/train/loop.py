@@ -40,7 +40,7 @@ from ..model.accounting import (
 from ..model.card import write_model_card
 from ..model.loading import optional_tokenizer, save_tokenizer
 from ..model.sampling import Curriculum, DepthSchedule, mixed_seed
-from ..progress import progress_bar
+from ..progress import progress_bar, size_text
 from .checkpoint import (
     Checkpoint,
     carry_optimizer_states,
@@ -52,12 +52,12 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .distributed import Processes
+from .initial_model import build_model, is_recurrent
 from .lora import merged
 from .losses import HealingLoss, Teacher, cross_entropy, describe
 from .metrics import MetricsLog, peak_flops, read_log, validation_columns
-from .model import build_model, is_recurrent
 from .optim import BatchedMuon, advance, build_optimizers, build_schedulers, global_grad_norm
-from .parts import check_carry, select_parts, summary
+from .parts import check_carry, select_parts, trained_parts_line
 from .run_folder import TRAINING_RECORD, RunFolder, changed_settings, check_continuation, earlier_training
 
 
@@ -156,7 +156,7 @@ class Trainer:
         model = select_parts(build_model(config.model, config.depth, config.seed), config)
         self.model = model.to(self.processes.device)
         self.tokenizer = optional_tokenizer(config.model.source)  # saved with every snapshot and the final model
-        self._say(summary(self.model, config))
+        self._say(trained_parts_line(self.model, config))
         self.recurrent = is_recurrent(self.model)
         self.parameter_counts = count_parameters(self.model)
         self.stream = RowStream(
@@ -612,7 +612,7 @@ class Trainer:
             for t in {p.data_ptr(): p for p in self.model.state_dict().values()}.values()
         )
         self._say(
-            f"Snapshots: every {every} steps, {count} × {_size(size)} = {_size(count * size)} "
+            f"Snapshots: every {every} steps, {count} × {size_text(size)} = {size_text(count * size)} "
             f"in {self.folder.snapshots}."
         )
 
@@ -677,11 +677,6 @@ def save_weights(model, folder: Path, state: dict, dtype: str) -> None:
     if settings.get("dtype", dtype) != dtype:
         settings["dtype"] = dtype
         (folder / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-
-
-def _size(size: float) -> str:
-    units = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
-    return next((f"{size / scale:.1f} {unit}" for scale, unit in units if size >= scale), f"{size:.0f} bytes")
 
 
 def processes_mean_float(processes: Processes, value: torch.Tensor) -> float:

@@ -67,8 +67,8 @@ from ..errors import RecurfitError
 from ..model.sampling import split_depth
 from .config import TrainConfig
 from .distributed import sharding_units
+from .initial_model import is_recurrent
 from .losses import chunk_rows, supervised_steps, teacher_dtype
-from .model import is_recurrent
 from .optim import NS_BATCH_ELEMENTS, split_parameters
 from .parts import part_modules
 
@@ -522,7 +522,7 @@ def recipe_plan(path: Path, micro: int | None = None) -> MemoryPlan:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from .config import load_config
-    from .model import _restructure, planned_parts
+    from .initial_model import _restructure, planned_parts
 
     config = load_config(path)
     model_config = config.model

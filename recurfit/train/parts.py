@@ -86,7 +86,7 @@ def select_parts(model: nn.Module, config: TrainConfig) -> nn.Module:
     return model
 
 
-def summary(model: nn.Module, config: TrainConfig) -> str | None:
+def trained_parts_line(model: nn.Module, config: TrainConfig) -> str | None:
     """The line a run prints when part of the model is frozen: what trains, and how many parameters."""
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
