@@ -27,9 +27,10 @@ from recurfit.model.sampling import Curriculum
 from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
+from recurfit.train.counting import paper_run_flops
 from recurfit.train.initial_model import build_model
-from recurfit.train.loop import depth_schedule, paper_run_flops
 from recurfit.train.metrics import read_log
+from recurfit.train.step_plan import depth_schedule
 
 # ---------------------------------------------------------------- the adapter at the start of training
 
