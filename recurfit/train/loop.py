@@ -39,7 +39,7 @@ from .initial_model import build_model, is_recurrent
 from .losses import HealingLoss, Teacher, cross_entropy, describe
 from .metrics import MetricsLog, peak_flops, read_log
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
-from .parts import select_parts, trained_parts_line
+from .parts import decoder_layers, select_parts, trained_parts_line
 from .run_folder import RunFolder, earlier_training
 from .saving import Saving
 from .step_plan import StepPlan, depth_schedule, plan_step
@@ -106,7 +106,7 @@ class Trainer(Saving):
         self.schedule = depth_schedule(config)
         self.earlier = earlier_training(config.model.init_from, continued=config.model.continue_schedule)
         if config.compile:
-            for layer in self._layers():
+            for layer in decoder_layers(self.model):
                 layer.compile()
         self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
         self._set_up_healing()
@@ -199,9 +199,6 @@ class Trainer(Saving):
         if self.processes.is_main:
             used = ", ".join(f"{s.folder} ({min(len(s), self.config.eval.rows)} rows)" for s in self.validation)
             print(f"Validation: {used}." if used else "Validation: none (data.validation is empty).")
-
-    def _layers(self):
-        return [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
     # ------------------------------------------------------------ one step
 

@@ -30,6 +30,11 @@ def part_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
     return {"embeddings": [model.get_input_embeddings()], **layers, "head": [model.get_output_embeddings()]}
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer of `model` (of any family), in order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
 def parameter_parts(model: nn.Module) -> dict[int, set[str]]:
     """The parts each parameter (by id) belongs to: two for a tied embedding matrix, one otherwise."""
     owners: dict[int, set[str]] = {}
