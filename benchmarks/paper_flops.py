@@ -20,8 +20,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 import recurfit
 from recurfit.model.accounting import training_flops_per_token
 from recurfit.train import load_config
-from recurfit.train.loop import depth_schedule, paper_run_flops
+from recurfit.train.counting import paper_run_flops
 from recurfit.train.memory import PAPER_PARENTS as PARENTS
+from recurfit.train.step_plan import depth_schedule
 
 
 def main(recipe: str, *overrides: str) -> None:

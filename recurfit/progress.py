@@ -139,3 +139,9 @@ def _remaining(task: Task) -> float:
 
 def _clock(seconds: float | None) -> str:
     return str(timedelta(seconds=round(seconds or 0)))
+
+
+def size_text(size: float) -> str:
+    """A size in bytes as people read it, in powers of 1000: '512 B', '4.4 kB', '2.0 MB', '1.3 GB', '2.5 TB'."""
+    units = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+    return next((f"{size / scale:.1f} {unit}" for scale, unit in units if size >= scale), f"{size:.0f} B")

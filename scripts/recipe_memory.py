@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 from recurfit.train import load_config
-from recurfit.train.memory import PAPER_GPU_MEMORY, PAPER_WORLD, fits, fitting_micro, recipe_header, recipe_plan
+from recurfit.train.memory import PAPER_GPU_MEMORY, PAPER_WORLD, recipe_header, recipe_plan
+from recurfit.train.memory_fit import fits, fitting_micro
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "paper").glob("*.yaml"))
 HEADER = "# Memory ("

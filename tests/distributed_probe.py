@@ -16,6 +16,7 @@ import torch
 
 from recurfit.train import Trainer, load_config
 from recurfit.train.distributed import Processes
+from recurfit.train.step_plan import MicroBatch, StepPlan
 
 DEPTHS = [(1, 1), (6, 3)]  # one step at each: the collectives must not depend on n + k
 
@@ -39,7 +40,7 @@ def collectives(trainer: Trainer) -> dict:
     gathers, reductions = Counter(group, "foreach_all_gather"), Counter(group, "foreach_reduce")
     counts = {}
     for n, k in DEPTHS:
-        trainer._depths = lambda step, depth=(n, k): {0: (trainer.config.batch.global_, depth)}
+        trainer._plan = lambda step, n=n, k=k: StepPlan(step, (MicroBatch(0, trainer.config.batch.global_, n, k),))
         before = gathers.count, reductions.count
         trainer.train_step()
         counts[f"{n},{k}"] = [gathers.count - before[0], reductions.count - before[1]]

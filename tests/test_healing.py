@@ -52,15 +52,15 @@ def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
 
     trainer = Trainer(config_for(workspace, tmp_path / "run", "distill.alpha=0.3", "precision=fp32", *DISTILL))
     rows = micro_batch(trainer)
-    parts = {}
-    loss = trainer._micro_batch_loss(rows, (1, 2), 5, parts)
+    terms = {}
+    loss = trainer._micro_batch_loss(rows, (1, 2), 5, terms)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").to(rows.device).eval()
     with torch.no_grad():
         expected = hand_loss(
             reference_logits(trainer, inputs, 5, (1, 2)), teacher(input_ids=inputs).logits, targets, 0.3, 1.7
         )
-    for got, want in zip((loss, parts["ce"], parts["kl"]), expected, strict=True):
+    for got, want in zip((loss, terms["ce"], terms["kl"]), expected, strict=True):
         assert got.item() == pytest.approx(want.item(), rel=1e-5)
     assert expected[2] > 0.01  # the pruned student is far from its parent: the KL term matters
     # validation reads plain CE: 1 + 2 recurrences from the same s_0
@@ -159,8 +159,8 @@ def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_pat
     trainer = Trainer(config_for(workspace, tmp_path / "run", "precision=fp32", *settings))
     model, rows = trainer.model, micro_batch(trainer)
     inputs, targets = rows[:, :-1], rows[:, 1:]
-    parts = {}
-    supervised = trainer._micro_batch_loss(rows, (2, 3), 7, parts)
+    terms = {}
+    supervised = trainer._micro_batch_loss(rows, (2, 3), 7, terms)
     supervised.backward()
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
@@ -177,8 +177,8 @@ def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_pat
         losses.append(loss.item())
         ces.append(ce.item())
     assert supervised.item() == pytest.approx(sum(w * loss for w, loss in zip(weights, losses)), rel=1e-5)
-    assert parts["ce"].item() == pytest.approx(ces[-1], rel=1e-5)
-    assert parts["ce_supervised"].item() == pytest.approx(sum(w * c for w, c in zip(weights, ces)), rel=1e-5)
+    assert terms["ce"].item() == pytest.approx(ces[-1], rel=1e-5)
+    assert terms["ce_supervised"].item() == pytest.approx(sum(w * c for w, c in zip(weights, ces)), rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
     # Each depth's own gradient reaches the core: the shallow readouts add to the final one's.

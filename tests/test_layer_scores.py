@@ -15,7 +15,7 @@ from recurfit.model.loading import load_tokenizer
 from recurfit.surgery.layer_scores import LayerScores, core_window, kneedle, knees, measure, plot_layer_scores
 from recurfit.surgery.retrofit import LayerSelection, block_influence, check_parity, selections_by_rule
 from recurfit.train.config import load_config
-from recurfit.train.model import build_model, calibration_rows, check_plan
+from recurfit.train.initial_model import build_model, calibration_rows, check_plan
 
 # An angular-distance curve of the usual form: a fast fall over the first layers, a flat middle, a rise at the end
 U_CURVE = [0.5, 0.2, 0.08, 0.07, 0.075, 0.07, 0.072, 0.07, 0.09, 0.06, 0.07, 0.15, 0.3]

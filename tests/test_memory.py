@@ -82,7 +82,7 @@ def tiny_plan_model(**overrides):
 
     from recurfit import retrofit
     from recurfit.train import load_config
-    from recurfit.train.model import planned_parts
+    from recurfit.train.initial_model import planned_parts
 
     settings = {"out": "unused", "data": {"phases": [{"sources": ["unused"]}]}, "batch": {"micro": 2, "global": 8}}
     config = load_config(None, [f"{key}={value}" for key, value in overrides.items()], base=settings)
@@ -196,11 +196,11 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
     from recurfit.train.memory import (
         _activation_bytes,
         _autocast_copies,
-        _decoder_layers,
         layer_bytes,
         layer_shape,
         vocab_size,
     )
+    from recurfit.train.parts import decoder_layers
 
     config, _ = tiny_plan_model(**({"model.gradient_checkpointing": "true"} if checkpointing else {}))
     model = retrofit(tiny_parent("llama", num_layers=6, place=False), (2, 2, 2)).train()
@@ -225,7 +225,7 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
     logits = (2 if autocast else 4) * vocab_size(model)
     planned = _activation_bytes(config, model, k, autocast) - recomputed_layer + logits
     assert sum(activations.values()) == batch * length * planned
-    layer_copies = 2 * sum(p.numel() for p in _decoder_layers(model)[0].parameters() if p.ndim == 2)
+    layer_copies = 2 * sum(p.numel() for p in decoder_layers(model)[0].parameters() if p.ndim == 2)
     expected = _autocast_copies(model, k, autocast, checkpointing) - (layer_copies if checkpointing and autocast else 0)
     assert sum(copies.values()) == expected
 
@@ -238,7 +238,7 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
     [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("0.5 gb", 5 * 10**8), ("512MiB", 2**29), ("1000", 1000)],
 )
 def test_device_memory_sizes(text, size):
-    from recurfit.train.memory import parse_size
+    from recurfit.train.memory_fit import parse_size
 
     assert parse_size(text) == size
 
@@ -246,14 +246,14 @@ def test_device_memory_sizes(text, size):
 @pytest.mark.parametrize("text", ["80 GBs", "eighty", "-1GB", "0GB", ""])
 def test_a_bad_device_memory_is_a_one_line_error(text):
     from recurfit.errors import RecurfitError
-    from recurfit.train.memory import parse_size
+    from recurfit.train.memory_fit import parse_size
 
     with pytest.raises(RecurfitError, match="--device-memory must be a size such as 80GB"):
         parse_size(text)
 
 
 def test_the_fitting_micro_batch_keeps_the_global_batch():
-    from recurfit.train.memory import USABLE_FRACTION, verdict
+    from recurfit.train.memory_fit import USABLE_FRACTION, verdict
 
     config, model = tiny_plan_model()
 
@@ -320,7 +320,8 @@ PAPER_RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "paper").glob
 @pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
 def test_each_paper_recipe_states_its_planned_peak_and_fits_an_80gb_gpu(path):
     """The header agrees with the planner (scripts/recipe_memory.py writes it), and the recipe's micro-batch fits."""
-    from recurfit.train.memory import PAPER_GPU_MEMORY, fits, recipe_header, recipe_plan
+    from recurfit.train.memory import PAPER_GPU_MEMORY, recipe_header, recipe_plan
+    from recurfit.train.memory_fit import fits
 
     plan = recipe_plan(path)
     assert recipe_header(plan) in path.read_text().splitlines()

@@ -27,9 +27,10 @@ from recurfit.model.sampling import Curriculum
 from recurfit.surgery.raven import import_raven
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import newest_readable
-from recurfit.train.loop import depth_schedule, paper_run_flops
+from recurfit.train.counting import paper_run_flops
+from recurfit.train.initial_model import build_model
 from recurfit.train.metrics import read_log
-from recurfit.train.model import build_model
+from recurfit.train.step_plan import depth_schedule
 
 # ---------------------------------------------------------------- the adapter at the start of training
 
@@ -323,7 +324,7 @@ def test_model_revision_reaches_from_pretrained_and_the_model_card(tmp_path, wor
         seen.append(revision)
         return real(name, *args, revision=revision, **kwargs)
 
-    monkeypatch.setattr("recurfit.train.model.load_model", recording)
+    monkeypatch.setattr("recurfit.train.initial_model.load_model", recording)
     config = small_run(workspace, tmp_path / "run", steps=2)
     config["model"]["revision"] = "stage1-step1907359-tokens4001B"
     train(load_config(None, [], base=config))

@@ -18,8 +18,8 @@ from recurfit.model.init import scaled_init_
 from recurfit.model.sampling import Curriculum
 from recurfit.surgery.retrofit import block_influence, prune_layers, retrofit, untie_embeddings
 from recurfit.train import Trainer, load_config, train
-from recurfit.train.loop import depth_schedule
-from recurfit.train.model import build_model
+from recurfit.train.initial_model import build_model
+from recurfit.train.step_plan import depth_schedule
 
 
 def small_run(workspace, out, steps=3, **overrides) -> dict:

@@ -16,9 +16,9 @@ from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_model
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.checkpoint import checkpoint_folders
+from recurfit.train.initial_model import check_plan
 from recurfit.train.lora import merged
 from recurfit.train.metrics import read_log
-from recurfit.train.model import check_plan
 from recurfit.train.parts import part_modules, select_parts
 
 pytestmark = pytest.mark.cpu_only("CPU runs of the tiny parent: what freezes does not depend on the device")

@@ -358,7 +358,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one_intact(tmp_path, work
 
 def test_explicit_layer_choices_build_that_retrofit_and_clash_with_shape(workspace):
     from recurfit.train.config import DepthConfig, ModelConfig
-    from recurfit.train.model import build_model
+    from recurfit.train.initial_model import build_model
 
     layers = {"prelude": [0], "core": [3, 4], "coda": [5]}
     model = build_model(ModelConfig(path=str(workspace / "parent"), **layers), DepthConfig(mean_recurrence=4), seed=0)

@@ -51,7 +51,7 @@ def cmd_train(args) -> None:
     from ..errors import RecurfitError
     from ..model.summary import flops_table, parts_table
     from ..train import Trainer, already_finished, load_config
-    from ..train.model import check_plan
+    from ..train.initial_model import check_plan
     from ..train.report import schedule_table, validation_table
     from ..train.run_folder import RunFolder
 
@@ -113,7 +113,7 @@ def _print_train_config(config, say, status: str) -> None:
 def _device_memory(args) -> int | None:
     """--device-memory in bytes, else the visible GPU's total memory, else None (read before anything runs: a
     bad size is a one-line error)."""
-    from ..train.memory import parse_size, visible_device_memory
+    from ..train.memory_fit import parse_size, visible_device_memory
 
     return parse_size(args.device_memory) if args.device_memory else visible_device_memory()
 
@@ -121,8 +121,8 @@ def _device_memory(args) -> int | None:
 def _memory_plan(config, model, args, memory: int | None, say) -> tuple[bool, str | None]:
     """Print the memory plan per device and, with a device memory, whether it fits; returns (fits, the verdict
     line). The plan is for a GPU when a device memory is known, else for this CPU."""
-    from ..train.memory import plan_table, planner, verdict
-    from ..train.model import teacher_parameters
+    from ..train.initial_model import teacher_parameters
+    from ..train.memory_fit import plan_table, planner, verdict
     from ..train.report import tokens_per_row
 
     if model is None:
@@ -151,8 +151,8 @@ def _warn_memory(config, args, memory: int | None, say) -> None:
     import torch
 
     from ..errors import RecurfitError
-    from ..train.memory import memory_warning
-    from ..train.model import check_plan, teacher_parameters
+    from ..train.initial_model import check_plan, teacher_parameters
+    from ..train.memory_fit import memory_warning
     from ..train.report import tokens_per_row
 
     if memory is None:

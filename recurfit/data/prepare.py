@@ -37,6 +37,7 @@ from ..defaults import DECONTAMINATE
 from ..errors import RecurfitError
 from ..io.files import check_output, publish_directory
 from ..io.lock import owned
+from ..progress import size_text as _size
 from . import decontaminate as dc
 from . import shards as sh
 from .filters import FilterStats
@@ -203,14 +204,6 @@ def _check_disk(where: Path, job: Job, encoder: BlockEncoder, task, records: dic
 
 def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
-
-
-def _size(count: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:.1f} {unit}" if unit != "B" else f"{count:.0f} B"
-        count /= 1000
-    raise AssertionError
 
 
 # ---------------------------------------------------------------- the finished store

@@ -16,10 +16,9 @@ global batch split over any number of processes, therefore computes the same los
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,50 +27,23 @@ from rich.progress import TextColumn
 
 from ..data import Phase, RowStream, TokenStore
 from ..errors import RecurfitError
-from ..io.files import staged_directory
 from ..io.lock import owned
-from ..model.accounting import (
-    count_parameters,
-    paper_flops_per_token,
-    paper_ramp,
-    paper_training_flops,
-    training_flops_per_token,
-)
-from ..model.card import write_model_card
-from ..model.loading import optional_tokenizer, save_tokenizer
-from ..model.sampling import Curriculum, DepthSchedule, mixed_seed
+from ..model.accounting import count_parameters
+from ..model.loading import optional_tokenizer
+from ..model.sampling import mixed_seed
 from ..progress import progress_bar
-from .checkpoint import (
-    Checkpoint,
-    carry_optimizer_states,
-    gather_state,
-    newest_readable,
-    read_checkpoint,
-    restore,
-    write_checkpoint,
-)
 from .config import TrainConfig
+from .counting import Counters, count_step, step_flops
 from .distributed import Processes
-from .lora import merged
+from .initial_model import build_model, is_recurrent
 from .losses import HealingLoss, Teacher, cross_entropy, describe
-from .metrics import MetricsLog, peak_flops, read_log, validation_columns
-from .model import build_model, is_recurrent
-from .optim import BatchedMuon, advance, build_optimizers, build_schedulers, global_grad_norm
-from .parts import check_carry, select_parts, summary
-from .run_folder import TRAINING_RECORD, RunFolder, changed_settings, check_continuation, earlier_training
-
-
-@dataclass
-class Counters:
-    """Everything the loop accumulates that a resumed run must continue from."""
-
-    step: int = 0  # optimizer steps done
-    tokens: int = 0
-    flops: float = 0.0  # from the depths actually drawn
-    flops_paper: float = 0.0  # the paper's rule: mean recurrence and backprop depth of each step
-    flops_teacher: float = 0.0  # distillation: the teacher's forward passes (not in `flops`)
-    skipped: int = 0  # updates skipped for a non-finite loss or gradient
-    bad_in_row: int = 0
+from .metrics import MetricsLog, peak_flops, read_log
+from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
+from .parts import decoder_layers, select_parts, trained_parts_line
+from .run_folder import RunFolder, earlier_training
+from .saving import Saving
+from .step_plan import StepPlan, depth_schedule, plan_step
+from .validation_loss import depth_losses, validation_record
 
 
 @dataclass
@@ -83,56 +55,20 @@ class TrainResult:
     validation: dict | None = None  # the final validation record (store/loss@r: loss), if the run validates
 
 
-def depth_schedule(config: TrainConfig) -> DepthSchedule:
-    """The curricula as the paper authors' scripts computed them: ramps of ceil(fraction · steps) steps; the
-    mean recurrence climbs from 0 (at least 1), the backprop depth from 1, one step ahead."""
-    depth, steps = config.depth, config.steps
-    return DepthSchedule(
-        Curriculum(depth.mean_recurrence, depth.curriculum, math.ceil(depth.curriculum_fraction * steps)),
-        Curriculum(
-            depth.backprop_depth,
-            depth.backprop_curriculum,
-            math.ceil(depth.backprop_curriculum_fraction * steps),
-            start=1,
-            lead=1,
-        ),
-        seed=config.seed,
-        fixed=depth.fixed,
-    )
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, averaged over all processes."""
+
+    loss: float
+    terms: dict[str, float]  # the objective's terms (ce, kl, …), averaged like the loss
+    grad_norm: float
+    finite: bool  # loss and gradient: a non-finite step's update is skipped (nonfinite: skip)
+    lrs: list[float]  # the learning rates the step used, one per optimizer
+    seconds: float  # the step's wall time
+    optimizer_s: float  # of which the optimizer's part (clipped gradients to zeroed)
 
 
-def paper_accounting_depth(config: TrainConfig, step: int) -> tuple[int, int]:
-    """(r, k̄) of optimizer step `step` as the paper's FLOPs accounting counts it (`accounting.paper_ramp`, its
-    boundaries rounded by `depth.paper_ramp_rounding`)."""
-    depth, steps = config.depth, config.steps
-    ramps = [
-        (depth.mean_recurrence, depth.curriculum, depth.curriculum_fraction),
-        (depth.backprop_depth, depth.backprop_curriculum, depth.backprop_curriculum_fraction),
-    ]
-    r, k = (paper_ramp(step, *ramp, steps, depth.paper_ramp_rounding) for ramp in ramps)
-    return r, k
-
-
-def paper_run_flops(config: TrainConfig, counts: dict, step: int, tokens_per_step: int) -> float:
-    """The paper's training FLOPs of `config`'s run after `step` steps of `tokens_per_step` tokens
-    (`accounting.paper_training_flops`, every depth setting taken from the config)."""
-    depth = config.depth
-    return paper_training_flops(
-        counts,
-        step,
-        tokens_per_step,
-        total_steps=config.steps,
-        mean_recurrence=depth.mean_recurrence,
-        backprop_depth=depth.backprop_depth,
-        curriculum=depth.curriculum,
-        curriculum_fraction=depth.curriculum_fraction,
-        backprop_curriculum=depth.backprop_curriculum,
-        backprop_curriculum_fraction=depth.backprop_curriculum_fraction,
-        ramp_rounding=depth.paper_ramp_rounding,
-    )
-
-
-class Trainer:
+class Trainer(Saving):
     def __init__(
         self, config: TrainConfig, resume: bool = False, processes: Processes | None = None, force: bool = False
     ):
@@ -156,7 +92,7 @@ class Trainer:
         model = select_parts(build_model(config.model, config.depth, config.seed), config)
         self.model = model.to(self.processes.device)
         self.tokenizer = optional_tokenizer(config.model.source)  # saved with every snapshot and the final model
-        self._say(summary(self.model, config))
+        self._say(trained_parts_line(self.model, config))
         self.recurrent = is_recurrent(self.model)
         self.parameter_counts = count_parameters(self.model)
         self.stream = RowStream(
@@ -170,7 +106,7 @@ class Trainer:
         self.schedule = depth_schedule(config)
         self.earlier = earlier_training(config.model.init_from, continued=config.model.continue_schedule)
         if config.compile:
-            for layer in self._layers():
+            for layer in decoder_layers(self.model):
                 layer.compile()
         self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
         self._set_up_healing()
@@ -264,9 +200,6 @@ class Trainer:
             used = ", ".join(f"{s.folder} ({min(len(s), self.config.eval.rows)} rows)" for s in self.validation)
             print(f"Validation: {used}." if used else "Validation: none (data.validation is empty).")
 
-    def _layers(self):
-        return [m for m in self.model.modules() if type(m).__name__.endswith("DecoderLayer")]
-
     # ------------------------------------------------------------ one step
 
     def _bf16(self, precision: str) -> bool:
@@ -277,8 +210,56 @@ class Trainer:
             return torch.autocast(self.processes.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, parts: dict):
-        """The training objective of one micro-batch, its terms added to `parts`."""
+    def train_step(self) -> dict:
+        """One optimizer step: plan, forward and backward, clip, update (or skip), count; its log record."""
+        plan = self._plan(self.counters.step)
+        started = time.perf_counter()
+        loss, terms = self._forward_backward(plan)
+        grad_norm = global_grad_norm(self.model.parameters(), self.config.optimizer.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        optimizer_started = time.perf_counter()
+        self._update_or_skip(finite)
+        lrs = self._next_learning_rates()
+        if self.processes.device.type == "cuda":
+            torch.cuda.synchronize()
+        ended = time.perf_counter()
+        result = StepResult(loss, terms, grad_norm, finite, lrs, ended - started, ended - optimizer_started)
+        flops = step_flops(plan, self.parameter_counts, self.stream.seq_len, self.healing.readout_flops_per_token)
+        teacher = self.teacher.flops_per_token if self.teacher is not None else None
+        tokens = count_step(
+            self.counters, self.config, plan, self.parameter_counts, self.stream.seq_len, flops, teacher
+        )
+        return self._step_record(plan, result, tokens, flops)
+
+    def _plan(self, step: int) -> StepPlan:
+        return plan_step(self.config, self.schedule, step, self.processes.world, self.recurrent)
+
+    def _forward_backward(self, plan: StepPlan) -> tuple[float, dict[str, float]]:
+        """This process's share of the global batch, micro-batch by micro-batch, gradients accumulated; the loss
+        and its terms averaged over all processes."""
+        processes, micro = self.processes, self.config.batch.micro
+        batch_start = self.stream.position
+        rows = self.stream.next_batch(self.config.batch.global_, processes.rank, processes.world)
+        chunks = rows.split(micro)
+        share = rows.shape[0]
+        total_loss = torch.zeros((), device=processes.device)
+        totals = {}  # the objective's terms, weighted by rows as the loss
+        for index, chunk in enumerate(chunks):
+            first_row = processes.rank * share + index * micro  # in the global batch
+            num_steps = plan.at_row(first_row).num_steps
+            with processes.accumulating(self.wrapped, index == len(chunks) - 1):
+                terms = {}
+                loss = self._micro_batch_loss(chunk, num_steps, batch_start + first_row, terms)
+                (loss * chunk.shape[0] / share).backward()
+            total_loss += loss.detach() * chunk.shape[0] / share
+            for name, value in terms.items():
+                totals[name] = totals.get(name, 0.0) + value * chunk.shape[0] / share
+        terms = {name: processes.mean(value.detach().float()).item() for name, value in totals.items()}
+        return processes.mean(total_loss).item(), terms
+
+    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, terms: dict):
+        """The training objective of one micro-batch, its terms added to `terms`."""
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
         torch.manual_seed(mixed_seed(self.config.seed, first_row))
         rows = rows.to(self.processes.device, non_blocking=True)
@@ -292,36 +273,12 @@ class Trainer:
             teacher = self.teacher.logits(inputs) if healing and self.teacher is not None else None
         if not healing:
             return cross_entropy(output.logits, targets)
-        return self.healing([*(output.get("readout_logits") or ()), output.logits], targets, teacher, parts)
+        return self.healing([*(output.get("readout_logits") or ()), output.logits], targets, teacher, terms)
 
-    def train_step(self) -> dict:
-        config, processes, counters = self.config, self.processes, self.counters
-        step = counters.step
-        depths = self._depths(step)  # {first row in the global batch: (rows, (n, k))}
-        started = time.perf_counter()
-        batch_start = self.stream.position
-        rows = self.stream.next_batch(config.batch.global_, processes.rank, processes.world)
-        micro = config.batch.micro
-        chunks = rows.split(micro)
-        share = rows.shape[0]
-        total_loss = torch.zeros((), device=processes.device)
-        totals = {}  # the objective's terms (ce, kl, …), averaged like the loss
-        for index, chunk in enumerate(chunks):
-            offset = processes.rank * share + index * micro
-            with processes.accumulating(self.wrapped, index == len(chunks) - 1):
-                num_steps = depths.get(offset, depths[0])[1]
-                parts = {}
-                loss = self._micro_batch_loss(chunk, num_steps, batch_start + offset, parts)
-                (loss * chunk.shape[0] / share).backward()
-            total_loss += loss.detach() * chunk.shape[0] / share
-            for name, value in parts.items():
-                totals[name] = totals.get(name, 0.0) + value * chunk.shape[0] / share
-        loss = processes.mean(total_loss).item()
-        terms = {name: processes_mean_float(processes, value) for name, value in totals.items()}
-        grad_norm = global_grad_norm(self.model.parameters(), config.optimizer.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        optimizer_started = time.perf_counter()
+    def _update_or_skip(self, finite: bool) -> None:
+        """Apply the update, or skip it for a non-finite loss or gradient (`nonfinite: skip`), stopping the run
+        after `max_bad_steps` skips in a row; then zero the gradients."""
+        counters, config = self.counters, self.config
         if finite or config.nonfinite == "apply":
             for optimizer in self.optimizers:
                 optimizer.step()
@@ -329,292 +286,73 @@ class Trainer:
         else:
             counters.skipped += 1
             counters.bad_in_row += 1
+            if counters.bad_in_row >= config.max_bad_steps:
+                raise RecurfitError(
+                    f"Step {counters.step + 1}: {counters.bad_in_row} non-finite losses or gradients in a row; "
+                    "stopping. Lower optimizer.lr / optimizer.muon_lr, or check the data and precision."
+                )
+        if not finite and self.processes.is_main:
+            done = "update skipped" if config.nonfinite == "skip" else "update applied (nonfinite: apply)"
+            print(f"step {counters.step + 1}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)")
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        lrs = [scheduler.get_last_lr()[0] for scheduler in self.schedulers]  # the LRs this step used
+
+    def _next_learning_rates(self) -> list[float]:
+        """Advance the LR schedules; the learning rates this step used."""
+        lrs = [scheduler.get_last_lr()[0] for scheduler in self.schedulers]
         for scheduler in self.schedulers:
             scheduler.step()
-        if processes.device.type == "cuda":
-            torch.cuda.synchronize()
-        ended = time.perf_counter()
-        times = {"seconds": ended - started, "optimizer_s": ended - optimizer_started}
-        return {**self._account(step, depths, loss, grad_norm, finite, times, lrs), **terms}
+        return lrs
 
-    def _depths(self, step: int) -> dict[int, tuple[int, tuple[int, int]]]:
-        """The step's depth as {0: (global rows, (n, k))}; with `depth.draw: micro_batch`, one per micro-batch
-        of the global batch, keyed by its first row whatever the process count (2 processes compute what 1 does)."""
-        global_rows = self.config.batch.global_
-        if not self.recurrent:
-            return {0: (global_rows, (0, 1))}
-        if self.config.depth.draw == "step":
-            return {0: (global_rows, self.schedule.at(step))}
-        share, micro = global_rows // self.processes.world, self.config.batch.micro
-        return {
-            rank * share + start: (min(micro, share - start), self.schedule.at(step, rank * share + start))
-            for rank in range(self.processes.world)
-            for start in range(0, share, micro)
-        }
-
-    def _account(self, step, depths, loss, grad_norm, finite, times, lrs) -> dict:
-        counters, config = self.counters, self.config
-        tokens = config.batch.global_ * self.stream.seq_len
-        mean_depth = self.schedule.mean_depth(step)
-        counters.step += 1
-        counters.tokens += tokens
-        counts = self.parameter_counts
-        step_flops = self.stream.seq_len * sum(
-            rows * (training_flops_per_token(counts, depth) + self.healing.readout_flops_per_token(counts, depth))
-            for rows, depth in depths.values()
-        )
-        num_steps = depths[0][1]
-        counters.flops += step_flops
-        if self.teacher is not None:
-            counters.flops_teacher += tokens * self.teacher.flops_per_token
-        # As the paper's figures count: the authors' ramp, no adapter or final norm (accounting.paper_training_flops).
-        paper_depth = paper_accounting_depth(config, step)
-        counters.flops_paper += tokens * paper_flops_per_token(self.parameter_counts, *paper_depth)
-        peak = peak_flops(self.processes.device)
+    def _step_record(self, plan: StepPlan, result: StepResult, tokens: int, flops: float) -> dict:
+        """The log's `train` record of the step just counted."""
+        counters = self.counters
         record = {
             "kind": "train",
             "step": counters.step,
-            "loss": loss,
-            "lr": lrs[-1],
-            "n": num_steps[0],
-            "k": num_steps[1],
-            "mean_recurrence": sum(mean_depth),
-            "backprop_depth": self.schedule.backprop_depth.at(step),
+            "loss": result.loss,
+            "lr": result.lrs[-1],
+            "n": plan.first.n,  # one draw per micro-batch: the first one's, all of them under `depths`
+            "k": plan.first.k,
+            "mean_recurrence": sum(self.schedule.mean_depth(plan.step)),
+            "backprop_depth": self.schedule.backprop_depth.at(plan.step),
             "tokens": counters.tokens,
             "flops": counters.flops,
             "flops_paper": counters.flops_paper,
             **({"flops_teacher": counters.flops_teacher} if self.teacher is not None else {}),
-            "tokens_per_s": tokens / times["seconds"],
-            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / result.seconds,
+            "grad_norm": result.grad_norm,
             "phase": self.stream.phase,
             "skipped": counters.skipped,
-            **times,  # the step's wall time, and the optimizer step's part of it (clipped gradients to zeroed)
+            "seconds": result.seconds,
+            "optimizer_s": result.optimizer_s,
         }
-        if len(depths) > 1:  # one draw per micro-batch: n and k above are the first one's
-            record["depths"] = [list(depth) for _, depth in depths.values()]
+        if plan.per_micro_batch:
+            record["depths"] = [list(batch.num_steps) for batch in plan.micro_batches]
         if len(self.optimizers) > 1:
-            record["muon_lr"] = lrs[0]
+            record["muon_lr"] = result.lrs[0]
+        peak = peak_flops(self.processes.device)
         if peak:
-            record["mfu"] = step_flops / times["seconds"] / (peak * self.processes.world)
-        if counters.bad_in_row >= config.max_bad_steps:
-            raise RecurfitError(
-                f"Step {counters.step}: {counters.bad_in_row} non-finite losses or gradients in a row; stopping. "
-                "Lower optimizer.lr / optimizer.muon_lr, or check the data and precision."
-            )
-        if not finite and self.processes.is_main:
-            done = "update skipped" if config.nonfinite == "skip" else "update applied (nonfinite: apply)"
-            print(f"step {counters.step}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)")
-        return record
+            record["mfu"] = flops / result.seconds / (peak * self.processes.world)
+        return {**record, **result.terms}
 
     # ------------------------------------------------------------ validation
 
-    @torch.no_grad()
     def validate(self) -> dict | None:
-        """Mean validation loss per store and test recurrence (the parent: once, recurrence does not apply).
-
-        The rows are split into micro-batches and the micro-batches shared out over the processes; each is read
-        out at every test recurrence in one pass through the core (its largest r, not their sum)."""
-        if not self.validation:
-            return None
-        self.model.eval()
-        record = {"kind": "eval", "step": self.counters.step}
-        depths = sorted(set(self.config.eval.steps)) if self.recurrent else [1]
-        with self.processes.gathered():  # processes may run different numbers of micro-batches
-            for store in self.validation:
-                rows = torch.from_numpy(store[: self.config.eval.rows].astype("int64"))  # not empty: _check_validation
-                chunks = rows.split(self.config.batch.micro)
-                totals = torch.zeros(len(depths) + 1, device=self.processes.device)  # summed losses, micro-batches
-                for index in range(self.processes.rank, len(chunks), self.processes.world):
-                    totals[:-1] += self._validation_losses(chunks[index], depths, index)
-                    totals[-1] += 1
-                totals = self.processes.sum(totals)
-                for r, loss in zip(depths, (totals[:-1] / totals[-1]).tolist()):
-                    record[f"{store.folder.name}/loss" + (f"@{r}" if self.recurrent else "")] = loss
-        self.model.train()
-        return record
-
-    def _validation_losses(self, rows: torch.Tensor, depths: list[int], index: int) -> torch.Tensor:
-        """The next-token CE of `rows` after each of `depths` recurrences (increasing), from one forward whose
-        s_0 is seeded from the micro-batch's `index` (the same on any number of processes)."""
-        torch.manual_seed(mixed_seed(self.config.seed, index))
-        rows = rows.to(self.processes.device, non_blocking=True)
-        inputs, targets = rows[:, :-1], rows[:, 1:]
-        kwargs = {"num_steps": (0, depths[-1]), "readout_steps": depths[:-1]} if self.recurrent else {}
-        with self._autocast(self.config.eval.precision):
-            output = self.model(input_ids=inputs, **kwargs)
-        logits = [*(output.get("readout_logits") or ()), output.logits]
-        return torch.stack([cross_entropy(each, targets) for each in logits]).float()
-
-    # ------------------------------------------------------------ checkpoints
-
-    @contextmanager
-    def _timed(self, what: str):
-        """Log how long saving `what` (checkpoint, snapshot, final) took, all processes waiting included."""
-        started = time.perf_counter()
-        yield
-        self._write(
-            {"kind": "save", "step": self.counters.step, "what": what, "seconds": time.perf_counter() - started}
+        """The `eval` record of this step (`validation_loss.validation_record`); None without validation stores."""
+        return validation_record(
+            self.model, self.validation, self.config, self.processes, self.counters.step, self.recurrent, self._autocast
         )
 
-    def checkpoint(self) -> None:
-        with self._timed("checkpoint"):
-            self._write_checkpoint()
-
-    def _write_checkpoint(self) -> None:
-        model_state, optimizer_states = gather_state(self.model, self.optimizers)
-        if self.processes.is_main:
-            trainer = {
-                "counters": vars(self.counters),
-                "stream": self.stream.state_dict(),
-                "config": self.config.to_dict(),
-            }
-            write_checkpoint(
-                self.out / "checkpoints",
-                self.counters.step,
-                model_state,
-                optimizer_states,
-                self.schedulers,
-                trainer,
-                self.config.checkpoint.keep,
-            )
-        self.processes.barrier()
-
-    def _resume(self) -> None:
-        """Continue from the newest readable checkpoint; with none yet, start from step 0 in the same folder."""
-        checkpoint = self._newest_checkpoint(self.folder.checkpoints)
-        if checkpoint is None:
-            self._say(f"--resume: {self.out} holds no checkpoint yet; starting from step 0.")
-            return
-        changed = changed_settings(checkpoint.trainer["config"], self.config.to_dict())
-        if changed:
-            key = changed[0]
-            raise RecurfitError(
-                f"--resume: {key} differs from the run's ({', '.join(changed)} changed since {checkpoint.folder}); "
-                f"resume with the run's own settings, `recurfit train {self.out / 'config.yaml'} --resume`, "
-                "or start a new run (--force, or another out=)."
-            )
-        trainer = restore(checkpoint, self.model, self.optimizers, self.schedulers)
-        self.counters = Counters(**trainer["counters"])
-        self.stream.load_state_dict(trainer["stream"])
-        self._say(f"Resuming {self.out} from step {self.counters.step} ({checkpoint.folder}).")
-
-    def _newest_checkpoint(self, root: Path) -> Checkpoint | None:
-        """`newest_readable`, verified once: the main process hashes the files and chooses, the others read the
-        checkpoint it chose (a 1B model's is ~12 GB: hashing it on every process would multiply the wait)."""
-        chosen, problem = None, None
-        if self.processes.is_main:
-            try:
-                chosen = newest_readable(root, warn=self._say)
-            except RecurfitError as error:
-                problem = str(error)
-        folder, problem = self.processes.broadcast((chosen and chosen.folder, problem))
-        if problem is not None:  # every process stops, none waits for the others
-            raise RecurfitError(problem)
-        if chosen is None and folder is not None:
-            chosen = read_checkpoint(folder, warn=self._say, verify=False)
-        return chosen
-
-    def _carry_state(self) -> None:
-        """model.carry_state: the optimizer state and data position of the run this one continues; with
-        model.continue_schedule also its step count, so that the schedules and depth draws go on from there."""
-        continuing = self.config.model.continue_schedule
-        setting = "model.continue_schedule" if continuing else "model.carry_state"
-        source = RunFolder(Path(self.config.model.init_from))
-        checkpoint = self._newest_checkpoint(source.checkpoints)
-        if checkpoint is None:
-            raise RecurfitError(f"{setting}: {source.path} has no checkpoint to carry the state from.")
-        check_carry(checkpoint.trainer["config"], self.config)
-        if continuing:
-            check_continuation(source.path, checkpoint.trainer["config"], checkpoint.step, self.config.to_dict())
-        carry_optimizer_states(checkpoint, self.model, self.optimizers, shared_only=continuing)
-        try:
-            self.stream.load_state_dict(checkpoint.trainer["stream"])
-        except RecurfitError:
-            raise RecurfitError(
-                f"{setting} continues the data stream of {source.path}, which read other data: give the "
-                f"same data.phases sources and seed, or drop {setting}."
-            ) from None
-        if continuing:
-            self.counters = Counters(**{**checkpoint.trainer["counters"], "bad_in_row": 0})
-            self.start_step = self.counters.step
-            advance(self.schedulers, self.start_step)
+    def _validation_losses(self, rows: torch.Tensor, depths: list[int], index: int) -> torch.Tensor:
+        """The CE of `rows` after each of `depths` recurrences, as validation reads it (`depth_losses`)."""
+        return depth_losses(
+            self.model, rows, depths, index, self.config, self.processes, self.recurrent, self._autocast
+        )
 
     def _say(self, message: str | None) -> None:
         if message is not None and self.processes.is_main:
             print(message)
-
-    def training_record(self) -> dict:
-        """Where training stands: what a snapshot's and the final model's `training.json` hold, so an evaluation
-        over training can place each model on the paper's axes (tokens, both FLOPs measures)."""
-        counters = self.counters
-        return {
-            "run": self.out.name,
-            "step": counters.step,
-            "steps": self.config.steps,
-            "tokens": counters.tokens,
-            "flops": counters.flops,
-            "flops_paper": counters.flops_paper,
-            "flops_teacher": counters.flops_teacher,  # distillation's teacher forwards (0 without), not in either
-            "mean_recurrence": self.config.depth.mean_recurrence if self.recurrent else None,
-            "recurrent": self.recurrent,
-            "earlier": self.earlier,  # the runs this one continues (model.init_from): not in the counters above
-        }
-
-    def _save_model(
-        self, target: Path, card_validation: dict | None = None, card: bool = False, dtype: str = "float32"
-    ) -> None:
-        """The model as a `from_pretrained` folder, with its tokenizer and `training.json`, written atomically
-        (collective under FSDP: every rank gathers, the main one writes); its floating-point weights in `dtype`."""
-        model = merged(self.model)  # LoRA adapters merged: the folder loads as a plain recurfit model
-        model_state, _ = gather_state(model, [])
-        if self.processes.is_main:
-            with staged_directory(target, replace=True) as staging:
-                save_weights(model, staging, model_state, dtype)
-                if self.tokenizer is not None:
-                    save_tokenizer(self.tokenizer, staging)
-                record = self.training_record()
-                (staging / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-                if card:
-                    training = {"config": self.config.to_dict(), **record, "steps": record["step"]}
-                    cells = (card_validation["step"], *validation_columns(card_validation)) if card_validation else None
-                    write_model_card(staging, model, self.out.name, training, cells)
-        self.processes.barrier()
-
-    def export(self, validation: dict | None = None) -> Path:
-        """The final model as a `from_pretrained` folder (with the tokenizer when the model had one) and its model
-        card: the recipe, the tokens and the last `validation` record."""
-        final = self.out / "final"
-        with self._timed("final"):
-            self._save_model(final, validation, card=True)
-        return final
-
-    def snapshot(self) -> None:
-        """A loadable model of this step under OUT/snapshots (weights only: the resumable state is a checkpoint's),
-        in `snapshots.dtype`."""
-        with self._timed("snapshot"):
-            target = self.folder.snapshots / f"step-{self.counters.step:06d}"
-            self._save_model(target, dtype=self.config.snapshots.dtype)
-
-    def _announce_snapshots(self) -> None:
-        """What the snapshots will take on disk, said before the first one is written."""
-        every = self.config.snapshots.every
-        if not every:
-            return
-        # At the start and every `every` steps before the end, which is final/.
-        start, end = self.start_step, self.config.end
-        count = 1 + (end - 1) // every - start // every if end > start else 0
-        floating = getattr(torch, self.config.snapshots.dtype).itemsize
-        size = sum(
-            t.numel() * (floating if t.is_floating_point() else t.element_size())
-            for t in {p.data_ptr(): p for p in self.model.state_dict().values()}.values()
-        )
-        self._say(
-            f"Snapshots: every {every} steps, {count} × {_size(size)} = {_size(count * size)} "
-            f"in {self.folder.snapshots}."
-        )
 
     # ------------------------------------------------------------ the run
 
@@ -665,27 +403,6 @@ class Trainer:
     def _write(self, record: dict | None) -> None:
         if record is not None and self.log is not None:
             self.log.write(record)
-
-
-def save_weights(model, folder: Path, state: dict, dtype: str) -> None:
-    """`model.save_pretrained(folder)` with `state`'s floating-point tensors in `dtype`, and config.json saying so
-    (transformers writes the model's own dtype there)."""
-    if dtype != "float32":
-        state = {name: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for name, t in state.items()}
-    model.save_pretrained(folder, state_dict=state)
-    settings = json.loads((folder / "config.json").read_text())
-    if settings.get("dtype", dtype) != dtype:
-        settings["dtype"] = dtype
-        (folder / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-
-
-def _size(size: float) -> str:
-    units = ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
-    return next((f"{size / scale:.1f} {unit}" for scale, unit in units if size >= scale), f"{size:.0f} bytes")
-
-
-def processes_mean_float(processes: Processes, value: torch.Tensor) -> float:
-    return processes.mean(value.detach().float()).item()
 
 
 def train(config: TrainConfig, resume: bool = False, force: bool = False) -> TrainResult:

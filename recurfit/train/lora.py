@@ -11,8 +11,9 @@ import copy
 import torch
 from torch import nn
 
+from ..defaults import LAYER_PARTS
 from ..errors import RecurfitError
-from .config import LAYER_PARTS, LoraSettings
+from .config import LoraConfig
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")  # PEFT's names for a LoRA layer's two factors
 
@@ -29,7 +30,7 @@ def is_lora_parameter(name: str) -> bool:
     return any(marker in name for marker in LORA_MARKERS)
 
 
-def lora_targets(model: nn.Module, settings: LoraSettings, parts: dict[str, list[nn.Module]]) -> list[str]:
+def lora_targets(model: nn.Module, settings: LoraConfig, parts: dict[str, list[nn.Module]]) -> list[str]:
     """The full names of the linear modules named `settings.targets` in the layers of `settings.parts`."""
     names = {id(module): name for name, module in model.named_modules()}
     chosen = [part for part in settings.parts or LAYER_PARTS if part in parts]
@@ -51,7 +52,7 @@ def lora_targets(model: nn.Module, settings: LoraSettings, parts: dict[str, list
     return found
 
 
-def add_lora(model: nn.Module, settings: LoraSettings, parts: dict[str, list[nn.Module]], seed: int) -> nn.Module:
+def add_lora(model: nn.Module, settings: LoraConfig, parts: dict[str, list[nn.Module]], seed: int) -> nn.Module:
     """Inject LoRA layers (PEFT's `inject_adapter_in_model`) into `model` in place. B starts at zero, so the
     model computes what it did; A is drawn from a generator seeded by `seed`, so a run starts the same way."""
     peft = _peft()

@@ -143,25 +143,25 @@ class HealingLoss:
         return 6 * readouts * (counts["coda"] + counts["final_norm"]) if readouts else 0
 
     def __call__(
-        self, logits: list[torch.Tensor], targets: torch.Tensor, teacher: torch.Tensor | None, parts: dict
+        self, logits: list[torch.Tensor], targets: torch.Tensor, teacher: torch.Tensor | None, terms: dict
     ) -> torch.Tensor:
         """The loss from each supervised depth's `logits` (shallowest first, the final one last) and the teacher's
-        logits; `parts` receives the final depth's `ce` (and `kl`), and with supervision the weighted means
+        logits; `terms` receives the final depth's `ce` (and `kl`), and with supervision the weighted means
         `ce_supervised` (and `kl_supervised`), detached."""
         weights = depth_weights(len(logits), self.supervise.weighting if self.supervise else "uniform")
         if self.distill is None:
-            terms = {"ce": [cross_entropy(depth_logits, targets) for depth_logits in logits]}
-            losses = terms["ce"]
+            by_depth = {"ce": [cross_entropy(depth_logits, targets) for depth_logits in logits]}
+            losses = by_depth["ce"]
         else:
             alpha, temperature = self.distill.alpha, self.distill.temperature
             target = teacher_log_probs(teacher, temperature)  # once per micro-batch, whatever the depths
             pairs = [distillation_losses(depth_logits, targets, target, temperature) for depth_logits in logits]
-            terms = {"ce": [ce for ce, _ in pairs], "kl": [kl for _, kl in pairs]}
+            by_depth = {"ce": [ce for ce, _ in pairs], "kl": [kl for _, kl in pairs]}
             losses = [alpha * ce + (1 - alpha) * temperature**2 * kl for ce, kl in pairs]
-        for name, values in terms.items():
-            parts[name] = values[-1].detach()
+        for name, values in by_depth.items():
+            terms[name] = values[-1].detach()
             if self.supervise is not None:
-                parts[f"{name}_supervised"] = sum(w * v.detach() for w, v in zip(weights, values))
+                terms[f"{name}_supervised"] = sum(w * v.detach() for w, v in zip(weights, values))
         return sum(weight * loss for weight, loss in zip(weights, losses))
 
 

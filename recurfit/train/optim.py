@@ -222,10 +222,10 @@ class BatchedMuon(torch.optim.Muon):
             p.add_(part, alpha=-adjusted_lr)
 
 
-# Newton–Schulz stacks at most this many elements per batched matmul (16 MiB in float32). Larger stacks were
-# slower on a CPU (SmolLM2's 24 MLP matrices at once: 8.3 s a step against 6.2 s in chunks): each temporary
-# of hundreds of MB is a fresh mapping whose pages the kernel zeroes. A GPU gains from batching small
-# matrices (fewer launches); a 1B model's large ones go one at a time either way.
+# Newton–Schulz stacks at most this many elements per batched matmul (16 MiB in float32). Larger stacks are
+# slower on a CPU (measured in docs/training.md, "Muon's precision and cost"): each temporary of hundreds of MB
+# is a fresh mapping whose pages the kernel zeroes. A GPU gains from batching small matrices (fewer launches);
+# a 1B model's large ones go one at a time either way.
 NS_BATCH_ELEMENTS = 2**22
 
 

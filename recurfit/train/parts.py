@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..defaults import BASELINE_PARTS, RECURRENT_PARTS
 from ..errors import RecurfitError
 from ..model.modeling import RecurrentForCausalLM
-from .config import BASELINE_PARTS, RECURRENT_PARTS, TrainConfig
+from .config import TrainConfig
 from .lora import add_lora, is_lora_parameter
 
 
@@ -27,6 +28,11 @@ def part_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
     else:
         layers = {"layers": [body.layers, body.norm]}
     return {"embeddings": [model.get_input_embeddings()], **layers, "head": [model.get_output_embeddings()]}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer of `model` (of any family), in order."""
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def parameter_parts(model: nn.Module) -> dict[int, set[str]]:
@@ -85,7 +91,7 @@ def select_parts(model: nn.Module, config: TrainConfig) -> nn.Module:
     return model
 
 
-def summary(model: nn.Module, config: TrainConfig) -> str | None:
+def trained_parts_line(model: nn.Module, config: TrainConfig) -> str | None:
     """The line a run prints when part of the model is frozen: what trains, and how many parameters."""
     total = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

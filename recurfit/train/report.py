@@ -10,9 +10,9 @@ from rich.table import Table
 
 from ..errors import RecurfitError
 from .config import TrainConfig
-from .loop import depth_schedule
 from .metrics import validation_columns
 from .optim import build_schedulers
+from .step_plan import depth_schedule
 
 
 def lr_multiplier(config: TrainConfig):
