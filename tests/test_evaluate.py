@@ -237,6 +237,17 @@ def test_eval_tasks_offline_refuses_a_hub_only_task_before_loading_a_model(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_eval_tasks_backend_vllm_without_vllm_is_refused_naming_the_setup_script(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    argv = ["eval", "tasks", tmp_path / "no-model", "--tasks", "gsm8k_cot", "--backend", "vllm"]
+    code, text = run_cli(capsys, *argv, "--out", tmp_path / "out")
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert "--backend vllm: vLLM is not installed in this environment; run ./scripts/setup-vllm.sh" in text
+
+
 def test_lambada_and_social_iqa_score_the_tiny_model_as_its_own_loglikelihoods_say(lm_pair):
     """Offline LAMBADA and Social IQa through lm-eval on a tiny random retrofit: LAMBADA's acc and perplexity and
     Social IQa's acc equal the numbers computed by hand from the model's log-likelihoods of the same requests."""

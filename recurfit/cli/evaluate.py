@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import defaults
@@ -94,6 +95,25 @@ def _add_tasks_arguments(p) -> None:
         default="random",
         help="s_0 as in training, or zeros (results independent of batching)",
     )
+    p.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: lm-eval's HFLM on recurfit's model; vllm: lm-eval's vllm model on the saved folder, served by "
+        "recurfit's vLLM plugin, one engine per r (needs ./scripts/setup-vllm.sh; run .venv-vllm/bin/recurfit)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        metavar="GIB",
+        help="--backend vllm: the KV cache of each engine (default: 2 on a CPU, where vLLM would otherwise reserve "
+        "92%% of the memory; vLLM's own share of the memory on a GPU)",
+    )
+    p.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write samples.json: lm-eval's record of every document (prompt, answer, score) per run",
+    )
     p.set_defaults(run=cmd_eval_tasks)
 
 
@@ -153,16 +173,23 @@ def _evaluations(args) -> tuple[bool, Path]:
     return over_training, Path(args.out)
 
 
-def _evaluate_run(args, settings: dict, sweep_one) -> None:
-    """`eval loss|tasks RUN`: `sweep_one(model, recurrences, name, baseline)` on each snapshot not yet done."""
+def _evaluate_run(args, settings: dict, sweep_one, served: bool = False) -> None:
+    """`eval loss|tasks RUN`: `sweep_one(model, recurrences, name, baseline)` on each snapshot not yet done
+    (`served`: each snapshot and the parent as folders vLLM loads, not loaded here)."""
     from ..evaluate.over_training import evaluate_run
     from ..model.loading import load_model
 
     placement = _placement(args)
-    parent = _eval_models(args, model=False)[1]
+    if served:
+        parent = _served_folder(None if args.baseline == "embedded" else args.baseline, args) if args.baseline else None
+    else:
+        parent = _eval_models(args, model=False)[1]
 
     def evaluate(snapshot, recurrences, name):
-        model = load_model(str(snapshot.path), dtype=placement.dtype, device=placement.device)
+        if served:
+            model = _served_folder(str(snapshot.path), args)
+        else:
+            model = load_model(str(snapshot.path), dtype=placement.dtype, device=placement.device)
         return sweep_one(model, recurrences or [1], name, parent if snapshot.final else None)
 
     settings = {**settings, "baseline": args.baseline, "dtype": str(placement.dtype), "seed": args.seed}
@@ -210,16 +237,26 @@ def cmd_eval_loss(args) -> None:
 
 
 def cmd_eval_tasks(args) -> None:
+    if args.backend == "vllm":
+        from ..evaluate.vllm_backend import check_installed
+
+        check_installed()  # in one line, before anything is loaded
     from ..evaluate.suite import check_tasks, task_sweep
     from ..model.loading import load_tokenizer
 
     over_training, out = _evaluations(args)
     check_tasks(args.tasks, args.data)  # before loading anything
+    served = args.backend == "vllm"
+
+    def tokenizer_of(model):
+        if served:  # lm-eval's VLLM loads it by name: the model's own unless --tokenizer
+            return args.tokenizer
+        return load_tokenizer(args.tokenizer or (model.name_or_path if over_training else args.model))
 
     def sweep_one(model, recurrences, name, parent):
         sweep, raw = task_sweep(
             model,
-            load_tokenizer(args.tokenizer or (model.name_or_path if over_training else args.model)),
+            tokenizer_of(model),
             tasks=args.tasks,
             recurrences=recurrences,
             name=name,
@@ -231,16 +268,64 @@ def cmd_eval_tasks(args) -> None:
             max_new_tokens=args.max_new_tokens,
             state_init=args.state_init,
             seed=args.seed,
+            backend=args.backend,
+            log_samples=args.log_samples,
         )
-        return sweep, {"lm_eval.json": raw}
+        samples = raw.pop("samples", None)
+        return sweep, {"lm_eval.json": raw, **({"samples.json": samples} if args.log_samples else {})}
 
     if over_training:
         settings = {"kind": "tasks", "tasks": args.tasks, "data": args.data, "limit": args.limit}
         settings |= {"max_new_tokens": args.max_new_tokens, "state_init": args.state_init}
-        return _evaluate_run(args, settings, sweep_one)
-    model, parent = _eval_models(args)
-    sweep, raw = sweep_one(model, args.recurrence, _model_name(args.model), parent)
+        settings |= {"backend": args.backend} if served else {}  # runs evaluated before --backend existed: hf
+        return _evaluate_run(args, settings, sweep_one, served)
+    if served:
+        with _served_models(args) as (model, parent):
+            sweep, raw = sweep_one(model, args.recurrence, _model_name(args.model), parent)
+    else:
+        model, parent = _eval_models(args)
+        sweep, raw = sweep_one(model, args.recurrence, _model_name(args.model), parent)
     _write_sweep(sweep, out, args.force, raw)
+
+
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+
+
+def _engine_args(args) -> dict:
+    """vllm.LLM arguments from the placement options: --dtype (auto: float32 on a CPU, bfloat16 on a GPU, as the
+    default backend), eager mode and a fixed KV cache (--kv-cache-gib) on a CPU."""
+    placement = _placement(args)
+    cpu = placement.device.type == "cpu"
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else (DEFAULT_CPU_KV_CACHE_GIB if cpu else None)
+    kv = {} if kv_gib is None else {"kv_cache_memory_bytes": int(kv_gib * (1 << 30))}
+    return {"dtype": str(placement.dtype).removeprefix("torch."), "enforce_eager": cpu, **kv}
+
+
+def _served_folder(path, args):
+    from ..evaluate.vllm_backend import ServedFolder
+
+    return ServedFolder.load(path, **_engine_args(args))
+
+
+@contextmanager
+def _served_models(args):
+    """The model under test and the --baseline parent as folders vLLM loads; without MODEL the embedded SmolLM2,
+    retrofitted as the default backend does it, saved with its tokenizer to a temporary folder."""
+    import tempfile
+
+    parent = None
+    if args.baseline:
+        parent = _served_folder(None if args.baseline == "embedded" else args.baseline, args)
+    if args.model:
+        yield _served_folder(args.model, args), parent
+        return
+    from ..model.loading import load_tokenizer, save_tokenizer
+    from ..surgery.retrofit import load_recurrent_model
+
+    with tempfile.TemporaryDirectory(prefix="recurfit-vllm-") as folder:
+        load_recurrent_model(None, _placement(args).dtype).save_pretrained(folder)
+        save_tokenizer(load_tokenizer(None), Path(folder))
+        yield _served_folder(folder, args), parent
 
 
 def cmd_plot(args) -> None:

@@ -77,6 +77,9 @@ REPORTED_METRICS = (
     "stated_answer,none",
     "exact_match,none",
 )
+# How the tasks run: "hf", lm-eval's HFLM on recurfit's module (lm.py); "vllm", lm-eval's VLLM on the saved folder,
+# served by recurfit's vLLM plugin (vllm_backend.py).
+BACKENDS = ("hf", "vllm")
 # The authors' model arguments (lm-eval's HFLM): a BOS token before every prompt. (They also asked for float32,
 # which is how `recurfit eval` loads models.)
 MODEL_ARGS = {"add_bos_token": True}
@@ -258,27 +261,47 @@ def task_sweep(
     max_new_tokens: int | None = None,
     state_init: str = "random",
     seed: int = 0,
+    backend: str = "hf",
+    log_samples: bool = False,
 ) -> tuple[Sweep, dict]:
     """The task table (a row per test recurrence, the `baseline`, random chance) and lm-eval's full results per
-    run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject)."""
+    run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject).
+
+    `backend` "hf": lm-eval's HFLM on the loaded `model` (RecurfitLM), one model for every r. "vllm": `model` and
+    `baseline` are `vllm_backend.ServedFolder`s, run through lm-eval's `vllm` model type, one engine per r and
+    settings (`tokenizer` is then a folder or Hub id, or None for the model's own). `log_samples`: lm-eval's
+    per-document records (prompt, answer, score) in the second result under "samples", by run and task."""
+    if backend not in BACKENDS:
+        raise RecurfitError(f"backend must be one of {BACKENDS}, not {backend!r}.")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval's per-task notices drown the progress bars
     manager = task_manager(data)
     names = resolve_tasks(tasks, data, manager)
-    runner = _TaskRunner(tokenizer, manager, names, plan_runs(names), limit, batch_size, max_new_tokens, seed)
+    runner = _TaskRunner(
+        tokenizer, manager, names, plan_runs(names), limit, batch_size, max_new_tokens, seed, backend, log_samples
+    )
 
     raw: dict = {}
-    lms = runner.models(model, state_init=state_init)
+    samples: dict = {}
+    module = model.meta if backend == "vllm" else model  # what the rows count (parameters, FLOPs)
+    recurrent = isinstance(module, RecurrentForCausalLM)
+    models = runner.models(model, state_init=state_init)
     rows = []
-    for r in list(recurrences) if isinstance(model, RecurrentForCausalLM) else [None]:
-        for lm in lms.values():
-            lm.num_steps = r
-        raw[f"r={r}" if r else "model"] = results = runner.run(lms, f"{name} at r={r}" if r else name)
-        rows.append(Row.measured(model, r, runner.metrics(results)))
+    for r in list(recurrences) if recurrent else [None]:
+        key = f"r={r}" if r else "model"
+        raw[key] = results = runner.run(models, f"{name} at r={r}" if r else name, r, samples.setdefault(key, {}))
+        rows.append(Row.measured(module, r, runner.metrics(results)))
     parent_row = None
     if baseline is not None:
-        raw["parent"] = results = runner.run(runner.models(baseline), f"parent {baseline_name}")
-        parent_row = Row.measured(baseline, None, runner.metrics(results), label=f"parent ({baseline_name})")
+        parent_models = runner.models(baseline)
+        raw["parent"] = results = runner.run(
+            parent_models, f"parent {baseline_name}", None, samples.setdefault("parent", {})
+        )
+        parent = baseline.meta if backend == "vllm" else baseline
+        parent_row = Row.measured(parent, None, runner.metrics(results), label=f"parent ({baseline_name})")
     chance, details = runner.chance_and_details(raw[next(iter(raw))], data, state_init)
+    details["backend"] = backend
+    if log_samples:
+        raw["samples"] = samples
     return Sweep("tasks", name, list(rows[0].metrics), rows, parent_row, chance, details), raw
 
 
@@ -294,13 +317,27 @@ class _TaskRunner:
     batch_size: int
     max_new_tokens: int | None
     seed: int
+    backend: str = "hf"
+    log_samples: bool = False
 
-    def models(self, pretrained, **kwargs) -> dict:
-        """One lm-eval model per max_length the runs need, all wrapping the same module."""
+    def models(self, pretrained, **kwargs):
+        """`lm_at(max_length, r)`: a context manager giving the lm-eval model for one run. "hf": one RecurfitLM per
+        max_length the runs need, all wrapping the same module, re-pointed at r; "vllm": a new engine each time."""
+        if self.backend == "vllm":
+            from .vllm_backend import vllm_lm
+
+            tokenizer = {"tokenizer": self.tokenizer} if self.tokenizer else {}
+            batch = {"batch_size": "auto"}  # vLLM's scheduler batches the requests itself
+
+            def lm_at(length, r):
+                return vllm_lm(pretrained, num_steps=r, max_length=length, seed=self.seed, **MODEL_ARGS,
+                               **tokenizer, **batch, **kwargs)  # fmt: skip
+
+            return lm_at
         from .lm import RecurfitLM
 
         lengths = dict.fromkeys(settings.max_length for settings in self.runs)
-        return {
+        lms = {
             length: RecurfitLM(
                 pretrained=pretrained,
                 tokenizer=self.tokenizer,
@@ -312,24 +349,32 @@ class _TaskRunner:
             for length in lengths
         }
 
-    def run(self, lms: dict, label: str) -> dict:
-        """lm-eval's results per task, each group of tasks run with its own settings, behind a progress bar."""
+        @contextmanager
+        def lm_at(length, r):
+            lms[length].num_steps = r
+            yield lms[length]
+
+        return lm_at
+
+    def run(self, lm_at, label: str, r: int | None = None, samples: dict | None = None) -> dict:
+        """lm-eval's results per task at recurrence `r`, each group of tasks run with its own settings, behind a
+        progress bar; lm-eval's per-document records into `samples` when the runner logs them."""
         from lm_eval import simple_evaluate
 
         first = f" (first {self.limit} documents each)" if self.limit else ""
         Console(stderr=True).print(f"[bold]{label}[/]: {', '.join(self.names)}" + first)
         results: dict = {}
         for settings, group in self.runs.items():
-            with quiet_git_hash(), progress_bar() as bar:
-                lms[settings.max_length].progress = (bar, label)
+            with lm_at(settings.max_length, r) as lm, quiet_git_hash(), progress_bar() as bar:
+                lm.progress = (bar, label)
                 output = simple_evaluate(
-                    model=lms[settings.max_length],
+                    model=lm,
                     tasks=group,
                     task_manager=self.manager,
                     num_fewshot=settings.num_fewshot,
                     limit=self.limit,
                     bootstrap_iters=0,
-                    log_samples=False,
+                    log_samples=self.log_samples,
                     gen_kwargs={"max_gen_toks": self.max_new_tokens} if self.max_new_tokens else None,
                     random_seed=self.seed,
                     numpy_random_seed=self.seed,
@@ -337,6 +382,8 @@ class _TaskRunner:
                     fewshot_random_seed=self.seed,
                 )
             results.update(output["results"])
+            if samples is not None and self.log_samples:
+                samples.update(output["samples"])
         return results
 
     def metrics(self, results: dict) -> dict[str, float]:
