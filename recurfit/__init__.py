@@ -14,7 +14,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 _EXPORTS = {
-    "LayerSelection": "surgery.retrofit",
+    "LayerSelection": "surgery.selection",
     "RecurrentCache": "model.cache",
     "RecurrentConfig": "model.config",
     "RecurrentForCausalLM": "model.modeling",

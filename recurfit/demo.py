@@ -32,7 +32,8 @@ from .evaluate.suite import task_sweep
 from .generation import GenerationSettings, generate_text
 from .model.accounting import inference_flops_per_token
 from .model.loading import load_model, load_tokenizer, resolve_placement
-from .surgery.retrofit import check_parity, retrofit
+from .surgery.parity import check_parity
+from .surgery.retrofit import retrofit
 from .train import load_config, train
 from .train.config import OptimizerConfig
 from .train.metrics import read_log

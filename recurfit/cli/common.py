@@ -1,5 +1,6 @@
 """What every command module uses: the console, argument types, shared options (recurrences, calibration text,
-placement), the help formatter and the parser class."""
+placement), the model a command runs when --model is a saved one or left out, the help formatter and the parser
+class."""
 
 from __future__ import annotations
 
@@ -113,6 +114,20 @@ def _placement(args, dtype=None):
     from ..model.loading import resolve_placement
 
     return resolve_placement(args.device, dtype or args.dtype, args.threads)
+
+
+def load_recurrent_model(name_or_path: str | None, dtype="float32", device=None):
+    """A model to generate with or evaluate: a folder or Hub id (`--model`), or without one the embedded
+    SmolLM2-135M retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality).
+    Surgery is imported only for that default."""
+    from ..model.loading import load_model
+
+    if name_or_path is not None:
+        return load_model(name_or_path, dtype, device)
+    from ..surgery.retrofit import retrofit
+
+    model = retrofit(load_model(None, dtype), defaults.DEFAULT_SHAPE).eval()  # surgery on the CPU, then moved whole
+    return model if device is None else model.to(device)
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -101,7 +101,7 @@ def _eval_models(args, model: bool = True):
     """The model under test (default: the embedded SmolLM2 retrofitted, untrained; None unless `model`) and the
     --baseline parent, both on --device in --dtype."""
     from ..model.loading import load_model
-    from ..surgery.retrofit import load_recurrent_model
+    from .common import load_recurrent_model
 
     placement = _placement(args)
     model = load_recurrent_model(args.model, placement.dtype, placement.device) if model else None

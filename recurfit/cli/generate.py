@@ -53,7 +53,7 @@ def _generation_model(args):
     """The model to talk to and its tokenizer, on --device in --dtype; without MODEL, the embedded SmolLM2
     retrofitted on the spot."""
     from ..model.loading import load_tokenizer
-    from ..surgery.retrofit import load_recurrent_model
+    from .common import load_recurrent_model
 
     if args.model is None:
         console.print(
