@@ -186,7 +186,7 @@ def cmd_inspect(args) -> None:
 def _inspect_layers(args, config) -> None:
     """Score every parent layer on calibration text; what each layer-selection rule keeps; a figure."""
     from ..model.loading import load_model
-    from ..model.summary import layer_scores_table
+    from ..model.tables import layer_scores_table
     from ..surgery.calibration import EMBEDDED_PROSE
     from ..surgery.layer_scores import measure, plot_layer_scores
     from ..surgery.selection import LayerSelection, selections_by_rule
@@ -260,7 +260,7 @@ def _parent_name(args) -> str:
 
 
 def _print_model(model, steps) -> None:
-    from ..model.summary import flops_table, parts_table
+    from ..model.tables import flops_table, parts_table
 
     console.print(parts_table(model))
     console.print(flops_table(model, steps))

@@ -18,7 +18,7 @@ from ..errors import RecurfitError
 from ..io.assets import EMBEDDED_NAME, cache_root
 from .accounting import count_parameters, effective_parameters
 from .modeling import RecurrentForCausalLM
-from .summary import layer_ranges
+from .tables import layer_ranges
 
 CARD = "README.md"
 # What a model folder shares: weights, configs, tokenizer, the card. Checkpoints, logs and stray files stay home.

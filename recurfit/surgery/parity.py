@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..model.modeling import RecurrentForCausalLM, positions_from_mask
+from ..model.layer_inputs import positions_from_mask
+from ..model.modeling import RecurrentForCausalLM
 from .pruning import pruned_parent
 
 PARITY_TOLERANCE = 1e-4  # max |Δlogit| (fp32) under which a retrofit counts as equal to its pruned parent

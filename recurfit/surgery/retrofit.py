@@ -21,9 +21,10 @@ from transformers import PreTrainedModel
 
 from ..defaults import ADAPTER_INITS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
 from ..io.assets import public_name
+from ..model.adapter import LinearAdapter
 from ..model.config import RecurrentConfig
 from ..model.families import config_for_layers, family_of
-from ..model.modeling import LinearAdapter, RecurrentForCausalLM
+from ..model.modeling import RecurrentForCausalLM
 from .selection import LayerSelection, select_layers
 
 

@@ -1,4 +1,4 @@
-"""Human-readable summaries of a model: its parts, parameters and FLOPs per token (rich tables)."""
+"""The rich tables `inspect` and `train` print: a model's parts and parameters, FLOPs per token, layer scores."""
 
 from __future__ import annotations
 
