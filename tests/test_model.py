@@ -132,15 +132,3 @@ def test_generate_greedy_matches_manual_argmax_decoding():
             next_token = model(manual, num_steps=3).logits[:, -1].argmax(-1, keepdim=True)
             manual = torch.cat([manual, next_token], dim=1)
     assert torch.equal(out, manual)
-
-
-def test_configs_saved_with_the_old_backprop_depth_key_still_load(tmp_path):
-    import json
-
-    from recurfit import RecurrentConfig
-
-    RecurrentConfig(backprop_depth=3).save_pretrained(tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
-    saved["mean_backprop_depth"] = saved.pop("backprop_depth")  # the name recurfit 0.1 and Huginn write
-    (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert RecurrentConfig.from_pretrained(tmp_path).backprop_depth == 3

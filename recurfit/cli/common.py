@@ -65,28 +65,16 @@ def positive_float(text: str) -> float:
     return value
 
 
-class DeprecatedAlias(argparse.Action):
-    """Stores the value; when given under an option's last name (its old one), says which name replaced it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string == self.option_strings[-1]:
-            print(f"note: {option_string} is deprecated; use {self.option_strings[-2]}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...], old_name: bool = True) -> None:
-    """-r/--recurrence: the test-time recurrences r to run (the paper's r; `--steps` is the deprecated name, except
-    where `--steps` now picks a training run's snapshots)."""
+def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...]) -> None:
+    """-r/--recurrence: the test-time recurrences r to run (the paper's r)."""
     parser.add_argument(
         "-r",
         "--recurrence",
-        *(["--steps"] if old_name else []),
         dest="recurrence",
         type=positive_ints,
         default=list(default),
-        action=DeprecatedAlias if old_name else "store",
         metavar="R,R,…",
-        help="test-time recurrences, e.g. 1,4,32" + (" (--steps: deprecated)" if old_name else ""),
+        help="test-time recurrences, e.g. 1,4,32",
     )
 
 

@@ -67,7 +67,7 @@ def _add_model_arguments(p, name: str) -> None:
 
 def _add_loss_arguments(p) -> None:
     p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
-    add_recurrences(p, defaults.LOSS_RECURRENCES, old_name=False)
+    add_recurrences(p, defaults.LOSS_RECURRENCES)
     p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
     p.set_defaults(run=cmd_eval_loss)
 
@@ -79,7 +79,7 @@ def _add_tasks_arguments(p) -> None:
         default=["paper"],
         help="comma-separated lm-eval task names; `paper`: the paper's tables; `paper-shapes`: a figure",
     )
-    add_recurrences(p, defaults.TASK_RECURRENCES, old_name=False)
+    add_recurrences(p, defaults.TASK_RECURRENCES)
     p.add_argument(
         "--data",
         choices=["offline", "hub"],

@@ -277,5 +277,6 @@ def _save(model, tokenizer, out, force) -> None:
             save_tokenizer(tokenizer, staging)
         write_model_card(staging, model, Path(out).name)
     console.print(
-        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`."
+        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after "
+        "`import recurfit.model.modeling`."
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -441,3 +441,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         if not isinstance(output, torch.Tensor) and log:
             output["steps_per_token"] = torch.stack(log, dim=1)
         return output
+
+
+# Importing the model makes saved recurfit folders loadable by transformers' Auto classes (no trust_remote_code);
+# importing .config above registered the config.
+AutoModel.register(RecurrentConfig, RecurrentModel, exist_ok=True)
+AutoModelForCausalLM.register(RecurrentConfig, RecurrentForCausalLM, exist_ok=True)
