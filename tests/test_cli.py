@@ -173,16 +173,7 @@ def test_generate_streams_and_reports_depth(workspace, tmp_path, capsys):
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
     assert code == 0
     code, text = run(
-        capsys,
-        "generate",
-        tmp_path / "rec",
-        "--prompt",
-        "the cat",
-        "--recurrence",
-        "3",
-        "--max-new-tokens",
-        "5",
-        "--stream",
+        capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "-r", "3", "--max-new-tokens", "5", "--stream"
     )
     assert code == 0 and "5 tokens in" in text and "mean 3.0 (min 3, max 3)" in text
     with pytest.raises(SystemExit) as refused:  # the old name of --recurrence is gone (a usage error)
