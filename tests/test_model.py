@@ -132,3 +132,23 @@ def test_generate_greedy_matches_manual_argmax_decoding():
             next_token = model(manual, num_steps=3).logits[:, -1].argmax(-1, keepdim=True)
             manual = torch.cat([manual, next_token], dim=1)
     assert torch.equal(out, manual)
+
+
+def test_importing_the_model_registers_it_with_the_auto_classes_and_import_recurfit_stays_torch_free(tmp_path):
+    import subprocess
+    import sys
+
+    trained_like().save_pretrained(tmp_path)
+    code = "\n".join(
+        [
+            "import sys",
+            "import recurfit",
+            "print('torch after import recurfit:', 'torch' in sys.modules)",
+            "import recurfit.model.modeling",
+            "from transformers import AutoModelForCausalLM",
+            f"print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["torch after import recurfit: False", "RecurrentForCausalLM"]
