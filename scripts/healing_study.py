@@ -125,7 +125,7 @@ def exit_depths(model_folder: Path, store: str, rows: int, chunk: int = 4) -> di
     EXIT_MIN_STEPS on where KL(p_s ‖ p_{s-1}) < EXIT_THRESHOLD (the rule of `--exit kl:5e-4`), else at EXIT_MAX.
     Returns the mean depth, and the loss at the exit depths against the loss at EXIT_MAX (equal quality?)."""
     model = load_model(str(model_folder), dtype=torch.float32).eval()
-    if not hasattr(model.model, "readouts"):
+    if not hasattr(model.model, "final_hidden_states_at"):
         return {}
     ids = torch.tensor(load_examples(store, limit=rows).sequences)
     depths, at_exit, full = [], [], []
@@ -134,7 +134,7 @@ def exit_depths(model_folder: Path, store: str, rows: int, chunk: int = 4) -> di
         inputs, targets = batch[:, :-1], batch[:, 1:]
         depth = torch.full(targets.shape, EXIT_MAX)
         target_log_p, previous = [], None
-        for step, hidden in model.model.readouts(inputs, range(1, EXIT_MAX + 1), generator=generator):
+        for step, hidden in model.model.final_hidden_states_at(inputs, range(1, EXIT_MAX + 1), generator=generator):
             log_p = F.log_softmax(model.lm_head(hidden).float(), dim=-1)
             target_log_p.append(log_p.gather(-1, targets[..., None])[..., 0])
             if previous is not None and step >= EXIT_MIN_STEPS:

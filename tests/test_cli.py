@@ -173,10 +173,12 @@ def test_generate_streams_and_reports_depth(workspace, tmp_path, capsys):
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
     assert code == 0
     code, text = run(
-        capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "--steps", "3", "--max-new-tokens", "5", "--stream"
+        capsys, "generate", tmp_path / "rec", "--prompt", "the cat", "-r", "3", "--max-new-tokens", "5", "--stream"
     )
     assert code == 0 and "5 tokens in" in text and "mean 3.0 (min 3, max 3)" in text
-    assert "--steps is deprecated; use --recurrence" in text  # the old name still works, and says so
+    with pytest.raises(SystemExit) as refused:  # the old name of --recurrence is gone (a usage error)
+        main(["generate", str(tmp_path / "rec"), "--prompt", "the cat", "--steps", "3"])
+    assert refused.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
     code, text = run(
         capsys,
         "generate",

@@ -6,7 +6,7 @@ import torch
 import recurfit
 from recurfit.cli import main
 from recurfit.model.loading import load_model, load_tokenizer
-from recurfit.surgery.retrofit import parity
+from recurfit.surgery.parity import parity
 
 pytestmark = pytest.mark.slow
 

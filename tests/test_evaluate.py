@@ -47,7 +47,7 @@ def test_one_pass_readouts_equal_separate_forwards_from_the_same_state(family):
     mask = torch.ones_like(ids)
     mask[1, 8:] = 0  # right padding on one row
     s0 = torch.randn(2, 12, model.config.hidden_size) * 0.1
-    readouts = dict(model.model.readouts(ids, [1, 3, 4], attention_mask=mask, initial_state=s0))
+    readouts = dict(model.model.final_hidden_states_at(ids, [1, 3, 4], attention_mask=mask, initial_state=s0))
     assert list(readouts) == [1, 3, 4]
     for r, hidden in readouts.items():
         separate = model.model(ids, attention_mask=mask, num_steps=r, initial_state=s0)[0]

@@ -12,8 +12,17 @@ from transformers import AutoModelForCausalLM
 import recurfit
 from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_tokenizer
-from recurfit.surgery.layer_scores import LayerScores, core_window, kneedle, knees, measure, plot_layer_scores
-from recurfit.surgery.retrofit import LayerSelection, block_influence, check_parity, selections_by_rule
+from recurfit.surgery.layer_scores import (
+    LayerScores,
+    block_influence,
+    core_window,
+    kneedle,
+    knees,
+    measure,
+    plot_layer_scores,
+)
+from recurfit.surgery.parity import check_parity
+from recurfit.surgery.selection import LayerSelection, selections_by_rule
 from recurfit.train.config import load_config
 from recurfit.train.initial_model import build_model, calibration_rows, check_plan
 

@@ -134,13 +134,21 @@ def test_generate_greedy_matches_manual_argmax_decoding():
     assert torch.equal(out, manual)
 
 
-def test_configs_saved_with_the_old_backprop_depth_key_still_load(tmp_path):
-    import json
+def test_importing_the_model_registers_it_with_the_auto_classes_and_import_recurfit_stays_torch_free(tmp_path):
+    import subprocess
+    import sys
 
-    from recurfit import RecurrentConfig
-
-    RecurrentConfig(backprop_depth=3).save_pretrained(tmp_path)
-    saved = json.loads((tmp_path / "config.json").read_text())
-    saved["mean_backprop_depth"] = saved.pop("backprop_depth")  # the name recurfit 0.1 and Huginn write
-    (tmp_path / "config.json").write_text(json.dumps(saved))
-    assert RecurrentConfig.from_pretrained(tmp_path).backprop_depth == 3
+    trained_like().save_pretrained(tmp_path)
+    code = "\n".join(
+        [
+            "import sys",
+            "import recurfit",
+            "print('torch after import recurfit:', 'torch' in sys.modules)",
+            "import recurfit.model.modeling",
+            "from transformers import AutoModelForCausalLM",
+            f"print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["torch after import recurfit: False", "RecurrentForCausalLM"]

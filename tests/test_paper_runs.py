@@ -16,7 +16,9 @@ from test_train import tiny_config
 from recurfit.errors import RecurfitError
 from recurfit.model.init import scaled_init_
 from recurfit.model.sampling import Curriculum
-from recurfit.surgery.retrofit import block_influence, prune_layers, retrofit, untie_embeddings
+from recurfit.surgery.layer_scores import block_influence
+from recurfit.surgery.pruning import prune_layers, untie_embeddings
+from recurfit.surgery.retrofit import retrofit
 from recurfit.train import Trainer, load_config, train
 from recurfit.train.initial_model import build_model
 from recurfit.train.step_plan import depth_schedule

@@ -77,6 +77,7 @@ def test_imported_checkpoint_gives_the_same_logits_at_every_r(tmp_path, family):
     imported = import_raven(tmp_path)
     assert imported.config.text_config.model_type == family and imported.config.shape == (2, 2, 1)
     assert imported.config.state_init_std == 0.02 and imported.config.mean_recurrence == 8
+    assert imported.config.backprop_depth == 4  # Huginn's own key, mean_backprop_depth
     ids = token_batch()
     zero = torch.zeros(2, 12, 64)
     with torch.no_grad():

@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import recurfit
-from recurfit.surgery.retrofit import LayerSelection, block_influence
+from recurfit.surgery.layer_scores import block_influence
+from recurfit.surgery.selection import LayerSelection
 
 
 def test_paper_rule_reproduces_the_papers_layer_choices():

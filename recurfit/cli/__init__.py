@@ -100,9 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
         args.state_std = DEFAULT_STATE_INIT_STD
     try:
-        from .. import register_auto_classes
-
-        register_auto_classes()  # here, not on import: `recurfit --help` answers without importing torch
         args.run(args)
     except (RecurfitError, ValueError, FileNotFoundError) as error:
         if os.environ.get("RECURFIT_DEBUG"):

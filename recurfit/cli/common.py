@@ -1,5 +1,6 @@
 """What every command module uses: the console, argument types, shared options (recurrences, calibration text,
-placement), the help formatter and the parser class."""
+placement), the model a command runs when --model is a saved one or left out, the help formatter and the parser
+class."""
 
 from __future__ import annotations
 
@@ -64,28 +65,16 @@ def positive_float(text: str) -> float:
     return value
 
 
-class DeprecatedAlias(argparse.Action):
-    """Stores the value; when given under an option's last name (its old one), says which name replaced it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string == self.option_strings[-1]:
-            print(f"note: {option_string} is deprecated; use {self.option_strings[-2]}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...], old_name: bool = True) -> None:
-    """-r/--recurrence: the test-time recurrences r to run (the paper's r; `--steps` is the deprecated name, except
-    where `--steps` now picks a training run's snapshots)."""
+def add_recurrences(parser: argparse.ArgumentParser, default: tuple[int, ...]) -> None:
+    """-r/--recurrence: the test-time recurrences r to run (the paper's r)."""
     parser.add_argument(
         "-r",
         "--recurrence",
-        *(["--steps"] if old_name else []),
         dest="recurrence",
         type=positive_ints,
         default=list(default),
-        action=DeprecatedAlias if old_name else "store",
         metavar="R,R,…",
-        help="test-time recurrences, e.g. 1,4,32" + (" (--steps: deprecated)" if old_name else ""),
+        help="test-time recurrences, e.g. 1,4,32",
     )
 
 
@@ -113,6 +102,20 @@ def _placement(args, dtype=None):
     from ..model.loading import resolve_placement
 
     return resolve_placement(args.device, dtype or args.dtype, args.threads)
+
+
+def load_recurrent_model(name_or_path: str | None, dtype="float32", device=None):
+    """A model to generate with or evaluate: a folder or Hub id (`--model`), or without one the embedded
+    SmolLM2-135M retrofitted to `DEFAULT_SHAPE` on the spot (untrained: it shows the mechanics, not the quality).
+    Surgery is imported only for that default."""
+    from ..model.loading import load_model
+
+    if name_or_path is not None:
+        return load_model(name_or_path, dtype, device)
+    from ..surgery.retrofit import retrofit
+
+    model = retrofit(load_model(None, dtype), defaults.DEFAULT_SHAPE).eval()  # surgery on the CPU, then moved whole
+    return model if device is None else model.to(device)
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -68,7 +68,7 @@ def _add_model_arguments(p, name: str) -> None:
 
 def _add_loss_arguments(p) -> None:
     p.add_argument("--data", required=True, help="a token store (its val split) or any `data prepare` source")
-    add_recurrences(p, defaults.LOSS_RECURRENCES, old_name=False)
+    add_recurrences(p, defaults.LOSS_RECURRENCES)
     p.add_argument("--seq-len", type=int, default=256, help="window length for text data")
     p.set_defaults(run=cmd_eval_loss)
 
@@ -80,7 +80,7 @@ def _add_tasks_arguments(p) -> None:
         default=["paper"],
         help="comma-separated lm-eval task names; `paper`: the paper's tables; `paper-shapes`: a figure",
     )
-    add_recurrences(p, defaults.TASK_RECURRENCES, old_name=False)
+    add_recurrences(p, defaults.TASK_RECURRENCES)
     p.add_argument(
         "--data",
         choices=["offline", "hub"],
@@ -121,7 +121,7 @@ def _eval_models(args, model: bool = True):
     """The model under test (default: the embedded SmolLM2 retrofitted, untrained; None unless `model`) and the
     --baseline parent, both on --device in --dtype."""
     from ..model.loading import load_model
-    from ..surgery.retrofit import load_recurrent_model
+    from .common import load_recurrent_model
 
     placement = _placement(args)
     model = load_recurrent_model(args.model, placement.dtype, placement.device) if model else None
@@ -320,7 +320,7 @@ def _served_models(args):
         yield _served_folder(args.model, args), parent
         return
     from ..model.loading import load_tokenizer, save_tokenizer
-    from ..surgery.retrofit import load_recurrent_model
+    from .common import load_recurrent_model
 
     with tempfile.TemporaryDirectory(prefix="recurfit-vllm-") as folder:
         load_recurrent_model(None, _placement(args).dtype).save_pretrained(folder)

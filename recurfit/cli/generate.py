@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import defaults
-from .common import DeprecatedAlias, _placement, add_placement_arguments, console, positive_int
+from .common import _placement, add_placement_arguments, console, positive_int
 
 
 def add_parsers(commands) -> None:
@@ -16,21 +16,17 @@ def add_parsers(commands) -> None:
         p.add_argument(
             "-r",
             "--recurrence",
-            "--steps",
             dest="recurrence",
             type=int,
-            action=DeprecatedAlias,
-            help="recurrences per token, 1 to 1024 (default: the model's mean recurrence r̄; --steps: deprecated)",
+            help="recurrences per token, 1 to 1024 (default: the model's mean recurrence r̄)",
         )
         p.add_argument("--exit", help="adaptive depth: kl:5e-4, state:0.01 or argmax:2 (at most --recurrence)")
         p.add_argument(
             "--min-recurrence",
-            "--min-steps",
             dest="min_recurrence",
             type=positive_int,
             default=2,
-            action=DeprecatedAlias,
-            help="no adaptive exit before this many recurrences (--min-steps: deprecated)",
+            help="no adaptive exit before this many recurrences",
         )
         p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -53,7 +49,7 @@ def _generation_model(args):
     """The model to talk to and its tokenizer, on --device in --dtype; without MODEL, the embedded SmolLM2
     retrofitted on the spot."""
     from ..model.loading import load_tokenizer
-    from ..surgery.retrofit import load_recurrent_model
+    from .common import load_recurrent_model
 
     if args.model is None:
         console.print(

@@ -109,7 +109,8 @@ def _add_import_raven(commands) -> None:
 def cmd_retrofit(args) -> None:
     """The parent loaded in the precision the retrofit is saved in (--dtype; auto: as the parent is stored)."""
     from ..model.loading import load_config, load_model, optional_tokenizer, stored_dtype
-    from ..surgery.retrofit import check_parity, retrofit
+    from ..surgery.parity import check_parity
+    from ..surgery.retrofit import retrofit
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
     explicit = any(v is not None for v in indices.values())
@@ -146,7 +147,7 @@ def cmd_retrofit(args) -> None:
 
 def _calibration_ids(args):
     from ..model.loading import load_tokenizer
-    from ..surgery.retrofit import calibration_ids
+    from ..surgery.calibration import calibration_ids
 
     if args.calibration is None:
         raise RecurfitError(
@@ -185,9 +186,10 @@ def cmd_inspect(args) -> None:
 def _inspect_layers(args, config) -> None:
     """Score every parent layer on calibration text; what each layer-selection rule keeps; a figure."""
     from ..model.loading import load_model
-    from ..model.summary import layer_scores_table
+    from ..model.tables import layer_scores_table
+    from ..surgery.calibration import EMBEDDED_PROSE
     from ..surgery.layer_scores import measure, plot_layer_scores
-    from ..surgery.retrofit import EMBEDDED_PROSE, LayerSelection, selections_by_rule
+    from ..surgery.selection import LayerSelection, selections_by_rule
 
     if config.model_type == "recurfit":
         raise RecurfitError("This is already a recurfit model; --layers scores the layers of a parent model.")
@@ -258,7 +260,7 @@ def _parent_name(args) -> str:
 
 
 def _print_model(model, steps) -> None:
-    from ..model.summary import flops_table, parts_table
+    from ..model.tables import flops_table, parts_table
 
     console.print(parts_table(model))
     console.print(flops_table(model, steps))
@@ -275,5 +277,6 @@ def _save(model, tokenizer, out, force) -> None:
             save_tokenizer(tokenizer, staging)
         write_model_card(staging, model, Path(out).name)
     console.print(
-        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`."
+        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after "
+        "`import recurfit.model.modeling`."
     )

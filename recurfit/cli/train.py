@@ -49,7 +49,7 @@ def add_parsers(commands) -> None:
 def cmd_train(args) -> None:
     """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
     from ..errors import RecurfitError
-    from ..model.summary import flops_table, parts_table
+    from ..model.tables import flops_table, parts_table
     from ..train import Trainer, already_finished, load_config
     from ..train.initial_model import check_plan
     from ..train.report import schedule_table, validation_table

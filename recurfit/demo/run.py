@@ -20,7 +20,8 @@ from ..generation import GenerationSettings, generate_text
 from ..io.runs import read_log
 from ..model.accounting import inference_flops_per_token
 from ..model.loading import load_model, load_tokenizer, resolve_placement
-from ..surgery.retrofit import check_parity, retrofit
+from ..surgery.parity import check_parity
+from ..surgery.retrofit import retrofit
 from ..train import load_config, train
 from ..train.optim import newton_schulz_dtype
 from .report import duration, render_report

@@ -1,7 +1,8 @@
 """Validation loss and perplexity as a function of test-time recurrence (`recurfit eval loss`).
 
 A recurrent model is read out at every requested r during one pass through the recurrence
-(`RecurrentModel.readouts`): the prelude runs once and the core max(r) times, all readouts from the same s_0.
+(`RecurrentModel.final_hidden_states_at`): the prelude runs once and the core max(r) times, all readouts from
+the same s_0.
 A fixed-depth model (the parent) is evaluated once. Data is either a prepared token store (its `val` split,
 rows of seq_len + 1) or any document source `data prepare` accepts, tokenised here into right-padded windows;
 padding is masked out of both attention and loss, so a batch gives the per-row results of its rows alone.
@@ -94,8 +95,10 @@ def sweep_nll(model, ids, mask, steps: Sequence[int] | None, generator=None, ini
     """`{r: per-row summed NLL}` for a recurrent model (one pass to max(steps)); `{None: …}` for a fixed one."""
     if not isinstance(model, RecurrentForCausalLM):
         return {None: summed_nll(model(input_ids=ids, attention_mask=mask).logits, ids, mask)}
-    readouts = model.model.readouts(ids, steps, attention_mask=mask, initial_state=initial_state, generator=generator)
-    return {r: summed_nll(model.lm_head(hidden), ids, mask) for r, hidden in readouts}
+    hidden_at = model.model.final_hidden_states_at(
+        ids, steps, attention_mask=mask, initial_state=initial_state, generator=generator
+    )
+    return {r: summed_nll(model.lm_head(hidden), ids, mask) for r, hidden in hidden_at}
 
 
 def evaluate_loss(

@@ -47,10 +47,8 @@ class ServedFolder:
     def load(cls, path: str | None, **engine_args) -> ServedFolder:
         from transformers import AutoConfig
 
-        from .. import register_auto_classes
-        from ..model.loading import meta_model, resolve
+        from ..model.loading import meta_model, resolve  # importing the model registers its Auto classes
 
-        register_auto_classes()
         resolved = resolve(path)
         return cls(resolved, meta_model(AutoConfig.from_pretrained(resolved)), dict(engine_args))
 

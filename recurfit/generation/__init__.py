@@ -8,7 +8,7 @@ The model side (the step-aware KV cache, the recurrence loop that drops settled 
 `recurfit.model.cache` and `recurfit.model.modeling`; this package passes it objects and never the reverse.
 """
 
-from .exit import CRITERIA, ExitRule
+from .exit import ExitRule
 from .text import Generation, GenerationSettings, generate_text, prompt_ids
 
-__all__ = ["CRITERIA", "ExitRule", "Generation", "GenerationSettings", "generate_text", "prompt_ids"]
+__all__ = ["ExitRule", "Generation", "GenerationSettings", "generate_text", "prompt_ids"]

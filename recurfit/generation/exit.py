@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from ..defaults import EXIT_CRITERIA
 from ..errors import RecurfitError
 
-CRITERIA = EXIT_CRITERIA
 DEFAULT_THRESHOLD = 5e-4
 DEFAULT_PATIENCE = 2
 
@@ -38,8 +37,8 @@ class ExitRule:
     patience: int = DEFAULT_PATIENCE  # argmax: steps the prediction must hold
 
     def __post_init__(self):
-        if self.criterion not in CRITERIA:
-            raise RecurfitError(f"exit criterion must be one of {', '.join(CRITERIA)}, got {self.criterion!r}.")
+        if self.criterion not in EXIT_CRITERIA:
+            raise RecurfitError(f"exit criterion must be one of {', '.join(EXIT_CRITERIA)}, got {self.criterion!r}.")
         if self.min_steps < 1:
             raise RecurfitError(f"min_steps must be >= 1, got {self.min_steps}.")
         if self.patience < 1:
@@ -52,9 +51,9 @@ class ExitRule:
         if spec is None:
             return None
         criterion, _, value = spec.partition(":")
-        if criterion not in CRITERIA:
+        if criterion not in EXIT_CRITERIA:
             raise RecurfitError(
-                f"--exit takes CRITERION[:VALUE] with CRITERION one of {', '.join(CRITERIA)}, got {spec!r}."
+                f"--exit takes CRITERION[:VALUE] with CRITERION one of {', '.join(EXIT_CRITERIA)}, got {spec!r}."
             )
         kind, field = (int, "patience") if criterion == "argmax" else (float, "threshold")
         try:

@@ -30,14 +30,12 @@ from ..defaults import CACHE_POLICIES
 from .config import RecurrentConfig
 from .families import attention_types
 
-POLICIES = CACHE_POLICIES
-
 
 class RecurrentCache(Cache):
     def __init__(self, config: RecurrentConfig, policy: str = "all", rollback: bool = False):
         """`rollback=True` keeps sliding-window layers' older entries until `truncate` (speculative decoding)."""
-        if policy not in POLICIES:
-            raise ValueError(f"cache policy must be one of {POLICIES}, got {policy!r}.")
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy must be one of {CACHE_POLICIES}, got {policy!r}.")
         self.policy = policy
         self.prelude, self.core, self.coda = config.shape
         text = config.text_config

@@ -18,7 +18,7 @@ from ..errors import RecurfitError
 from ..io.assets import EMBEDDED_NAME, cache_root
 from .accounting import count_parameters, effective_parameters
 from .modeling import RecurrentForCausalLM
-from .summary import layer_ranges
+from .tables import layer_ranges
 
 CARD = "README.md"
 # What a model folder shares: weights, configs, tokenizer, the card. Checkpoints, logs and stray files stay home.
@@ -151,7 +151,7 @@ def _loading(recurrent: bool) -> str:
             "## Use",
             "",
             "```python",
-            "import recurfit  # registers the model type with transformers' Auto classes; no trust_remote_code",
+            "import recurfit.model.modeling  # registers the model type with transformers' Auto classes",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             "",
             'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_ID")',

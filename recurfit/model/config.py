@@ -21,8 +21,7 @@ class RecurrentConfig(PreTrainedConfig):
 
     Recurrence: `s_0 ~ TruncNormal(0, state_init_std², ±3σ)` (zeros when 0), `s_i = core(adapter([s_{i-1}; e]))`.
     `mean_recurrence` (r̄) is the default test-time r and the training sampler's mean; `backprop_depth` (k̄)
-    is the number of final steps that receive gradient in training (a `mean_backprop_depth` key, the name in
-    earlier recurfit configs and in Huginn's, is read as this).
+    is the number of final steps that receive gradient in training.
     """
 
     model_type = "recurfit"
@@ -43,8 +42,6 @@ class RecurrentConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
-        if "mean_backprop_depth" in kwargs:  # the earlier name of backprop_depth, in configs saved before
-            self.backprop_depth = kwargs.pop("mean_backprop_depth")
         total = self.num_prelude_layers + self.num_core_layers + self.num_coda_layers
         if isinstance(self.text_config, dict):
             text = dict(self.text_config)
@@ -88,3 +85,7 @@ class RecurrentConfig(PreTrainedConfig):
     @property
     def hidden_size(self) -> int:
         return self.text_config.hidden_size
+
+
+# Importing the config makes model_type "recurfit" known to AutoConfig (modeling.py does the same for the models).
+AutoConfig.register(RecurrentConfig.model_type, RecurrentConfig, exist_ok=True)

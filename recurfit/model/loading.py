@@ -14,6 +14,7 @@ from .. import defaults
 from ..errors import RecurfitError
 from ..io.assets import embedded_model_dir
 from ..io.hub import hub_unavailable
+from . import modeling  # noqa: F401  (importing the model registers model_type "recurfit" with the Auto classes)
 
 
 def resolve(name_or_path: str | None) -> str:
@@ -103,7 +104,7 @@ def load_model(
     device: torch.device | str | None = None,
     revision: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM (a parent, or a saved recurfit model: `import recurfit` registered the class), in `dtype`
+    """A causal LM (a parent, or a saved recurfit model: importing `.modeling` registered its class), in `dtype`
     ("auto": as stored) and on `device` (None: the CPU); `revision`: a Hub branch, tag or commit."""
     pinned = {} if revision is None else {"revision": revision}
     model = _from_hub(AutoModelForCausalLM.from_pretrained, resolve(name_or_path), dtype=dtype, **pinned).eval()

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from .adapter import AddAdapter, LinearAdapter
 from .cache import RecurrentCache
 from .config import RecurrentConfig
 from .families import FAMILIES, attention_types
+from .layer_inputs import positions_from_mask, select_rows
 from .sampling import parse_num_steps, sample_depth
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -37,7 +38,7 @@ class RecurrentModelOutput(BaseModelOutputWithPast):
 
     num_steps: tuple[int, int] | None = None
     steps_per_token: torch.LongTensor | None = None
-    readouts: tuple[torch.Tensor, ...] | None = None  # final hidden states after each of `readout_steps`
+    readout_hidden_states: tuple[torch.Tensor, ...] | None = None  # final hidden states after each `readout_steps`
 
 
 @dataclass
@@ -50,31 +51,6 @@ class RecurrentCausalLMOutput(CausalLMOutputWithPast):
     num_steps: tuple[int, int] | None = None
     steps_per_token: torch.LongTensor | None = None  # per row: steps its last position ran (adaptive depth)
     readout_logits: tuple[torch.Tensor, ...] | None = None  # the logits after each of `readout_steps`
-
-
-class LinearAdapter(nn.Linear):
-    """`A([s; e]) = W [s; e]` with W: 2h → h, no bias. `reset_to_identity` gives W = [0 | I], i.e. A = e."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__(2 * hidden_size, hidden_size, bias=False)
-
-    def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        return super().forward(torch.cat([state, embedded], dim=-1))
-
-    def reset_to_identity(self) -> None:
-        hidden, like = self.out_features, dict(dtype=self.weight.dtype, device=self.weight.device)
-        identity = torch.cat([torch.zeros(hidden, hidden, **like), torch.eye(hidden, **like)], dim=1)
-        init.copy_(self.weight, identity)  # transformers' guarded copy: leaves weights loaded from disk alone
-
-
-class AddAdapter(nn.Module):
-    """The paper's "Add" ablation: `A([s; e]) = s + e`, no parameters."""
-
-    def forward(self, state: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        return state + embedded
-
-    def reset_to_identity(self) -> None:  # nothing to reset: s + e has no weights
-        pass
 
 
 class RecurrentPreTrainedModel(PreTrainedModel):
@@ -157,7 +133,9 @@ class RecurrentModel(RecurrentPreTrainedModel):
             nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state
 
-    def _run(self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, inputs: dict, **kwargs) -> torch.Tensor:
+    def _apply_layers(
+        self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, inputs: dict, **kwargs
+    ) -> torch.Tensor:
         """Apply `layers` (the first has index `first` in execution order), each with its attention kind's inputs."""
         for index, layer in enumerate(layers, start=first):
             hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
@@ -192,7 +170,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         output_hidden_states: bool = False,
         past_key_values: RecurrentCache | None = None,
         exit_rule=None,
-        readout: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
         warm_start: bool = False,
         readout_steps: Sequence[int] = (),
         **kwargs,
@@ -201,29 +179,29 @@ class RecurrentModel(RecurrentPreTrainedModel):
 
         With a `RecurrentCache`, `input_ids` are the new tokens and `attention_mask` covers past and new.
         Decoding one token at a time, `exit_rule` (see `recurfit.generation.exit`) may stop rows early, reading
-        their next-token logits through `readout`; `warm_start` starts s_0 from the previous token's final state.
+        their next-token logits through `lm_head`; `warm_start` starts s_0 from the previous token's final state.
         `readout_steps` (each < n + k): also read the coda out after these recurrences, within the same pass
-        (with gradient where the step has it: depth supervision), as `readouts`."""
+        (with gradient where the step has it: depth supervision), as `readout_hidden_states`."""
         n, k = self.resolve_num_steps(num_steps)
         if any(not 1 <= step < n + k for step in readout_steps):
             raise ValueError(f"readout_steps {list(readout_steps)} must lie in [1, {n + k}) for num_steps {(n, k)}")
         cache = past_key_values
         embedded, layer_kwargs = self._prepare(input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs)
-        e = self._run(self.prelude, 0, embedded, **layer_kwargs)
+        e = self._apply_layers(self.prelude, 0, embedded, **layer_kwargs)
         decoding = cache is not None and embedded.shape[1] == 1
         if initial_state is None and warm_start and decoding and cache.final_state is not None:
             initial_state = cache.final_state  # continuous compute: carry the previous token's s_r forward
         s0 = self.initial_state(e) if initial_state is None else initial_state
         tracker = exit_rule.start(s0.shape[0], s0.device) if exit_rule is not None and decoding else None
-        states, readouts = [], []
+        states, hidden_at_readout_steps = [], []
         for step, state in enumerate(
-            self.recur(s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker, readout=readout),
+            self.recur(s0, e, layer_kwargs, n + k, no_grad_steps=n, cache=cache, tracker=tracker, lm_head=lm_head),
             start=1,
         ):
             if output_hidden_states:
                 states.append(state)
             if step in readout_steps:
-                readouts.append(self._coda(state, layer_kwargs))
+                hidden_at_readout_steps.append(self._coda(state, layer_kwargs))
         if cache is not None:
             cache.final_state = state[:, -1:]
         steps = tracker.steps if tracker is not None else torch.full(state.shape[:1], n + k, device=state.device)
@@ -233,10 +211,10 @@ class RecurrentModel(RecurrentPreTrainedModel):
             hidden_states=tuple(states) if output_hidden_states else None,
             num_steps=(n, k),
             steps_per_token=steps,
-            readouts=tuple(readouts) if readout_steps else None,
+            readout_hidden_states=tuple(hidden_at_readout_steps) if readout_steps else None,
         )
 
-    def recur(self, state, e, layer_kwargs, steps, no_grad_steps=0, cache=None, tracker=None, readout=None):
+    def recur(self, state, e, layer_kwargs, steps, no_grad_steps=0, cache=None, tracker=None, lm_head=None):
         """The recurrence: yields s_i = core(adapter(s_{i-1}, e)) for i = 1..steps.
 
         The first `no_grad_steps` run without gradient (truncated backprop). The cache learns which step each
@@ -244,7 +222,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         core's batch (and the loop ends once every row has)."""
 
         def next_token_logits(state_of_rows, rows):  # the exit rule's look at the distribution (kl, argmax)
-            return readout(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
+            return lm_head(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
 
         batch = state.shape[0]
         for step in range(1, steps + 1):
@@ -264,7 +242,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             cache.end_core(step)
 
     @torch.no_grad()
-    def readouts(
+    def final_hidden_states_at(
         self,
         input_ids: torch.LongTensor,
         steps: Sequence[int],
@@ -279,7 +257,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         from the same s_0 (drawn with `generator` unless given). Each r's hidden states equal
         `forward(num_steps=r, initial_state=s_0)`'s."""
         embedded, layer_kwargs = self._prepare(input_ids, None, attention_mask, None, None, {})
-        e = self._run(self.prelude, 0, embedded, **layer_kwargs)
+        e = self._apply_layers(self.prelude, 0, embedded, **layer_kwargs)
         s0 = self.initial_state(e, generator) if initial_state is None else initial_state
         wanted = set(steps)
         for step, state in enumerate(self.recur(s0, e, layer_kwargs, max(wanted)), start=1):
@@ -307,11 +285,11 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if rows is not None:
             running = self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state)))
             return state.index_copy(0, rows, running)
-        return self._run(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
+        return self._apply_layers(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
 
     def _coda(self, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
         P, R, _ = self.config.shape
-        return self.norm(self._run(self.coda, P + R, state, **layer_kwargs))
+        return self.norm(self._apply_layers(self.coda, P + R, state, **layer_kwargs))
 
     def _coda_probe(self, state, cache, layer_kwargs, rows, batch: int):
         """The final hidden states of `rows` of the batch (None: all) if the recurrence stopped at `state`, which
@@ -336,28 +314,6 @@ def forget_gradless_casts(device_type: str) -> None:
     releases that no longer cache casts made without gradient (2.13 here) it drops nothing that is reused."""
     if torch.is_autocast_enabled(device_type):
         torch.clear_autocast_cache()
-
-
-def select_rows(inputs, rows: torch.LongTensor, batch: int):
-    """`inputs` (a layer's keyword arguments: masks, rotary embeddings, position ids) for `rows` of a `batch` only:
-    every tensor whose first dimension is the batch is indexed; broadcast ones and the rest pass as they are.
-    (Rows are only ever dropped from a batch of two or more, so a broadcast dimension of 1 is never mistaken.)"""
-    if isinstance(inputs, dict):
-        return {key: select_rows(value, rows, batch) for key, value in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(select_rows(value, rows, batch) for value in inputs)
-    if isinstance(inputs, torch.Tensor) and inputs.dim() > 0 and inputs.shape[0] == batch > 1:
-        return inputs[rows]
-    return inputs
-
-
-def positions_from_mask(attention_mask: torch.Tensor | None, length: int, device, past: int = 0) -> torch.LongTensor:
-    """Position ids that start at 0 on each row's first real token, so left padding does not shift RoPE.
-
-    `attention_mask` covers the `past` cached tokens and the `length` new ones; the new ones' ids come back."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return torch.arange(past, past + length, device=device).unsqueeze(0)
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
 
 
 class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
@@ -449,7 +405,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states or self.config.output_hidden_states,
             past_key_values=past_key_values,
             exit_rule=exit_rule,
-            readout=self.lm_head,
+            lm_head=self.lm_head,
             warm_start=warm_start,
             readout_steps=readout_steps,
             **kwargs,
@@ -472,7 +428,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             hidden_states=body.hidden_states,
             num_steps=body.num_steps,
             steps_per_token=body.steps_per_token,
-            readout_logits=None if body.readouts is None else tuple(self.lm_head(h) for h in body.readouts),
+            readout_logits=None
+            if body.readout_hidden_states is None
+            else tuple(self.lm_head(h) for h in body.readout_hidden_states),
         )
 
     def generate(self, *args, **kwargs):
@@ -483,3 +441,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         if not isinstance(output, torch.Tensor) and log:
             output["steps_per_token"] = torch.stack(log, dim=1)
         return output
+
+
+# Importing the model makes saved recurfit folders loadable by transformers' Auto classes (no trust_remote_code);
+# importing .config above registered the config.
+AutoModel.register(RecurrentConfig, RecurrentModel, exist_ok=True)
+AutoModelForCausalLM.register(RecurrentConfig, RecurrentForCausalLM, exist_ok=True)

@@ -14,7 +14,7 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: make recurfit's config and model known to vLLM (idempotent)."""
     from vllm import ModelRegistry
 
-    import recurfit  # noqa: F401  (registers model_type "recurfit" with transformers' AutoConfig)
+    import recurfit.model.config  # noqa: F401  (importing it registers model_type "recurfit" with AutoConfig)
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "recurfit.serving.vllm_model:RecurfitForCausalLM")

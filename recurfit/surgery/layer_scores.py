@@ -70,6 +70,15 @@ def measure(parent: PreTrainedModel, calibration, purpose: str = "select='shortg
     return LayerScores(tuple(angular), tuple(1.0 - c.mean().item() for c in cosines), int(valid.sum()))
 
 
+def block_influence(parent: PreTrainedModel, calibration) -> list[float]:
+    """ShortGPT's Block Influence per parent layer: 1 - mean cosine(input, output) over real tokens.
+
+    `calibration` is a LongTensor of token ids or a tokenizer output with `input_ids` / `attention_mask`.
+    Layers that barely change the residual stream score low and are the first to be dropped.
+    """
+    return list(measure(parent, calibration).influence)
+
+
 def _calibration_tokens(calibration, purpose: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and the mask of real tokens (all of them when no attention mask is given)."""
     if isinstance(calibration, Mapping):

@@ -14,7 +14,8 @@ from ..model.families import family_of, supported_families
 from ..model.init import scaled_init_
 from ..model.loading import load_config, load_model, meta_model
 from ..model.modeling import RecurrentForCausalLM
-from ..surgery.retrofit import prune_layers, retrofit, untie_embeddings
+from ..surgery.pruning import prune_layers, untie_embeddings
+from ..surgery.retrofit import retrofit
 from .config import DepthConfig, ModelConfig, TrainConfig
 from .parts import check_part_names, select_parts
 

@@ -1,4 +1,4 @@
-"""Human-readable summaries of a model: its parts, parameters and FLOPs per token (rich tables)."""
+"""The rich tables `inspect` and `train` print: a model's parts and parameters, FLOPs per token, layer scores."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ PART_STYLES = {"prelude": "cyan", "core": "bold magenta", "coda": "green"}
 
 def layer_scores_table(scores, selections: Mapping) -> Table:
     """One row per parent layer: its angular distance and Block Influence (`layer_scores.measure`), and the part
-    each selection (`surgery.selections_by_rule`) gives it, "·" where it drops the layer."""
+    each selection (`surgery.selection.selections_by_rule`) gives it, "·" where it drops the layer."""
     shapes = ", ".join(f"{rule} {selection.shape}" for rule, selection in selections.items())
     table = Table(
         title=f"Layer scores on {scores.tokens:,} calibration tokens (input → output of each layer), and the part "
