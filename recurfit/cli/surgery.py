@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import RecurfitError
+from ..model.shape import shape_or_indices_problem
 from .common import (
     MODEL_HELP,
     _placement,
@@ -114,8 +115,8 @@ def cmd_retrofit(args) -> None:
 
     indices = {name: getattr(args, name) for name in ("prelude", "core", "coda")}
     explicit = any(v is not None for v in indices.values())
-    if explicit and args.shape:
-        raise RecurfitError("Give either --shape or --prelude/--core/--coda, not both.")
+    if both := shape_or_indices_problem(args.shape, indices.values(), "--shape", "--prelude/--core/--coda"):
+        raise RecurfitError(f"G{both[1:]}.")
     calibration = _calibration_ids(args) if args.select != "paper" else None
     placement = _placement(args, stored_dtype(load_config(args.model)) if args.dtype == "auto" else None)
     tokenizer = optional_tokenizer(args.model)  # one that needs the folder's code fails here, before the surgery

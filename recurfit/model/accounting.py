@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ..defaults import RAMP_ROUNDINGS
 from .modeling import RecurrentForCausalLM
 from .sampling import split_depth
 
@@ -128,9 +129,6 @@ def paper_ramp(step: int, target: int, kind: str, fraction: float, total_steps: 
         if step < end:
             return depth
     return target
-
-
-RAMP_ROUNDINGS = ("floor", "ceil")
 
 
 def _ramp_ends(target: int, kind: str, fraction: float, total_steps: int, rounding: str = "floor") -> list[int]:

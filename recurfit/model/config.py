@@ -6,6 +6,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
+from .shape import shape_problem
 
 
 class RecurrentConfig(PreTrainedConfig):
@@ -52,11 +53,9 @@ class RecurrentConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     def _validate(self, total: int) -> None:
-        if min(self.num_prelude_layers, self.num_coda_layers) < 0 or self.num_core_layers < 1:
-            raise ValueError(
-                f"RecurrentConfig needs num_core_layers >= 1 and non-negative prelude/coda sizes, got "
-                f"({self.num_prelude_layers}, {self.num_core_layers}, {self.num_coda_layers})."
-            )
+        problem = shape_problem((self.num_prelude_layers, self.num_core_layers, self.num_coda_layers))
+        if problem:
+            raise ValueError(f"RecurrentConfig's {problem} (num_prelude_layers, num_core_layers, num_coda_layers).")
         if self.text_config.num_hidden_layers != total:
             raise ValueError(
                 f"text_config describes {self.text_config.num_hidden_layers} layers but the shape "

@@ -33,6 +33,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
+from ..defaults import ADAPTERS, CACHE_POLICIES
+
 # The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
 # class, whose weight mapper loads the body where the body has no `load_weights` of its own).
 VLLM_FAMILIES = {
@@ -45,7 +47,6 @@ VLLM_FAMILIES = {
 # Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
 ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
 SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
-SERVING_POLICIES = ("all", "latest")
 
 
 def check_servable(config) -> None:
@@ -63,12 +64,12 @@ def check_servable(config) -> None:
             "serve (the parent's use_sliding_window with max_window_layers below the layer count)."
         )
     policy = getattr(config, "cache_policy", "all")
-    if policy not in SERVING_POLICIES:
-        raise ValueError(f"recurfit on vLLM: cache_policy must be one of {SERVING_POLICIES}, got {policy!r}.")
+    if policy not in CACHE_POLICIES:
+        raise ValueError(f"recurfit on vLLM: cache_policy must be one of {CACHE_POLICIES}, got {policy!r}.")
     if not (isinstance(config.mean_recurrence, int) and config.mean_recurrence >= 1):
         raise ValueError(f"recurfit on vLLM: mean_recurrence must be an integer >= 1, got {config.mean_recurrence!r}.")
-    if config.adapter not in ("linear", "add"):
-        raise ValueError(f"recurfit on vLLM: adapter {config.adapter!r} is not served (linear, add).")
+    if config.adapter not in ADAPTERS:
+        raise ValueError(f"recurfit on vLLM: adapter {config.adapter!r} is not served ({', '.join(ADAPTERS)}).")
 
 
 def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
@@ -164,7 +165,7 @@ class RecurfitForCausalLM(nn.Module):
             embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
         return embedded
 
-    def _run(self, first: int, count: int, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def _apply_layers(self, first: int, count: int, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Layers first..first+count-1 of the body, from and to a full hidden state (residual added)."""
         residual = None
         for layer in self.model.layers[first : first + count]:
@@ -195,16 +196,16 @@ class RecurfitForCausalLM(nn.Module):
     ) -> torch.Tensor:
         P, R, C = self.shape
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        e = self._run(0, P, positions, hidden)
+        e = self._apply_layers(0, P, positions, hidden)
         state = self.initial_state(e)
         core = [self.model.layers[P + i].self_attn.attn for i in range(R)]
         for step in range(self.recurrence):
             for stepped in core:
                 stepped.step = step if self.policy == "all" else 0
-            state = self._run(P, R, positions, self._adapt(state, e))
+            state = self._apply_layers(P, R, positions, self._adapt(state, e))
         for stepped in core:
             stepped.step = 0
-        return self.model.norm(self._run(P + R, C, positions, state))
+        return self.model.norm(self._apply_layers(P + R, C, positions, state))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..defaults import SELECTIONS
+from ..model.shape import check_shape, shape_or_indices_problem
 from .layer_scores import LayerScores, block_influence, core_window, knees, measure
 
 
@@ -74,7 +75,7 @@ class LayerSelection:
     @classmethod
     def paper_rule(cls, shape: Sequence[int], num_layers: int):
         """Prelude = first P layers, coda = last C, core = the R layers just before the coda (the paper's §3)."""
-        P, R, C = _check_shape(shape, num_layers)
+        P, R, C = check_shape(shape, num_layers)
         return cls(
             tuple(range(P)), tuple(range(num_layers - C - R, num_layers - C)), tuple(range(num_layers - C, num_layers))
         )
@@ -82,7 +83,7 @@ class LayerSelection:
     @classmethod
     def from_scores(cls, shape: Sequence[int], scores: Sequence[float]):
         """Keep the P+R+C layers with the highest scores, in parent order, and split them into P, R, C."""
-        P, R, C = _check_shape(shape, len(scores))
+        P, R, C = check_shape(shape, len(scores))
         kept = highest_scoring(scores, P + R + C)
         return cls(tuple(kept[:P]), tuple(kept[P : P + R]), tuple(kept[P + R :]))
 
@@ -95,7 +96,7 @@ class LayerSelection:
         first, end = knees(angular)
         if shape is None:
             return cls(tuple(range(first)), tuple(range(first, end)), tuple(range(end, n)))
-        P, R, C = _check_shape(shape, n)
+        P, R, C = check_shape(shape, n)
         core = core_window(angular, (P, R, C), (first, end))
         return cls(tuple(range(P)), tuple(core), tuple(range(n - C, n)))
 
@@ -117,23 +118,14 @@ def highest_scoring(scores: Sequence[float], count: int) -> list[int]:
     return sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:count])
 
 
-def _check_shape(shape: Sequence[int], num_layers: int) -> tuple[int, int, int]:
-    """`shape` as (P, R, C) if it is three integers a `num_layers`-layer parent can give; else a ValueError."""
-    if len(shape) != 3 or any(not isinstance(x, int) or isinstance(x, bool) for x in shape):
-        raise ValueError(f"shape must be three integers (prelude, core, coda), got {tuple(shape)}.")
-    P, R, C = shape
-    if min(P, C) < 0 or R < 1:
-        raise ValueError(f"shape {tuple(shape)} needs a core of at least 1 layer and non-negative prelude and coda.")
-    if P + R + C > num_layers:
-        raise ValueError(f"shape {tuple(shape)} needs {P + R + C} layers but the parent has only {num_layers}.")
-    return P, R, C
-
-
 def select_layers(parent, num_layers, shape, prelude, core, coda, select, calibration) -> LayerSelection:
     """The layers `retrofit(parent, shape, prelude=, core=, coda=, select=, calibration=)` keeps."""
     indices_given = any(part is not None for part in (prelude, core, coda))
     if indices_given and shape is not None:
-        raise ValueError("Give either shape=(P, R, C) or explicit prelude/core/coda indices, not both.")
+        both = shape_or_indices_problem(
+            shape, (prelude, core, coda), "shape=(P, R, C)", "explicit prelude/core/coda indices"
+        )
+        raise ValueError(f"G{both[1:]}.")
     if select not in SELECTIONS:
         raise ValueError(f"select must be one of {SELECTIONS}, got {select!r}.")
     if indices_given:
@@ -143,7 +135,7 @@ def select_layers(parent, num_layers, shape, prelude, core, coda, select, calibr
             )
         return LayerSelection.explicit(prelude or [], core or [], coda or [], num_layers)
     if shape is not None:
-        _check_shape(shape, num_layers)  # an impossible shape fails before the parent runs on calibration text
+        check_shape(shape, num_layers)  # an impossible shape fails before the parent runs on calibration text
     if select == "angular":  # the knees choose the shape when none is given
         return LayerSelection.angular(shape, measure(parent, calibration, "select='angular'").angular)
     if shape is None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...defaults import LAYER_PARTS, TRAINABLE_PARTS
 from ...errors import RecurfitError
+from ...model.shape import shape_or_indices_problem, shape_problem
 
 if TYPE_CHECKING:
     from .schema import DistillConfig, LoraConfig, ModelConfig, OptimizerConfig, SuperviseConfig, TrainConfig
@@ -87,11 +88,11 @@ def model_problems(model: ModelConfig) -> list[str]:
     problems = []
     explicit = [model.prelude, model.core, model.coda]
     retrofits = model.shape is not None or any(part is not None for part in explicit)
-    if model.shape is not None and (len(model.shape) != 3 or min(model.shape) < 0 or model.shape[1] < 1):
-        problems.append(f"model.shape must be [P, R, C] with R >= 1, got {model.shape}")
+    if model.shape is not None and (problem := shape_problem(model.shape)):
+        problems.append(f"model.{problem}")
     if any(part is not None for part in explicit):
-        if model.shape is not None:
-            problems.append("give model.shape or model.prelude/core/coda, not both")
+        if both := shape_or_indices_problem(model.shape, explicit, "model.shape", "model.prelude/core/coda"):
+            problems.append(both)
         elif model.core is None or None in explicit[::2]:
             problems.append("model.prelude, model.core and model.coda go together (an empty list is allowed)")
         elif not _in_parent_order(model.prelude, model.core, model.coda):
