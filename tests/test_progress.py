@@ -10,11 +10,47 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_documents
-from test_train import tiny_config
+from conftest import tiny_config, write_documents
 
 from recurfit.errors import RecurfitError
 from recurfit.progress import PlainLines, progress_bar
+
+
+def run_until_lines(tmp_path: Path, argv: list[str], held: str, wanted: str, count: int) -> str:
+    """`recurfit ARGV` in a fresh process with its output sent to a file and `held` (module:Class.method) made to
+    wait, so the job cannot end, until the file shows `count` lines containing `wanted`; the file's text then."""
+    log, release = tmp_path / "job.log", tmp_path / "release"
+    module, _, attribute = held.partition(":")
+    owner, _, method = attribute.partition(".")
+    code = (
+        "import importlib, pathlib, sys, time\n"
+        f"target = importlib.import_module({module!r})\n"
+        f"original = target.{owner}.{method}\n"
+        "def held(*args, **kwargs):\n"
+        f"    while not pathlib.Path({str(release)!r}).exists():\n"
+        "        time.sleep(0.05)\n"
+        "    return original(*args, **kwargs)\n"
+        f"target.{owner}.{method} = held\n"
+        "from recurfit.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    env = {"RECURFIT_PROGRESS_EVERY": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=output, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while log.read_text().count(wanted) < count:
+            assert process.poll() is None, f"the job ended before its progress lines appeared:\n{log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        seen = log.read_text()
+        assert process.poll() is None  # still running: the lines came during the job, not at its end
+        release.touch()
+        assert process.wait(timeout=120) == 0, log.read_text()
+    finally:
+        release.touch()
+        process.kill() if process.poll() is None else None
+    return seen
 
 
 def test_plain_lines_every_n_items_and_at_the_end(monkeypatch, capsys):
@@ -61,46 +97,6 @@ def test_a_bad_interval_is_named(monkeypatch):
     monkeypatch.setenv("RECURFIT_PROGRESS_SECONDS", "often")
     with pytest.raises(RecurfitError, match="RECURFIT_PROGRESS_SECONDS='often': expected a number >= 0"):
         progress_bar()
-
-
-# ---------------------------------------------------------------- whole commands, output sent to a file
-
-
-def run_until_lines(tmp_path: Path, argv: list[str], held: str, wanted: str, count: int) -> str:
-    """`recurfit ARGV` in a fresh process with its output sent to a file and `held` (module:Class.method) made to
-    wait, so the job cannot end, until the file shows `count` lines containing `wanted`; the file's text then."""
-    log, release = tmp_path / "job.log", tmp_path / "release"
-    module, _, attribute = held.partition(":")
-    owner, _, method = attribute.partition(".")
-    code = (
-        "import importlib, pathlib, sys, time\n"
-        f"target = importlib.import_module({module!r})\n"
-        f"original = target.{owner}.{method}\n"
-        "def held(*args, **kwargs):\n"
-        f"    while not pathlib.Path({str(release)!r}).exists():\n"
-        "        time.sleep(0.05)\n"
-        "    return original(*args, **kwargs)\n"
-        f"target.{owner}.{method} = held\n"
-        "from recurfit.cli import main\n"
-        f"sys.exit(main({argv!r}))\n"
-    )
-    env = {"RECURFIT_PROGRESS_EVERY": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=output, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while log.read_text().count(wanted) < count:
-            assert process.poll() is None, f"the job ended before its progress lines appeared:\n{log.read_text()}"
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        seen = log.read_text()
-        assert process.poll() is None  # still running: the lines came during the job, not at its end
-        release.touch()
-        assert process.wait(timeout=120) == 0, log.read_text()
-    finally:
-        release.touch()
-        process.kill() if process.poll() is None else None
-    return seen
 
 
 def test_training_prints_its_steps_to_a_file_while_it_runs(workspace, tmp_path):

@@ -1,67 +1,25 @@
 """Every recipe is a valid training config, with every override its header suggests."""
 
+from __future__ import annotations
+
 import re
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, suggested_overrides
 
 from recurfit.train import load_config
 
 RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml"))
-KEY = re.compile(r"^(out|steps|model|data|depth|optimizer|batch|eval)(\.[\w]+)*=")
 
-
-def suggested_overrides(path: Path) -> list[list[str]]:
-    """The runs a recipe's header suggests, as override lists: `recurfit train RECIPE k=v …` lines,
-    `k=v k2=v2` lines, and `label: k=a | b | c` lines (one run per alternative)."""
-    runs = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        text = re.split(r"\s{2,}[#(]", line.lstrip("# ").split("# ")[0])[0].strip()  # drop trailing remarks
-        text = text.split(":", 1)[1].strip() if re.match(r"^[a-z ]+:\s", text) else text
-        if text.startswith("recurfit train"):
-            runs.append([token for token in text.split()[3:] if "=" in token])
-        elif "|" in text and KEY.match(text):
-            key, first = text.split("|")[0].split("=", 1)
-            runs += [[f"{key}={value.split()[0]}"] for value in [first, *text.split("|")[1:]]]
-        elif KEY.match(text):
-            runs.append(text.split())
-    return runs
-
-
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
-def test_recipe_validates_with_its_suggested_overrides(path):
-    config = load_config(path)
-    assert config.out.startswith("runs/") and config.steps >= 1
-    for overrides in suggested_overrides(path):
-        load_config(path, overrides)
-
-
-def test_recipes_cover_the_papers_experiments():
-    names = {p.stem for p in RECIPES}
-    assert {
-        "llama-242-init",
-        "llama-242-cooldown",
-        "llama-242-schedule",
-        "tinyllama-484-fineweb",
-        "llama-layers",
-        "tinyllama-shortgpt",
-        "tinyllama-787-math",
-        "tinyllama-484-two-phase-1",
-        "tinyllama-484-two-phase-2",
-        "tinyllama-484-single-phase",
-        "tinyllama-484-math",
-        "olmo-464-math",
-        "llama-464-math",
-    } <= names
-
-
-# ---------------------------------------------------------------- docs/paper-settings.md against the recipes
 
 SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
+
+
 SECTION = re.compile(r"^#{2,3} .*?`(recipes/paper/[\w.-]+\.yaml)`|^### \*arm\* .*?overrides `([^`]+)`")
+
+
 REQUIRED = {
     "parent",
     "shape",
@@ -108,6 +66,36 @@ def same(expected, actual) -> bool:
     if isinstance(expected, list) and isinstance(actual, list):
         return len(expected) == len(actual) and all(same(e, a) for e, a in zip(expected, actual))
     return expected == actual
+
+
+PAPER_RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "paper").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_recipe_validates_with_its_suggested_overrides(path):
+    config = load_config(path)
+    assert config.out.startswith("runs/") and config.steps >= 1
+    for overrides in suggested_overrides(path):
+        load_config(path, overrides)
+
+
+def test_recipes_cover_the_papers_experiments():
+    names = {p.stem for p in RECIPES}
+    assert {
+        "llama-242-init",
+        "llama-242-cooldown",
+        "llama-242-schedule",
+        "tinyllama-484-fineweb",
+        "llama-layers",
+        "tinyllama-shortgpt",
+        "tinyllama-787-math",
+        "tinyllama-484-two-phase-1",
+        "tinyllama-484-two-phase-2",
+        "tinyllama-484-single-phase",
+        "tinyllama-484-math",
+        "olmo-464-math",
+        "llama-464-math",
+    } <= names
 
 
 def test_every_paper_recipe_has_a_settings_section_and_every_section_a_recipe():
@@ -157,3 +145,27 @@ def test_main_sections_cover_every_kind_of_setting():
         missing = {name for name in REQUIRED if not any(name in n for n in names)}
         missing -= {"eval tasks"} if "schedule" in recipe or "cooldown" in recipe else set()
         assert not missing, f"{recipe}: the settings table lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
+def test_each_paper_recipe_states_its_planned_peak_and_fits_an_80gb_gpu(path):
+    """The header agrees with the planner (scripts/recipe_memory.py writes it), and the recipe's micro-batch fits."""
+    from recurfit.train.memory import PAPER_GPU_MEMORY, recipe_header, recipe_plan
+    from recurfit.train.memory_fit import fits
+
+    plan = recipe_plan(path)
+    assert recipe_header(plan) in path.read_text().splitlines()
+    assert fits(plan, PAPER_GPU_MEMORY)
+
+
+def test_the_cpu_recipe_trains_from_its_first_step():
+    import torch
+
+    from recurfit.train import load_config
+    from recurfit.train.optim import build_schedulers
+
+    config = load_config(REPO / "recipes" / "smollm2-cpu.yaml")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.optimizer.lr)
+    (schedule,) = build_schedulers([optimizer], config.optimizer, config.steps)
+    first = schedule.get_last_lr()[0]
+    assert first >= 0.1 * config.optimizer.lr > 0

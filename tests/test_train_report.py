@@ -8,10 +8,8 @@ from typing import ClassVar
 
 import pytest
 import yaml
-from conftest import run_cli
-from test_train import tiny_config
+from conftest import run_cli, tiny_config
 
-from recurfit.errors import RecurfitError
 from recurfit.train import load_config, loop
 
 
@@ -22,12 +20,25 @@ def config_file(workspace, tmp_path):
     return path
 
 
-def test_overrides_reach_list_items(workspace, tmp_path):
-    base = tiny_config(workspace, tmp_path / "run")
-    config = load_config(None, ["data.phases.0.tokens=512", "data.phases.1.sources.0.weight=3"], base=base)
-    assert config.data.phases[0].tokens == 512 and config.data.phases[1].sources[0].weight == 3.0
-    with pytest.raises(RecurfitError, match="'2' is not an item of a list of 2 .items count from 0"):
-        load_config(None, ["data.phases.2.tokens=5"], base=base)
+class RecordingBar:
+    """A stand-in for the progress bar that records the status it shows."""
+
+    shown: ClassVar[list[str]] = []
+
+    def __init__(self, *columns, disable=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, description, **fields):
+        RecordingBar.shown.append(fields["status"])
+
+    def update(self, task, advance=0, **fields):
+        RecordingBar.shown.append(fields["status"])
 
 
 def test_dry_run_prints_the_config_and_schedules_and_trains_nothing(config_file, tmp_path, capsys):
@@ -53,27 +64,6 @@ def test_a_run_says_what_it_is_and_where_it_wrote(config_file, tmp_path, capsys)
     assert "Parts" in text and "core (2 layers) ×r" in text and "inference GFLOPs" in text
     assert "Validation loss (nats/token) at step 3" in text and "r=1" in text and "r=4" in text
     assert f"Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}" in text and f"{out / 'final'}/" in text
-
-
-class RecordingBar:
-    """A stand-in for the progress bar that records the status it shows."""
-
-    shown: ClassVar[list[str]] = []
-
-    def __init__(self, *columns, disable=False):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def add_task(self, description, **fields):
-        RecordingBar.shown.append(fields["status"])
-
-    def update(self, task, advance=0, **fields):
-        RecordingBar.shown.append(fields["status"])
 
 
 def test_the_progress_bar_shows_a_real_state_before_the_first_step_ends(workspace, tmp_path, monkeypatch):

@@ -30,6 +30,8 @@ from recurfit.model.cache import RecurrentCache
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 try:
     import vllm
 except Exception as error:  # not installed, or installed with wheels that fail to import (see setup-vllm.sh)
@@ -40,12 +42,20 @@ except Exception as error:  # not installed, or installed with wheels that fail 
         allow_module_level=True,
     )
 
+
 pytestmark = pytest.mark.cpu_only("vLLM runs here on its own device selection, not --device")
 
+
 NEW_TOKENS = 64
+
+
 PROMPT_LENGTHS = (3, 9, 17)
+
+
 # vLLM's CPU attention takes head sizes of 32 and more: the tiny parents get 2 heads of 32 (1 KV head, GQA).
 HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
+
+
 SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma"]  # the families vLLM 0.32 has layers for
 
 
@@ -114,6 +124,29 @@ def saved(model, folder):
     return folder
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def assert_same_answers(served: dict, expected: dict) -> None:
+    """lm-eval's per-document records of GSM8K (one per document and answer filter) agree on the text generated,
+    the answer extracted and the score."""
+    served, expected = served["gsm8k_cot_offline"], expected["gsm8k_cot_offline"]
+    assert len(served) == len(expected) == 6  # 3 problems x 2 filters (flexible-extract, strict-match)
+    for theirs, ours in zip(served, expected):
+        assert (theirs["doc_id"], theirs["filter"]) == (ours["doc_id"], ours["filter"])
+        for key in ("resps", "filtered_resps", "exact_match"):
+            assert theirs[key] == ours[key], (ours["doc_id"], ours["filter"], key)
+
+
 def test_greedy_tokens_equal_recurfit_at_r_1_4_8(tmp_path):
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
@@ -159,21 +192,6 @@ def test_qwen_with_some_sliding_layers_is_refused(tmp_path):
         vllm_greedy(folder, prompts())
 
 
-# ---------------------------------------------------------------- vllm serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)
-
-
 def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
     model = served_model("llama", mean_recurrence=2)
     folder, prompt = saved(model, tmp_path / "llama"), prompts()[1]
@@ -207,9 +225,6 @@ def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
-
-
-# ---------------------------------------------------------------- eval tasks --backend vllm
 
 
 def test_gsm8k_through_vllm_answers_and_scores_as_the_default_backend(tmp_path, capsys):
@@ -260,14 +275,3 @@ def test_gsm8k_through_vllm_answers_and_scores_as_the_default_backend(tmp_path, 
     for r in ("r=1", "r=4"):
         assert_same_answers(final[r], expected[r])
     assert json.loads((run / "eval" / "evaluation.json").read_text())["settings"]["backend"] == "vllm"
-
-
-def assert_same_answers(served: dict, expected: dict) -> None:
-    """lm-eval's per-document records of GSM8K (one per document and answer filter) agree on the text generated,
-    the answer extracted and the score."""
-    served, expected = served["gsm8k_cot_offline"], expected["gsm8k_cot_offline"]
-    assert len(served) == len(expected) == 6  # 3 problems x 2 filters (flexible-extract, strict-match)
-    for theirs, ours in zip(served, expected):
-        assert (theirs["doc_id"], theirs["filter"]) == (ours["doc_id"], ours["filter"])
-        for key in ("resps", "filtered_resps", "exact_match"):
-            assert theirs[key] == ours[key], (ours["doc_id"], ours["filter"], key)

@@ -29,7 +29,7 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
                       per element of the largest): a separate peak, after backward has freed the activations
 
 with the saved activations of one decoder layer per token (what autograd keeps for backward: transformers'
-layers with SDPA attention, SiLU-gated MLP and RMSNorm; measured in tests/test_memory.py), s the bytes of
+layers with SDPA attention, SiLU-gated MLP and RMSNorm; measured in tests/test_train_memory.py), s the bytes of
 the residual stream entering the layer (fp32 from the embeddings; bf16 after a linear adapter under autocast):
 
     fp32:      L = 4·(6h + 2q + 2kv + 4i) + 4H + 8

