@@ -313,7 +313,7 @@ def report(results: dict[str, dict[int, dict]], stores: list[str], minutes: floa
     """The tables of docs/healing.md: mean ± standard deviation over seeds, the share of the gap to the parent
     trained at the same rates that training closed, exit depths, and the verdicts."""
     lines = [
-        f"Study time: {minutes:.1f} minutes.",
+        f"Time of this invocation of the study (stages done before are skipped): {minutes:.1f} minutes.",
         "",
         "Mean ± standard deviation over seeds (sample, n − 1). Gap closed: (start − final) / (start − parent line), "
         "start the fresh [0 | I] retrofit, parent line the parent trained on the same rows at the arm's rates "
