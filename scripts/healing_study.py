@@ -222,7 +222,7 @@ def cached_exit_depths(model_folder: Path, store: str) -> dict:
     forward, all steps) left out. Beside it, the teacher-forced depth of the same tokens (every earlier token read
     at full depth), the study's measure."""
     model = load_model(str(model_folder), dtype=torch.float32).eval()
-    if not hasattr(model.model, "readouts"):
+    if not hasattr(model.model, "final_hidden_states_at"):
         return {}
     rule = ExitRule.parse(f"kl:{EXIT_THRESHOLD}", min_steps=EXIT_MIN_STEPS)
     prompts = torch.tensor(load_examples(store, limit=PROMPTS).sequences)[:, :PROMPT_TOKENS]
