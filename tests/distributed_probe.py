@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -81,6 +82,11 @@ def main(mode: str, config_path: str, out: str) -> None:
         trainer = Trainer(config, processes=processes)
         result = steps(trainer)
         trainer.close()
+        # DDP's reducer holds the process group: freed after destroy_process_group, it would be the group's last
+        # owner and join gloo's threads holding the GIL, while one of them waits for the GIL to free a finished
+        # all-reduce's tensors (a deadlock seen at exit under load). Freed first, the group ends in close().
+        del trainer
+        gc.collect()
     with open(f"{out}.{processes.rank}", "w") as file:
         json.dump(result, file)
     processes.close()
