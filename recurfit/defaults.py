@@ -76,7 +76,7 @@ Packing = Literal["bos-eos", "eos"]
 PACKINGS = get_args(Packing)
 DEFAULT_PACKING = "bos-eos"
 # Decontamination: the evaluation sets recurfit runs offline, whose test and validation items no training
-# document may share an n-gram with (data/decontaminate.py); every `data prepare` checks all of them by default.
+# document may share an n-gram with (data/decontaminate/); every `data prepare` checks all of them by default.
 EVAL_SETS = ("gsm8k", "math", "arc_easy", "arc_challenge", "openbookqa", "hellaswag", "mmlu", "piqa", "social_iqa")
 EVAL_SETS += ("winogrande", "lambada")
 DECONTAMINATE = "all"
