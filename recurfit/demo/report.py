@@ -153,11 +153,21 @@ def _english(report: dict) -> str:
         if after <= before
         else "partly forgotten: the retrofit's prose loss rises after healing"
     )
-    return (
-        f"English is {verdict} ({before:.3f} after {healed} steps of healing, {after:.3f} after {end} steps, at "
-        f"r = {settings.mean_recurrence}; the parent trained on the same tokens: {parent[0]:.3f}, then "
-        f"{parent[1]:.3f}). The parent, which lost no layers, stays ahead on prose."
+    gap = after - parent[1]
+    standing = (
+        f"the parent, which lost no layers, ends {gap:.3f} nats ahead"
+        if gap > 0
+        else f"the retrofit ends {-gap:.3f} nats ahead of the parent"
     )
+    return (
+        f"English is {verdict} ({before:.3f} after {_steps(healed)} of healing, {after:.3f} after {_steps(end)}, at "
+        f"r = {settings.mean_recurrence}; the parent trained on the same tokens: {parent[0]:.3f}, then "
+        f"{parent[1]:.3f}): {standing}."
+    )
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" + ("" if count == 1 else "s")
 
 
 def _math_trend(report: dict, split: str) -> str:
@@ -275,12 +285,13 @@ def _gsm8k_meaning(report: dict) -> str:
         else f"The models solve {min(solved.values())} to {max(solved.values())} of the {settings.gsm8k} problems, "
         f"where one problem is {100 / settings.gsm8k:.0f} points: differences this small are noise"
     )
+    parameters = report["gsm8k"].parent.effective_parameters / 1e6
     return (
         f"{scored}. GSM8K is the paper's benchmark, kept so that a larger run is measured the same way; at this "
-        f"scale it cannot separate the models: a 135 M-parameter model trained for {tokens:,} tokens writes the "
-        "layout of a worked answer but not yet the arithmetic of a multi-step problem it has never seen, and the "
-        "paper's GSM8K gains come from billions of tokens on models of 1 B parameters and more. The held-out word "
-        "problems above are where this run can show an effect."
+        f"scale it cannot separate the models: models of {parameters:.0f} M parameters, trained for {tokens:,} "
+        "tokens on a few templates, are far from solving unseen multi-step problems written in another layout, "
+        "and the paper's GSM8K gains come from billions of tokens on models of 1 B parameters and more. The "
+        "held-out word problems above are where a run of this size can show an effect."
     )
 
 
@@ -323,8 +334,8 @@ def _time_section(report: dict) -> list[str]:
         ),
         f"| **total** | **{duration(sum(report['stages'].values()))}** | {duration(sum(report['cpu'].values()))} |",
         "",
-        "The CPU time is what each stage cost the cores, whatever else ran beside it: divided by the threads, it "
-        "estimates the wall time on idle cores.",
+        "On cores that other jobs share both times grow (waiting threads spin), the wall time far more: the "
+        "demo's time is that of a run on idle cores.",
         "",
         "## Reproduce",
         "",
@@ -334,10 +345,10 @@ def _time_section(report: dict) -> list[str]:
         f"recurfit eval loss {out}/recurrent/final --data {out}/data/math --baseline {out}/parent/final "
         f"--recurrence {','.join(map(str, settings.loss_recurrences))}",
         f"recurfit eval tasks {out}/recurrent/final --tasks {','.join(MATH_TASKS.values())} --limit "
-        f"{settings.math_eval} --recurrence {','.join(map(str, settings.math_recurrences))} --max-new-tokens "
-        f"{settings.math_new_tokens} --baseline {out}/parent/final",
-        f"recurfit eval tasks {out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --baseline "
-        f"{out}/parent/final",
+        f"{settings.math_eval} --recurrence {','.join(map(str, settings.math_recurrences))} --baseline "
+        f"{out}/parent/final" + (f" --max-new-tokens {settings.math_new_tokens}" if settings.math_new_tokens else ""),
+        f"recurfit eval tasks {out}/recurrent/final --tasks gsm8k_cot --limit {settings.gsm8k} --recurrence "
+        f"{','.join(map(str, settings.gsm8k_recurrences))} --baseline {out}/parent/final",
         "```",
         "",
     ]
