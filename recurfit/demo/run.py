@@ -71,17 +71,10 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     with stages.timed("6. Math accuracy on held-out word problems"):
         report["math"], report["math_problems"] = _math_accuracy(model, trained_parent, tokenizer, settings, out)
     with stages.timed("7. GSM8K"):
-        report["gsm8k"], _ = task_sweep(
-            model,
-            tokenizer,
-            tasks=["gsm8k_cot"],
-            recurrences=settings.gsm8k_recurrences,
-            name="retrofit",
-            baseline=trained_parent,
-            baseline_name="same tokens",
-            limit=settings.gsm8k,
-            max_new_tokens=settings.max_new_tokens,
-        )
+        report["gsm8k"], _ = _against_parent(
+            model, trained_parent, tokenizer, ["gsm8k_cot"], settings.gsm8k_recurrences, settings.gsm8k,
+            settings.max_new_tokens,
+        )  # fmt: skip
     with stages.timed("8. Samples and figures"):
         _samples_and_figures(report, model, tokenizer, out)
     path = out / "report.md"
@@ -110,23 +103,31 @@ def _prepare_data(settings: DemoSettings, tokenizer, out: Path) -> dict[str, Pat
 def _math_accuracy(model, parent, tokenizer, settings: DemoSettings, out: Path):
     """Greedy exact-match accuracy on the held-out word problems (`recurfit eval tasks`' sweep) at each r and for
     the parent; the results file and every problem's answer (OUT/word_problems.json, .jsonl) beside the report."""
-    sweep, raw = task_sweep(
-        model,
-        tokenizer,
-        tasks=list(MATH_TASKS.values()),
-        recurrences=settings.math_recurrences,
-        name="retrofit",
-        baseline=parent,
-        baseline_name="same tokens",
-        limit=settings.math_eval,
-        max_new_tokens=settings.math_new_tokens,
-        log_samples=True,
-    )
+    sweep, raw = _against_parent(
+        model, parent, tokenizer, list(MATH_TASKS.values()), settings.math_recurrences, settings.math_eval,
+        settings.math_new_tokens, log_samples=True,
+    )  # fmt: skip
     sweep.save(out / "word_problems.json")
     problems = per_problem(raw["samples"])
     with open(out / "word_problems.jsonl", "w") as lines:
         lines.writelines(json.dumps(problem) + "\n" for problem in problems)
     return sweep, problems
+
+
+def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new_tokens, log_samples=False):
+    """`recurfit eval tasks`' sweep of the retrofit at each r, against the parent trained on the same tokens."""
+    return task_sweep(
+        model,
+        tokenizer,
+        tasks=tasks,
+        recurrences=recurrences,
+        name="retrofit",
+        baseline=parent,
+        baseline_name="same tokens",
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        log_samples=log_samples,
+    )
 
 
 def per_problem(samples: dict) -> list[dict]:
