@@ -1,6 +1,8 @@
-"""`data prepare` at scale: token budget, workers, shard tasks, resume after SIGKILL, BOS packing, disk check."""
+"""recurfit's generated word problems: the training problems (`embedded:math`) and the held-out ones."""
 
 from __future__ import annotations
+
+import pytest
 
 
 def test_the_embedded_math_problems_share_no_ngram_with_any_eval_set():
@@ -13,3 +15,34 @@ def test_the_embedded_math_problems_share_no_ngram_with_any_eval_set():
     # The check can fail: the source it replaced (GSM8K test questions with the numbers varied) fails it.
     gsm8k = next(dc.EVAL_SETS["gsm8k"]()).replace("16", "17")
     assert index.masks([gsm8k]).any()
+
+
+def test_held_out_problems_equal_no_training_problem_are_worked_right_and_share_no_ngram_with_any_eval_set():
+    import re
+
+    from recurfit.data import decontaminate as dc
+    from recurfit.data.word_problems import held_out_problems, word_problems
+
+    def sentences(steps: str) -> list[str]:
+        return re.split(r"(?<=\.) ", steps)
+
+    training = list(word_problems(4000, seed=0))  # the demo's training problems
+    held_out = {split: list(held_out_problems(200, split)) for split in ("easy", "hard")}
+    questions = {question for question, _, _ in training}
+    for problems in held_out.values():
+        assert len({question for question, _, _ in problems}) > 190
+        assert not questions & {question for question, _, _ in problems}
+        for question, steps, answer in problems:
+            for left, right in re.findall(r"(\d+(?: [-+*/] \d+)+) = (\d+)", steps.replace("$", "")):
+                assert eval(left) == int(right), (question, steps)  # noqa: S307 (digits and operators only)
+            assert re.findall(r"\d+", steps)[-1] == answer and int(answer) >= 0
+    # The hard split's problems take four steps, more than any training problem.
+    assert max(len(sentences(steps)) for _, steps, _ in training) == 3
+    assert {len(sentences(steps)) for _, steps, _ in held_out["hard"]} == {4}
+    # Every number a held-out problem draws lies above the training range it is drawn from: here, the largest.
+    largest = max(int(n) for question, _, _ in training for n in re.findall(r"\d+", question))
+    assert max(int(n) for question, _, _ in held_out["easy"] for n in re.findall(r"\d+", question)) > largest
+    index = dc.load(dc.parse_sets("all"))
+    assert not index.masks([f"{q} {s} {a}" for problems in held_out.values() for q, s, a in problems]).any()
+    with pytest.raises(ValueError, match="split must be one of \\['easy', 'hard'\\]"):
+        next(held_out_problems(1, "medium"))

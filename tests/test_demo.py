@@ -1,5 +1,7 @@
 """The demo pipeline end to end on a tiny parent: every stage runs and the report holds what it promises."""
 
+import json
+
 import numpy as np
 import pytest
 import yaml
@@ -13,7 +15,7 @@ from recurfit.errors import RecurfitError
 from recurfit.model.loading import load_tokenizer
 
 
-def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_path):
+def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_path, capsys):
     from rich.console import Console
 
     settings = DemoSettings(
@@ -28,6 +30,9 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
         math_problems=40,
         loss_recurrences=[1, 2, 4],
         loss_rows=2,
+        math_eval=3,
+        math_recurrences=[1, 2],
+        math_new_tokens=6,
         gsm8k=2,
         gsm8k_recurrences=[1, 2],
         max_new_tokens=4,
@@ -35,17 +40,57 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     pad = load_tokenizer(settings.model).pad_token_id
     console = Console(quiet=True)
     report = run_demo(settings, console).read_text()
-    for heading in ("## 1. Retrofit", "## 2-4. Training", "## 5. Validation loss", "## GSM8K", "## Sample generations"):
-        assert heading in report
+    out = tmp_path / "demo"
+    headings = [line for line in report.splitlines() if line.startswith("## ")]
+    assert [heading.split(" ")[1] for heading in headings] == [
+        *("Conclusion", "1.", "2-4.", "5.", "6.", "7.", "Sample", "Time:", "Reproduce")
+    ]
+    assert "6. Math accuracy on held-out word problems" in headings[4] and "7. GSM8K" in headings[5]
+    conclusion = report.split("## 1.")[0]
+    for claim in ("**English.**", "**Math, easy split.**", "**Math, hard split.**", "**What this run cannot show.**"):
+        assert claim in conclusion
+    assert "recurfit demo --steps 40 " in conclusion  # the command that scales it up
     # Where the time went, stage by stage, on a named machine (AVX2 CPUs emulate bf16: it matters).
     assert "## Time: " in report and "CPU capability" in report and "Newton–Schulz in" in report
-    stages = [line for line in report.splitlines() if line.startswith("| ") and " s |" in line]
-    assert [line.split(".")[0] for line in stages] == [f"| {n}" for n in range(1, 8)]
+    stages = [line for line in report.splitlines() if line.startswith("| ") and line.endswith(" s |")]
+    assert [line.split(".")[0].split(" |")[0] for line in stages] == [*(f"| {n}" for n in range(1, 9)), "| **total**"]
     assert "| r=4 |" in report and "| parent (same tokens) |" in report and "**r = 4**" in report
-    figures = {p.name for p in (tmp_path / "demo" / "figures").iterdir()}
-    names = ("training", "loss_prose", "loss_math", "gsm8k")
+    figures = {p.name for p in (out / "figures").iterdir()}
+    names = ("training", "loss_prose", "loss_math", "math_recurrence", "math_flops", "gsm8k")
     assert figures == {f"{name}.{suffix}" for name in names for suffix in ("png", "pdf", "svg")}
-    assert (tmp_path / "demo" / "recurrent" / "final" / "config.json").is_file()
+    assert (out / "recurrent" / "final" / "config.json").is_file()
+    # Both models train on prose, then on an even mix of prose and math.
+    for run in ("recurrent", "parent"):
+        phases = yaml.safe_load((out / run / "config.yaml").read_text())["data"]["phases"]
+        assert [[source["path"] for source in phase["sources"]] for phase in phases] == [
+            [str(out / "data" / "prose")],
+            [str(out / "data" / "prose"), str(out / "data" / "math")],
+        ]
+    # Prose and math loss after healing and at the end, for both models, as their logs have them.
+    logs = {run: [json.loads(line) for line in (out / run / "log.jsonl").open()] for run in ("recurrent", "parent")}
+    for store in ("prose", "math"):
+        for run, label, key in (
+            ("recurrent", "retrofit", f"{store}/loss@2"),
+            ("parent", "parent (same tokens)", f"{store}/loss"),
+        ):
+            losses = [record[key] for record in logs[run] if record["kind"] == "eval" and record["step"] in (1, 4)]
+            assert f"| {store} | {label} | {losses[0]:.3f} | {losses[1]:.3f} | {losses[1] - losses[0]:+.3f} |" in report
+    # The accuracy table counts the problems each model answered right, as the per-problem answers have them.
+    problems = [json.loads(line) for line in (out / "word_problems.jsonl").open()]
+    assert len(problems) == 3 * 2 * 3  # r = 1, r = 2 and the parent; two splits; three problems each
+    for model, label in (("r=1", "retrofit r=1"), ("r=2", "retrofit r=2"), ("parent", "parent (same tokens)")):
+        right = [
+            sum(p["correct"] for p in problems if p["model"] == model and p["split"] == split)
+            for split in ("easy", "hard")
+        ]
+        math_section = report.split("## 6. ")[1].split("## 7. ")[0]
+        (row,) = [line for line in math_section.splitlines() if line.startswith(f"| {label} |")]
+        assert [cell.split(" ")[0] for cell in row.split(" | ")[2:]] == [str(n) for n in right]
+    assert all(p["correct"] == (p["extracted"] == p["target"]) for p in problems)
+    # The parent's progress lines show no recurrence; the retrofit's do.
+    lines = capsys.readouterr().out.splitlines()
+    progress = [line for line in lines if line.startswith("training: ")]
+    assert all("r̄" in line for line in progress[:4]) and not any("r̄" in line for line in progress[4:])
     # The stores hold the documents and one EOS each: no padding left by the parity check's padded batch.
     for store in ("prose", "math"):
         splits = [TokenStore(tmp_path / "demo" / "data" / store, split) for split in ("train", "val")]

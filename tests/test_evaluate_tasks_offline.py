@@ -223,6 +223,8 @@ def test_every_offline_task_loads_its_bundled_data_and_chance_follows_the_groups
         "minerva_math500_offline": 500,
         "social_iqa_offline": 1954,
         "lambada_openai_offline": 5153,
+        "word_problems_offline": 200,
+        "word_problems_hard_offline": 200,
     }
     assert len(_leaves("mmlu_offline", loaded)) == 57 and len(_leaves("minerva_math_offline", loaded)) == 7
     assert chance_level(_leaves("mmlu_offline", loaded), 2) == pytest.approx(0.25)
@@ -435,6 +437,24 @@ def test_gsm8k_scores_right_wrong_and_unstated_answers_and_a_chain_of_thought_wi
     assert right["exact_match,flexible-extract"] == 1.0 and right["exact_match,strict-match"] == 1.0
     assert wrong["exact_match,flexible-extract"] == 0.0 and wrong["exact_match,strict-match"] == 0.0
     assert unstated["exact_match,flexible-extract"] == 1.0 and unstated["exact_match,strict-match"] == 0.0
+
+
+def test_word_problems_prompt_in_the_training_layout_and_score_the_last_number():
+    from recurfit.data.sources import format_math
+
+    manager = task_manager("offline")
+    for name in ("word_problems_offline", "word_problems_hard_offline"):
+        task = manager.load([name])["tasks"][name]
+        doc = task.eval_docs[0]
+        steps = doc["answer"].removesuffix(f"\nThe answer is {doc['target']}.")
+        # prompt + gold answer: exactly a training document of embedded:math
+        assert task.doc_to_text(doc) + " " + doc["answer"] == format_math(doc["question"], steps, doc["target"])
+        right = _score(name, lambda d: " " + d["answer"])
+        wrong = _score(name, lambda d: " " + d["answer"].replace(f"is {d['target']}.", f"is {int(d['target']) + 1}."))
+        unstated = _score(name, lambda d: f" So it is {d['target']} in all")
+        assert right["exact_match,flexible-extract"] == 1.0 and right["exact_match,strict-match"] == 1.0
+        assert wrong["exact_match,flexible-extract"] == 0.0 and wrong["exact_match,strict-match"] == 0.0
+        assert unstated["exact_match,flexible-extract"] == 1.0 and unstated["exact_match,strict-match"] == 0.0
 
 
 @pytest.mark.parametrize(

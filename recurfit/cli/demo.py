@@ -15,7 +15,7 @@ RECIPE = "default: the demo's recipe, recipes/demo.yaml"  # the formatter adds t
 # The options that become DemoSettings fields of the same name
 FIELDS = (
     *("model", "shape", "steps", "mean_recurrence", "muon_lr", "lr"),
-    *("math_problems", "gsm8k", "max_new_tokens", "force", "device", "dtype"),
+    *("math_problems", "math_eval", "gsm8k", "max_new_tokens", "force", "device", "dtype"),
 )
 
 
@@ -23,7 +23,9 @@ def add_parsers(commands) -> None:
     p = commands.add_parser("demo", help="the main job: retrofit, heal, train, evaluate; writes OUT/report.md")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--shape", type=shape_arg, help=f"P,R,C by the paper's rule ({RECIPE})")
-    p.add_argument("--steps", type=int, help=f"optimizer steps, a quarter of them healing on prose ({RECIPE})")
+    p.add_argument(
+        "--steps", type=int, help=f"optimizer steps: a quarter healing on prose, then prose and math ({RECIPE})"
+    )
     p.add_argument("--mean-recurrence", type=int, help=f"train recurrence the curriculum ramps to ({RECIPE})")
     p.add_argument("--muon-lr", type=positive_float, help=f"Muon's rate ({RECIPE}: 5 × the paper's rate)")
     p.add_argument("--lr", type=positive_float, help=f"AdamW's rate for embeddings and norms ({RECIPE})")
@@ -32,6 +34,12 @@ def add_parsers(commands) -> None:
         type=int,
         default=DEFAULTS["math_problems"],
         help="fresh math problems to generate for training",
+    )
+    p.add_argument(
+        "--math-eval",
+        type=int,
+        default=DEFAULTS["math_eval"],
+        help="held-out word problems to score per split (easy, hard), the first N (at most 200)",
     )
     p.add_argument(
         "--gsm8k",

@@ -4,6 +4,10 @@ Each template draws its names, objects and numbers from a seeded generator and w
 step, every step a sentence with its arithmetic, in the layout the GSM8K chain-of-thought prompt uses. The
 templates were written for this module, not taken from any benchmark, and every problem passes through
 `data prepare`'s decontamination like any other document; docs/training.md gives the overlap check's numbers.
+
+Held-out problems (`held_out_problems`, the demo's math accuracy) come from another seed and draw every number
+above the range the training problems draw it from, so none can equal a training problem: the `easy` split from
+the training templates, the `hard` split from templates of four steps, more than any training problem has.
 """
 
 from __future__ import annotations
@@ -132,6 +136,80 @@ def _ages(rng: random.Random) -> tuple[str, list[str], int]:
     return question, steps, age + gap + years
 
 
+def _market_trip(rng: random.Random) -> tuple[str, list[str], int]:
+    name, (one, many), (other, others) = rng.choice(NAMES), *rng.sample(GOODS, 2)
+    count, price, more, cost = rng.randint(2, 9), rng.randint(2, 15), rng.randint(2, 9), rng.randint(2, 15)
+    first, second = count * price, more * cost
+    paid = ((first + second) // 10 + rng.randint(1, 5)) * 10
+    question = (
+        f"At the village market a {one} sells for ${price} and a {other} for ${cost}. {name} buys {count} "
+        f"{many} and {more} {others} and hands over ${paid}. How many dollars of change does {name} get back?"
+    )
+    steps = [
+        f"The {many} cost {count} * ${price} = ${first}.",
+        f"The {others} cost {more} * ${cost} = ${second}.",
+        f"Together they cost ${first} + ${second} = ${first + second}.",
+        f"The change is ${paid} - ${first + second} = ${paid - first - second}.",
+    ]
+    return question, steps, paid - first - second
+
+
+def _two_harvests(rng: random.Random) -> tuple[str, list[str], int]:
+    name, crop, (vessel, other) = rng.choice(NAMES), rng.choice(CROPS), rng.sample(VESSELS, 2)
+    vessels, each, more, each_more = rng.randint(3, 12), rng.randint(6, 30), rng.randint(3, 12), rng.randint(6, 30)
+    first, second = vessels * each, more * each_more
+    eaten = rng.randint(2, 20)
+    question = (
+        f"{name} fills {vessels} {vessel} with {each} {crop} each and {more} {other} with {each_more} {crop} each. "
+        f"A goat eats {eaten} of them on the way home. How many {crop} reach home?"
+    )
+    steps = [
+        f"The {vessel} hold {vessels} * {each} = {first} {crop}.",
+        f"The {other} hold {more} * {each_more} = {second} {crop}.",
+        f"In all {first} + {second} = {first + second} {crop}.",
+        f"{first + second} - {eaten} = {first + second - eaten} reach home.",
+    ]
+    return question, steps, first + second - eaten
+
+
+def _savings_spent(rng: random.Random) -> tuple[str, list[str], int]:
+    name, (_, many) = rng.choice(NAMES), rng.choice(GOODS)
+    weekly, weeks, start = rng.randint(3, 20), rng.randint(3, 12), rng.randint(1, 40)
+    count, price = rng.randint(2, 9), rng.randint(2, 15)
+    saved, cost = weekly * weeks, count * price
+    start += max(0, cost - start - saved)  # never more spent than saved
+    question = (
+        f"{name} has ${start} in a tin and adds ${weekly} every week for {weeks} weeks, then buys {count} "
+        f"{many} at ${price} each. How many dollars are left in the tin?"
+    )
+    steps = [
+        f"{weeks} weeks of ${weekly} make {weeks} * ${weekly} = ${saved}.",
+        f"The tin holds ${start} + ${saved} = ${start + saved}.",
+        f"The {many} cost {count} * ${price} = ${cost}.",
+        f"${start + saved} - ${cost} = ${start + saved - cost} are left.",
+    ]
+    return question, steps, start + saved - cost
+
+
+def _three_legs(rng: random.Random) -> tuple[str, list[str], int]:
+    name = rng.choice(NAMES)
+    speed, hours, rest, walk = rng.randint(8, 24), rng.randint(2, 6), rng.randint(1, 3), rng.randint(2, 6)
+    pace = rng.randint(2, 6)
+    first, second, third = speed * hours, speed * rest, pace * walk
+    question = (
+        f"{name} rides a bicycle at {speed} kilometres per hour for {hours} hours, stops for lunch, rides {rest} "
+        f"more hours at the same pace, then walks for {walk} hours at {pace} kilometres per hour. How many "
+        "kilometres is that in all?"
+    )
+    steps = [
+        f"Before lunch: {speed} * {hours} = {first} km.",
+        f"After lunch: {speed} * {rest} = {second} km.",
+        f"Walking: {pace} * {walk} = {third} km.",
+        f"In all: {first} + {second} + {third} = {first + second + third} km.",
+    ]
+    return question, steps, first + second + third
+
+
 TEMPLATES: tuple[Callable[[random.Random], tuple[str, list[str], int]], ...] = (
     _shop,
     _harvest,
@@ -142,11 +220,38 @@ TEMPLATES: tuple[Callable[[random.Random], tuple[str, list[str], int]], ...] = (
     _percent,
     _ages,
 )
+# Four steps each: more than any of TEMPLATES (at most three), for the held-out `hard` split.
+HARD_TEMPLATES: tuple[Callable[[random.Random], tuple[str, list[str], int]], ...] = (
+    _market_trip,
+    _two_harvests,
+    _savings_spent,
+    _three_legs,
+)
+SPLITS = {"easy": TEMPLATES, "hard": HARD_TEMPLATES}
 
 
 def word_problems(count: int, seed: int = 0) -> Iterator[tuple[str, str, str]]:
     """`count` problems as (question, worked steps, answer), the same for the same seed."""
-    rng = random.Random(f"recurfit word problems {seed}")
+    yield from _problems(random.Random(f"recurfit word problems {seed}"), TEMPLATES, count)
+
+
+def held_out_problems(count: int, split: str = "easy", seed: int = 0) -> Iterator[tuple[str, str, str]]:
+    """`count` problems no training problem can equal, as (question, worked steps, answer): another seed, and
+    every number drawn above its training range. `split`: "easy" (the training templates) or "hard" (four steps)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, not {split!r}.")
+    yield from _problems(_AboveTrainingRanges(f"recurfit held-out word problems {split} {seed}"), SPLITS[split], count)
+
+
+def _problems(rng: random.Random, templates, count: int) -> Iterator[tuple[str, str, str]]:
     for _ in range(count):
-        question, steps, answer = rng.choice(TEMPLATES)(rng)
+        question, steps, answer = rng.choice(templates)(rng)
         yield question, " ".join(steps), str(answer)
+
+
+class _AboveTrainingRanges(random.Random):
+    """A generator whose `randint(a, b)`, the templates' only way to draw a number, draws above the range instead:
+    from b + 1 to b + half its width (at least two values), so the numbers stay of the training problems' size."""
+
+    def randint(self, a: int, b: int) -> int:
+        return super().randint(b + 1, b + max(2, (b - a + 1) // 2))

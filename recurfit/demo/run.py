@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 import shutil
 import time
@@ -13,7 +14,7 @@ from rich.console import Console
 
 from ..data import prepare
 from ..errors import RecurfitError
-from ..evaluate.figures import plot_recurrence, plot_training
+from ..evaluate.figures import plot_flops, plot_recurrence, plot_training
 from ..evaluate.loss import load_examples, loss_sweep
 from ..evaluate.suite import task_sweep
 from ..generation import GenerationSettings, generate_text
@@ -25,7 +26,7 @@ from ..surgery.retrofit import retrofit
 from ..train import load_config, train
 from ..train.optim import newton_schulz_dtype
 from .report import duration, render_report
-from .settings import QUESTION, DemoSettings, training_config
+from .settings import MATH_TASKS, QUESTION, DemoSettings, training_config
 
 
 def run_demo(settings: DemoSettings, console: Console) -> Path:
@@ -35,7 +36,7 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
             raise RecurfitError(f"{out} already exists; pass --force to start the demo over, or choose --out.")
         shutil.rmtree(out)
     stages = Stages(console)
-    report: dict = {"settings": settings, "stages": stages.seconds, "machine": machine()}
+    report: dict = {"settings": settings, "stages": stages.seconds, "cpu": stages.cpu_seconds, "machine": machine()}
     console.print(f"Running on {report['machine']}.", highlight=False)
 
     with stages.timed("1. Retrofit and parity check"):
@@ -67,19 +68,14 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
             )
             for name, folder in data.items()
         }
-    with stages.timed("6. GSM8K"):
-        report["gsm8k"], _ = task_sweep(
-            model,
-            tokenizer,
-            tasks=["gsm8k_cot"],
-            recurrences=settings.gsm8k_recurrences,
-            name="retrofit",
-            baseline=trained_parent,
-            baseline_name="same tokens",
-            limit=settings.gsm8k,
-            max_new_tokens=settings.max_new_tokens,
-        )
-    with stages.timed("7. Samples and figures"):
+    with stages.timed("6. Math accuracy on held-out word problems"):
+        report["math"], report["math_problems"] = _math_accuracy(model, trained_parent, tokenizer, settings, out)
+    with stages.timed("7. GSM8K"):
+        report["gsm8k"], _ = _against_parent(
+            model, trained_parent, tokenizer, ["gsm8k_cot"], settings.gsm8k_recurrences, settings.gsm8k,
+            settings.max_new_tokens,
+        )  # fmt: skip
+    with stages.timed("8. Samples and figures"):
         _samples_and_figures(report, model, tokenizer, out)
     path = out / "report.md"
     path.write_text(render_report(report))
@@ -104,12 +100,65 @@ def _prepare_data(settings: DemoSettings, tokenizer, out: Path) -> dict[str, Pat
     return data
 
 
+def _math_accuracy(model, parent, tokenizer, settings: DemoSettings, out: Path):
+    """Greedy exact-match accuracy on the held-out word problems (`recurfit eval tasks`' sweep) at each r and for
+    the parent; the results file and every problem's answer (OUT/word_problems.json, .jsonl) beside the report."""
+    sweep, raw = _against_parent(
+        model, parent, tokenizer, list(MATH_TASKS.values()), settings.math_recurrences, settings.math_eval,
+        settings.math_new_tokens, log_samples=True,
+    )  # fmt: skip
+    sweep.save(out / "word_problems.json")
+    problems = per_problem(raw["samples"])
+    with open(out / "word_problems.jsonl", "w") as lines:
+        lines.writelines(json.dumps(problem) + "\n" for problem in problems)
+    return sweep, problems
+
+
+def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new_tokens, log_samples=False):
+    """`recurfit eval tasks`' sweep of the retrofit at each r, against the parent trained on the same tokens."""
+    return task_sweep(
+        model,
+        tokenizer,
+        tasks=tasks,
+        recurrences=recurrences,
+        name="retrofit",
+        baseline=parent,
+        baseline_name="same tokens",
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        log_samples=log_samples,
+    )
+
+
+def per_problem(samples: dict) -> list[dict]:
+    """One record per model (r=… or parent), split and problem from lm-eval's logged samples: the answer, the
+    number read from it (flexible-extract: its last number, the headline) and whether it is the right one."""
+    splits = {task: split for split, task in MATH_TASKS.items()}
+    return [
+        {
+            "model": model,
+            "split": splits[task.removesuffix("_offline")],
+            "problem": sample["doc_id"],
+            "question": sample["doc"]["question"],
+            "target": sample["target"],
+            "answer": sample["resps"][0][0],
+            "extracted": sample["filtered_resps"][0],
+            "correct": bool(sample["exact_match"]),
+        }
+        for model, tasks in samples.items()
+        for task, logged in tasks.items()
+        for sample in logged
+        if sample["filter"] == "flexible-extract"
+    ]
+
+
 def _samples_and_figures(report: dict, model, tokenizer, out: Path) -> None:
     settings = report["settings"]
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
-    report["flops"] = {
-        name: [r for r in read_log(out / name) if r["kind"] == "train"][-1] for name in ("recurrent", "parent")
-    }
+    logs = {name: read_log(out / name) for name in ("recurrent", "parent")}
+    report["flops"] = {name: [r for r in log if r["kind"] == "train"][-1] for name, log in logs.items()}
+    # the validation records by step (every quarter of the steps: the healing ends at the first by default)
+    report["validation"] = {name: {r["step"]: r for r in log if r["kind"] == "eval"} for name, log in logs.items()}
     report["inference_flops"] = {r: inference_flops_per_token(model, r) for r in (1, settings.mean_recurrence)}
 
     figures = out / "figures"
@@ -117,6 +166,8 @@ def _samples_and_figures(report: dict, model, tokenizer, out: Path) -> None:
     plot_training([out / "recurrent", out / "parent"], figures / "training.png")
     for name, sweep in report["loss"].items():
         plot_recurrence([sweep], figures / f"loss_{name}.png")
+    plot_recurrence([report["math"]], figures / "math_recurrence.png")
+    plot_flops([report["math"]], figures / "math_flops.png")
     plot_recurrence([report["gsm8k"]], figures / "gsm8k.png")
 
 
@@ -124,14 +175,17 @@ class Stages:
     """Times each stage of the demo, says so as each ends, and keeps the seconds for the report."""
 
     def __init__(self, console: Console):
-        self.console, self.seconds = console, {}
+        self.console, self.seconds, self.cpu_seconds = console, {}, {}
 
     @contextmanager
     def timed(self, title: str):
+        """Wall time, and the process's CPU time over all its threads: on cores other jobs share, the CPU time
+        divided by the cores it used is about what the stage takes on idle ones."""
         self.console.rule(f"[bold]{title}")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         yield
         self.seconds[title] = time.perf_counter() - start
+        self.cpu_seconds[title] = time.process_time() - cpu
         self.console.print(f"{title}: {duration(self.seconds[title])}", highlight=False)
 
 

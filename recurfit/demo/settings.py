@@ -16,6 +16,8 @@ QUESTION = (
     "are left?\nAnswer: Let's think step by step."
 )
 RECIPE = "recipe.yaml"  # beside this module, packaged with it
+# The held-out word problems' splits, as `recurfit eval tasks` names them (recurfit/evaluate/tasks/word_problems_*)
+MATH_TASKS = {"easy": "word_problems", "hard": "word_problems_hard"}
 
 
 @cache
@@ -50,7 +52,7 @@ class DemoSettings:
     model: str | None = None  # parent folder or Hub id; None: the embedded SmolLM2-135M-Instruct
     shape: tuple[int, int, int] = _from_recipe("model", "shape", convert=tuple)
     steps: int = _from_recipe("steps")
-    heal_steps: int | None = None  # of `steps`, on prose only; None: a quarter of them (at least 1)
+    heal_steps: int | None = None  # of `steps`, on prose only (then prose and math); None: a quarter of them
     batch: int = _from_recipe("batch", "global")  # sequences per optimizer step
     seq_len: int = 256
     mean_recurrence: int = _from_recipe("depth", "mean_recurrence")
@@ -58,10 +60,15 @@ class DemoSettings:
     muon_lr: float = _from_recipe("optimizer", "muon_lr")
     lr: float = _from_recipe("optimizer", "lr")
     math_problems: int = 4000
-    loss_recurrences: list[int] = field(default_factory=lambda: list(LOSS_RECURRENCES))
+    math_eval: int = 16  # held-out word problems scored per split (easy, hard), the first N
+    math_recurrences: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    math_new_tokens: int | None = None  # None: each split's own limit (64 and 96 tokens, room for a worked answer)
+    # to r = 16, not LOSS_RECURRENCES' 32: the sweep's cost grows with its largest r, and every demo run so far was
+    # flat from r = 4 (the train mean) on
+    loss_recurrences: list[int] = field(default_factory=lambda: [r for r in LOSS_RECURRENCES if r <= 16])
     loss_rows: int = 16  # validation sequences per store
     gsm8k: int = 16  # GSM8K test problems (the first N)
-    gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 4, 8])
+    gsm8k_recurrences: list[int] = field(default_factory=lambda: [1, 8])  # the ends: at this scale it is 0 or noise
     max_new_tokens: int = 128
     force: bool = False
     device: str | None = None  # where the trained models are evaluated (None: cuda if available, else cpu)
@@ -85,12 +92,13 @@ def training_config(settings: DemoSettings, data: dict[str, Path], out: Path, sh
     config["model"].update(path=settings.model, shape=list(shape) if shape else None)
     config["data"]["phases"] = [
         {"sources": [str(data["prose"])], "tokens": heal_tokens},
-        {"sources": [str(data["math"])]},
+        {"sources": [str(data["prose"]), str(data["math"])]},
     ]
     config["data"]["validation"] = [str(data["prose"]), str(data["math"])]
     config["depth"].update(mean_recurrence=settings.mean_recurrence, backprop_depth=settings.backprop_depth)
     config["optimizer"].update(muon_lr=settings.muon_lr, lr=settings.lr)
     config["batch"] = {"micro": min(config["batch"]["micro"], settings.batch), "global": settings.batch}
     config["steps"] = settings.steps
-    config["eval"].update(every=quarter(settings.steps), steps=[1, settings.mean_recurrence])
+    # every quarter of the steps: the first validation is the healing's end (by default)
+    config["eval"].update(every=quarter(settings.steps), steps=[1, settings.mean_recurrence], rows=settings.loss_rows)
     return config

@@ -361,16 +361,17 @@ class Trainer(Saving):
         result = TrainResult(self.out, counters)
         show = config.log.progress and self.processes.is_main
         with progress_bar(TextColumn("{task.fields[status]}"), disable=not show) as bar:
-            mean = self.schedule.mean_recurrence.at(counters.step)
-            first = f"step {counters.step + 1}: first forward and backward (r̄ {mean})"
+            first = f"step {counters.step + 1}: first forward and backward"
+            if self.recurrent:  # a fixed-depth model (the parent) has no recurrence to show
+                first += f" (r̄ {self.schedule.mean_recurrence.at(counters.step)})"
             task = bar.add_task("training", total=config.end, completed=counters.step, status=first)
             if config.snapshots.every and counters.step == self.start_step:
                 self.snapshot()  # the model before training: the curves' first point
             while counters.step < config.end:
                 record = self.train_step()
                 result.losses.append(record["loss"])
-                loss, mean, rate = record["loss"], record["mean_recurrence"], record["tokens_per_s"]
-                status = f"loss {loss:.4f}  r̄ {mean}  {rate:,.0f} tok/s"
+                depth = f"  r̄ {record['mean_recurrence']}" if self.recurrent else ""
+                status = f"loss {record['loss']:.4f}{depth}  {record['tokens_per_s']:,.0f} tok/s"
                 bar.update(task, advance=1, status=status)
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.end):

