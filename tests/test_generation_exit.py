@@ -123,16 +123,15 @@ def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
 
 
 @pytest.mark.float32_only("compares greedy tokens and exit depths of two computation orders")
-@pytest.mark.parametrize("criterion", ["kl", "state", "argmax"])
+@pytest.mark.parametrize("criterion", ["kl", "argmax"])  # where these rows settle at different depths
 def test_frozen_rows_checked_every_few_steps_give_the_same_tokens_and_depths(criterion):
     """Settled rows kept in the batch (masked writes, a host check every 3 steps) against rows dropped at once."""
     model = model_with_state("mistral")  # sliding windows shorter than the sequence
     ids, mask = prompts(batch=3, length=9)
     mask[2, :2] = 0
-    threshold = {"kl": 1e-3, "state": 5e-2, "argmax": None}[criterion]
     runs = {}
     for every in (1, 3):
-        rule = ExitRule.parse(f"{criterion}:{threshold or 1}", min_steps=2, check_every=every)
+        rule = ExitRule.parse("kl:1e-3" if criterion == "kl" else "argmax:1", min_steps=2, check_every=every)
         runs[every] = model.generate(
             ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=10, pad_token_id=0,
             return_dict_in_generate=True, exit_rule=rule,

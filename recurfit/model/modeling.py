@@ -439,7 +439,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             # One token per row: the compiled graph (recurfit.model.compiled). The cache tracks positions itself.
             new_real = attention_mask[:, -1:] if attention_mask is not None else torch.ones_like(input_ids)
             n, k = self.model.resolve_num_steps(num_steps)
-            logits = step(input_ids, new_real, n + k, warm_start)
+            # Fresh contiguous inputs: a column of a growing mask has a stride that changes every token (a retrace).
+            token, new_real = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, new_real))
+            logits = step(token, new_real, n + k, warm_start)
             steps = torch.full(input_ids.shape[:1], n + k, device=input_ids.device)
             if steps_log is not None:
                 steps_log.append(steps)
