@@ -14,6 +14,10 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
    plain greedy decoding at the same r, and whether the outputs are identical.
 5. Adaptive depth in a batch of `--batch` sequences: time per token against fixed r, as a ratio to the
    compute the rows' own depths predict (the core runs only on rows still recurring).
+6. Compiled decoding (`generate(compile=True)`: static cache, one graph per batch size and r) against eager
+   `generate` (dynamic cache): free-running greedy time per token at batches `--compile-batches` and r ∈
+   `--compile-depths`, the tokens compared, graphs traced, the one-time compile cost, and the weights-read
+   floor (at `--bandwidth`, or the bandwidth measured here with `--bandwidth measure`).
 `--parent tinyllama` retrofits TinyLlama-1.1B's shape with random weights (no download) and decodes random
 tokens: its times are real, its NLL and agreement are not. `--bandwidth` (GB/s, measured) adds the time
 per token that reading the weights once per layer call takes at that bandwidth, the decode floor at batch 1.
@@ -25,6 +29,7 @@ Times are medians over the decoded tokens of this one run, modes interleaved (th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -35,6 +40,7 @@ from recurfit.data.sources import embedded_prose
 from recurfit.generation import ExitRule
 from recurfit.generation.speculative import speculative_generate
 from recurfit.model.cache import RecurrentCache
+from recurfit.model.compat import cache_kwargs
 from recurfit.model.loading import load_model, load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -73,14 +79,14 @@ def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
 
         cache = DynamicCache(config=model.config)
     mask = torch.ones_like(ids)
-    out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache, use_cache=True, **extra)
+    out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], **cache_kwargs(cache), use_cache=True, **extra)
     logits, nll, predictions, steps, seconds = out.logits[:, -1], [], [], [], []
     for t in range(prompt, ids.shape[1]):
         nll.append(torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="none"))
         predictions.append(logits.argmax(-1))
         synchronize(ids.device)
         start = time.perf_counter()
-        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True, **extra)
+        out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_kwargs(cache), use_cache=True, **extra)
         synchronize(ids.device)
         seconds.append(time.perf_counter() - start)
         logits = out.logits[:, -1]
@@ -118,10 +124,19 @@ def main() -> None:
     parser.add_argument("--random-tokens", action="store_true", help="decode random tokens (tinyllama: always)")
     parser.add_argument("--shape", default="4,8,4", help="the retrofit of the parent (without MODEL)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    parser.add_argument("--sections", default="1,2,3,4,5", help="which of the measurements above to run")
-    parser.add_argument("--bandwidth", type=float, help="measured memory bandwidth in GB/s: print the decode floor")
+    parser.add_argument("--sections", default="1,2,3,4,5,6", help="which of the measurements above to run")
+    parser.add_argument(
+        "--bandwidth", help="memory bandwidth in GB/s for the decode floor, or `measure` to measure it here"
+    )
+    parser.add_argument("--compile-batches", default="1,8", help="batch sizes for section 6")
+    parser.add_argument("--compile-depths", default="4,32", help="recurrences for section 6")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.bandwidth == "measure":
+        args.bandwidth = measure_bandwidth(torch.device(args.device))
+        print(f"measured memory bandwidth: {args.bandwidth:.1f} GB/s (copying 256 MiB)")
+    elif args.bandwidth is not None:
+        args.bandwidth = float(args.bandwidth)
 
     model, parent, tokenizer = models(args)
     ids = passages(tokenizer, args.sequences, args.prompt + args.decode, vocab_size=parent.config.vocab_size)
@@ -165,6 +180,8 @@ def main() -> None:
         speculative(model, ids[:, : args.prompt], args)
     if 5 in sections:
         batched_exit(model, tokenizer, args)
+    if 6 in sections:
+        compiled(model, ids[:, : args.prompt], args)
 
 
 def models(args):
@@ -283,6 +300,64 @@ def batched_exit(model, tokenizer, args) -> None:
         f"measured ratio {measured:.2f}, predicted from the rows' depths {predicted:.2f} "
         f"(measured / predicted {measured / predicted:.2f}); batch × deepest row would be {batch_max:.2f}"
     )
+
+
+def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
+    """GB/s of a large device-to-device copy (bytes read + written), the best of five."""
+    source = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best / 1e9
+
+
+def timed_greedy(model, rows, r: int, compile: bool, tokens: int):
+    synchronize(rows.device)
+    start = time.perf_counter()
+    out = model.generate(rows, do_sample=False, pad_token_id=0, max_new_tokens=tokens, num_steps=r, compile=compile)
+    synchronize(rows.device)
+    return out, time.perf_counter() - start
+
+
+def compiled(model, prompts, args) -> None:
+    """Free-running greedy decoding, eager against compiled, at each batch size and r."""
+    from torch._dynamo.utils import counters
+
+    new = args.decode
+    print(f"\n6. compiled decoding against eager: prefill {prompts.shape[1]}, {new} new tokens, greedy")
+    print(
+        "   batch   r  eager ms/token  compiled ms/token  compiled / eager  same tokens  graphs  compile (s)"
+        + ("  floor (ms)  compiled / floor" if args.bandwidth else "")
+    )
+    for batch in (int(b) for b in args.compile_batches.split(",")):
+        rows = prompts[torch.arange(batch, device=prompts.device) % prompts.shape[0]]
+        for r in (int(d) for d in args.compile_depths.split(",")):
+            run = functools.partial(timed_greedy, model, rows, r)
+            graphs = counters["stats"]["unique_graphs"]
+            _, first = run(True, new)  # traces and compiles the step
+            graphs = counters["stats"]["unique_graphs"] - graphs
+            per_token = {False: [], True: []}
+            for _ in range(args.repeats):  # interleaved, so both see the same machine load
+                for compile in (False, True):
+                    out, whole = run(compile, new)
+                    _, prefill = run(compile, 1)
+                    per_token[compile].append((whole - prefill) / (new - 1))
+                    per_token.setdefault(f"tokens {compile}", out)
+            eager_ms, compiled_ms = (1e3 * statistics.median(per_token[c]) for c in (False, True))
+            same = "yes" if torch.equal(per_token["tokens False"], per_token["tokens True"]) else "no"
+            line = (
+                f"  {batch:>6}  {r:>2}  {eager_ms:14.1f}  {compiled_ms:17.1f}  {compiled_ms / eager_ms:16.2f}  "
+                f"{same:>11}  {graphs:6}  {first - compiled_ms / 1e3 * new:11.1f}"
+            )
+            if args.bandwidth:
+                floor = weight_floor_ms(model, args.bandwidth, r)
+                line += f"  {floor:10.2f}  {compiled_ms / floor:16.2f}"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ def build(case: dict):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from recurfit import retrofit
+    from recurfit.model.compat import enable_activation_checkpointing
     from recurfit.train import load_config
     from recurfit.train.parts import select_parts
 
@@ -93,7 +94,7 @@ def build(case: dict):
         overrides += ["distill={alpha: 0.5, temperature: 2.0}", "depth.supervise={last: 2}"]
     if case.get("checkpointing"):
         overrides.append("model.gradient_checkpointing=true")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as build_model
+        enable_activation_checkpointing(model)  # as build_model
     config = load_config(None, overrides)
     # The teacher: a parent of its own (the retrofit adopted the first one's tensors), frozen.
     teacher = AutoModelForCausalLM.from_config(parent_config, dtype=torch.float32) if case.get("distill") else None

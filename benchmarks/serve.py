@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import recurfit  # noqa: E402
 from recurfit.data.sources import embedded_prose  # noqa: E402
 from recurfit.model.cache import RecurrentCache  # noqa: E402
+from recurfit.model.compat import cache_kwargs  # noqa: E402
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer  # noqa: E402
 
 DTYPES = {"fp32": ("float32", torch.float32), "bf16": ("bfloat16", torch.bfloat16)}
@@ -72,7 +73,7 @@ def recurfit_run(model, batch, r: int, new_tokens: int, device) -> tuple[float, 
         num_steps=r,
         eos_token_id=None,
         pad_token_id=0,
-        past_key_values=RecurrentCache(model.config),
+        **cache_kwargs(RecurrentCache(model.config)),
     )
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -48,6 +48,7 @@ from recurfit.evaluate.loss import load_examples
 from recurfit.evaluate.over_training import RunEvaluation
 from recurfit.generation import ExitRule
 from recurfit.model.cache import RecurrentCache
+from recurfit.model.compat import cache_kwargs
 from recurfit.model.loading import load_model
 from recurfit.train.metrics import read_log
 
@@ -232,7 +233,7 @@ def cached_exit_depths(model_folder: Path, store: str) -> dict:
         output = model.generate(
             prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=NEW_TOKENS, do_sample=False,
             pad_token_id=0, return_dict_in_generate=True, num_steps=EXIT_MAX, exit_rule=rule,
-            past_key_values=RecurrentCache(model.config, policy="all"),
+            **cache_kwargs(RecurrentCache(model.config, policy="all")),
         )  # fmt: skip
         length = prompt.shape[0]  # PROMPT_TOKENS, or the whole row if it is shorter
         new = output.sequences.shape[1] - length

@@ -33,6 +33,17 @@ def test_lm_eval_generation_batched_equals_unbatched(lm_pair):
     assert batched == alone and all(isinstance(text, str) for text in batched)
 
 
+def test_lm_eval_compiled_generation_equals_eager(lm_pair):
+    prompts = [
+        ("the cat", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+        ("a big red tree and then", {"until": ["."], "max_gen_toks": 6, "do_sample": False}),
+    ]
+    # "eager": torch.compile's tracing without inductor, so the test checks the static-cache path and the compiled
+    # step's plumbing quickly (inductor itself: tests/test_model_compiled.py)
+    compiled = lm_pair(2, compile="eager").generate_until(_requests("generate_until", prompts))
+    assert compiled == lm_pair(2).generate_until(_requests("generate_until", prompts))
+
+
 def test_lm_eval_runs_a_fixed_depth_parent_without_num_steps():
     from recurfit.evaluate.lm import RecurfitLM
 

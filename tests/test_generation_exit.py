@@ -120,3 +120,32 @@ def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
         single = model.generate(alone, attention_mask=torch.ones_like(alone), **kwargs)
         assert torch.equal(batched.sequences[row, -6:], single.sequences[0, -6:])
         assert torch.equal(batched.steps_per_token[row], single.steps_per_token[0])
+
+
+@pytest.mark.float32_only("compares greedy tokens and exit depths of two computation orders")
+@pytest.mark.parametrize("criterion", ["kl", "argmax"])  # where these rows settle at different depths
+def test_frozen_rows_checked_every_few_steps_give_the_same_tokens_and_depths(criterion):
+    """Settled rows kept in the batch (masked writes, a host check every 3 steps) against rows dropped at once."""
+    model = model_with_state("mistral")  # sliding windows shorter than the sequence
+    ids, mask = prompts(batch=3, length=9)
+    mask[2, :2] = 0
+    runs = {}
+    for every in (1, 3):
+        rule = ExitRule.parse("kl:1e-3" if criterion == "kl" else "argmax:1", min_steps=2, check_every=every)
+        runs[every] = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_steps=10, pad_token_id=0,
+            return_dict_in_generate=True, exit_rule=rule,
+        )  # fmt: skip
+    assert len(set(runs[1].steps_per_token[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
+    assert torch.equal(runs[3].sequences, runs[1].sequences)
+    assert torch.equal(runs[3].steps_per_token, runs[1].steps_per_token)
+
+
+def test_frozen_rows_stay_in_the_core_batch():
+    model = model_with_state("qwen3")
+    ids, mask = prompts(batch=3)
+    calls = core_rows(model)
+    rule = ExitRule("kl", threshold=1e-3, check_every=4)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_steps=12, pad_token_id=0,
+                   exit_rule=rule)  # fmt: skip
+    assert set(calls) == {3}  # no gather: every call runs the whole batch

@@ -13,6 +13,7 @@ from conftest import (
 from conftest import run_cli as run
 
 from recurfit.model.cache import RecurrentCache
+from recurfit.model.compat import cache_kwargs
 
 
 def test_warm_start_starts_each_token_from_the_previous_final_state():
@@ -24,12 +25,12 @@ def test_warm_start_starts_each_token_from_the_previous_final_state():
     warm, cold = model.generate(ids, warm_start=True, **kwargs), model.generate(ids, **kwargs)
     cache, logits = RecurrentCache(model.config), []
     with torch.no_grad():
-        out = model(ids, num_steps=3, past_key_values=cache, output_hidden_states=True)
+        out = model(ids, num_steps=3, **cache_kwargs(cache), output_hidden_states=True)
         for _ in range(4):
             logits.append(out.logits[:, -1].float())  # generate returns its logits in float32
             token = logits[-1].argmax(-1, keepdim=True)
             previous = out.hidden_states[-1][:, -1:]  # s_r of the last position
-            out = model(token, num_steps=3, past_key_values=cache, initial_state=previous, output_hidden_states=True)
+            out = model(token, num_steps=3, **cache_kwargs(cache), initial_state=previous, output_hidden_states=True)
     torch.testing.assert_close(torch.stack(warm.logits), torch.stack(logits), **close(1.3e-6, 1e-5))
     assert (warm.logits[-1] - cold.logits[-1]).abs().max() > 1e-3  # the state matters here: the test has teeth
 

@@ -12,6 +12,7 @@ from conftest import (
 )
 
 from recurfit.model.cache import RecurrentCache
+from recurfit.model.compat import cache_kwargs
 
 
 @pytest.mark.parametrize("r", [1, 3])
@@ -21,10 +22,10 @@ def test_incremental_decoding_equals_the_full_forward(family, r):
     with torch.no_grad():
         full = model(ids, attention_mask=mask, num_steps=r).logits
         cache = RecurrentCache(model.config)
-        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], num_steps=r, past_key_values=cache).logits]
+        pieces = [model(ids[:, :8], attention_mask=mask[:, :8], num_steps=r, **cache_kwargs(cache)).logits]
         for t in range(8, 12):
             pieces.append(
-                model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], num_steps=r, past_key_values=cache).logits
+                model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], num_steps=r, **cache_kwargs(cache)).logits
             )
     real = mask.bool()
     torch.testing.assert_close(torch.cat(pieces, 1)[real], full[real], atol=1e-5, rtol=1e-5)
@@ -73,9 +74,9 @@ def test_changing_r_follows_the_latest_step_rule():
     P = model.config.shape[0]
     cache = RecurrentCache(model.config)
     with torch.no_grad():
-        model(ids[:, :8], attention_mask=mask[:, :8], num_steps=2, past_key_values=cache)
-        model(ids[:, 8:9], attention_mask=mask[:, :9], num_steps=4, past_key_values=cache)  # deeper than before
-        model(ids[:, 9:10], attention_mask=mask[:, :10], num_steps=1, past_key_values=cache)  # shallower
+        model(ids[:, :8], attention_mask=mask[:, :8], num_steps=2, **cache_kwargs(cache))
+        model(ids[:, 8:9], attention_mask=mask[:, :9], num_steps=4, **cache_kwargs(cache))  # deeper than before
+        model(ids[:, 9:10], attention_mask=mask[:, :10], num_steps=1, **cache_kwargs(cache))  # shallower
     for layer in range(P, P + model.config.shape[1]):
         step = [cache.layers[i] for i in cache.step_slots(layer)]
         assert len(step) == 4 and {s.get_seq_length() for s in step} == {10}
@@ -94,7 +95,7 @@ def test_latest_policy_bounds_memory():
     caches = {policy: RecurrentCache(model.config, policy=policy) for policy in ("all", "latest")}
     with torch.no_grad():
         for cache in caches.values():
-            model(ids, attention_mask=mask, num_steps=8, past_key_values=cache)
+            model(ids, attention_mask=mask, num_steps=8, **cache_kwargs(cache))
     P, R, C = model.config.shape
     assert caches["all"].memory_bytes() == caches["latest"].memory_bytes() * (P + 8 * R + C) // (P + R + C)
     assert len(caches["latest"].layers) == P + R + C
@@ -110,7 +111,7 @@ def test_a_foreign_cache_is_refused():
 
     model = model_with_state_for_cache("llama")
     with pytest.raises(TypeError, match="RecurrentCache"):
-        model(prompts_for_cache()[0], past_key_values=DynamicCache())
+        model(prompts_for_cache()[0], **cache_kwargs(DynamicCache()))
 
 
 def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
@@ -124,14 +125,14 @@ def test_exit_at_step_m_equals_running_m_steps_with_the_cache():
     eos = torch.tensor(model.generation_config.eos_token_id, device=ids.device).flatten()
     finished = torch.zeros(ids.shape[0], 1, dtype=torch.bool, device=ids.device)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, num_steps=12, past_key_values=cache).logits
+        logits = model(ids, attention_mask=mask, num_steps=12, **cache_kwargs(cache)).logits
         for _ in range(6):
             # as generate: a row that has produced EOS gets padding (0) from then on
             token = torch.where(finished, 0, logits[:, -1].argmax(-1, keepdim=True))
             finished |= torch.isin(token, eos)
             tokens = torch.cat([tokens, token], 1)
             current_mask = torch.cat([current_mask, torch.ones_like(token)], 1)
-            logits = model(token, attention_mask=current_mask, num_steps=4, past_key_values=cache).logits
+            logits = model(token, attention_mask=current_mask, num_steps=4, **cache_kwargs(cache)).logits
     assert torch.equal(adaptive.sequences, tokens)
 
 
@@ -142,6 +143,6 @@ def test_latest_policy_is_an_approximation_once_the_state_matters():
     for policy in ("all", "latest"):
         cache = RecurrentCache(model.config, policy=policy)
         with torch.no_grad():
-            model(ids[:, :8], attention_mask=mask[:, :8], num_steps=4, past_key_values=cache)
-            logits[policy] = model(ids[:, 8:9], attention_mask=mask[:, :9], num_steps=4, past_key_values=cache).logits
+            model(ids[:, :8], attention_mask=mask[:, :8], num_steps=4, **cache_kwargs(cache))
+            logits[policy] = model(ids[:, 8:9], attention_mask=mask[:, :9], num_steps=4, **cache_kwargs(cache)).logits
     assert (logits["all"] - logits["latest"]).abs().max() > 1e-2  # earlier tokens seen at step 4, not step s

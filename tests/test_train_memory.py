@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import plan, tiny_plan_model
 
+from recurfit.model.compat import enable_activation_checkpointing
 from recurfit.train import losses
 
 
@@ -102,7 +103,7 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
     config, _ = tiny_plan_model(**({"model.gradient_checkpointing": "true"} if checkpointing else {}))
     model = retrofit(tiny_parent("llama", num_layers=6, place=False), (2, 2, 2)).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     batch, length, k = 3, 10, 3
     ids = torch.randint(0, vocab_size(model), (batch, length))
     activations, copies = {}, {}

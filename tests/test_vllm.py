@@ -27,6 +27,7 @@ from conftest import VOCAB, char_tokenizer, run_cli, tiny_parent
 import recurfit
 from recurfit.evaluate.results import Sweep
 from recurfit.model.cache import RecurrentCache
+from recurfit.model.compat import cache_kwargs
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -94,7 +95,7 @@ def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") 
         num_steps=r,
         eos_token_id=None,
         pad_token_id=0,
-        past_key_values=RecurrentCache(model.config, policy=policy),
+        **cache_kwargs(RecurrentCache(model.config, policy=policy)),
     )
     return out[:, width:].tolist()
 

@@ -28,6 +28,14 @@ def add_parsers(commands) -> None:
             default=2,
             help="no adaptive exit before this many recurrences",
         )
+        p.add_argument(
+            "--exit-check-every",
+            dest="exit_check_every",
+            type=positive_int,
+            default=1,
+            help="with --exit: ask whether every row has settled once every N recurrences; N > 1 keeps settled "
+            "rows in the batch, frozen, so the GPU never waits between checks",
+        )
         p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
         p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
@@ -41,6 +49,12 @@ def add_parsers(commands) -> None:
             help="self-speculative decoding: draft at this recurrence, greedy (default: off)",
         )
         p.add_argument("--lookahead", type=int, default=4, help="with --draft-steps: tokens drafted per verification")
+        p.add_argument(
+            "--compile",
+            action="store_true",
+            help="decode through a compiled step (torch.compile; CUDA graphs on a GPU): faster per token after a "
+            "one-time compile; fixed depth, no --exit",
+        )
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)
 
@@ -67,6 +81,7 @@ def _settings(args):
         recurrence=args.recurrence,
         exit=args.exit,
         min_steps=args.min_recurrence,
+        exit_check_every=args.exit_check_every,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -74,6 +89,7 @@ def _settings(args):
         warm_start=args.warm_start,
         draft_steps=args.draft_steps,
         lookahead=args.lookahead,
+        compile=args.compile,
     )
 
 

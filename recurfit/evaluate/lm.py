@@ -38,18 +38,26 @@ class RecurfitLM(HFLM):
         state_init: str = "random",
         exit: str | None = None,
         min_steps: int = 2,
+        exit_check_every: int = 1,
+        compile: bool | str = False,
         **kwargs,
     ):
         """`num_steps`: test recurrence (default: the model's `mean_recurrence`). `state_init`: "random" draws
         s_0 as in training; "zeros" makes every request independent of what it is batched with (it sets the model's
         `state_init_std` to 0); "previous" also starts each generated token's recurrence from the previous
         token's final state (warm start). `exit`: adaptive depth for generated tokens, as on the CLI
-        ("kl:5e-4", "argmax:3"), no earlier than `min_steps`."""
+        ("kl:5e-4", "argmax:3"), no earlier than `min_steps`, asking whether all rows settled every
+        `exit_check_every` steps. `compile`: generate through a compiled static-cache
+        decoding step (fixed depth, so not with `exit`); log-likelihoods run eagerly."""
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
         if kwargs.get("trust_remote_code"):
             raise ValueError("--model recurfit never runs a model folder's own code: leave trust_remote_code out.")
-        self.exit_rule = ExitRule.parse(exit, min_steps=int(min_steps))
+        self.exit_rule = ExitRule.parse(exit, min_steps=int(min_steps), check_every=int(exit_check_every))
+        # lm-eval's model_args arrive as strings: true/false, or a torch.compile backend's name
+        self.compile = {"true": True, "1": True, "false": False, "0": False}.get(str(compile).lower(), compile)
+        if self.compile and self.exit_rule is not None:
+            raise ValueError("compile=true decodes at a fixed depth: drop exit.")
         if kwargs.get("add_bos_token") is not None and not isinstance(kwargs.get("tokenizer"), (str, type(None))):
             kwargs["tokenizer"] = with_bos(kwargs["tokenizer"], kwargs["add_bos_token"])
         kwargs.setdefault("backend", "causal")
@@ -70,7 +78,10 @@ class RecurfitLM(HFLM):
     def _decoding_kwargs(self) -> dict:
         if not self.recurrent:
             return {}
-        return {**self._depth_kwargs(), "exit_rule": self.exit_rule, "warm_start": self.state_init == "previous"}
+        warm_start = self.state_init == "previous"
+        if self.compile:
+            return {**self._depth_kwargs(), "warm_start": warm_start, "compile": self.compile}
+        return {**self._depth_kwargs(), "exit_rule": self.exit_rule, "warm_start": warm_start}
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
@@ -126,7 +137,8 @@ class RecurfitLM(HFLM):
 
     def get_model_info(self) -> dict:
         exit = None if self.exit_rule is None else f"{self.exit_rule}"
-        return {**super().get_model_info(), "num_steps": self.num_steps, "state_init": self.state_init, "exit": exit}
+        info = {"num_steps": self.num_steps, "state_init": self.state_init, "exit": exit, "compile": self.compile}
+        return {**super().get_model_info(), **info}
 
 
 def _quiet() -> bool:

@@ -35,6 +35,10 @@ class ExitRule:
     threshold: float = DEFAULT_THRESHOLD  # kl, state
     min_steps: int = 2
     patience: int = DEFAULT_PATIENCE  # argmax: steps the prediction must hold
+    # The host asks whether rows settled once every `check_every` steps. 1: settled rows leave the core's batch at
+    # once (least compute; a wait on the device at every step). m > 1: every row stays in the batch, settled rows
+    # frozen (their state and cache entries kept), and nothing waits on the device between checks.
+    check_every: int = 1
 
     def __post_init__(self):
         if self.criterion not in EXIT_CRITERIA:
@@ -43,9 +47,11 @@ class ExitRule:
             raise RecurfitError(f"min_steps must be >= 1, got {self.min_steps}.")
         if self.patience < 1:
             raise RecurfitError(f"argmax patience must be >= 1 step, got {self.patience}.")
+        if self.check_every < 1:
+            raise RecurfitError(f"exit check_every must be >= 1 step, got {self.check_every}.")
 
     @classmethod
-    def parse(cls, spec: str | None, min_steps: int = 2) -> ExitRule | None:
+    def parse(cls, spec: str | None, min_steps: int = 2, check_every: int = 1) -> ExitRule | None:
         """'kl:5e-4', 'state:0.01', 'argmax:3': the number is the threshold, or the patience for argmax.
         The one parser of exit specs, for the CLI, `generate_text` and lm-eval's `model_args`; None stays None."""
         if spec is None:
@@ -61,7 +67,8 @@ class ExitRule:
         except ValueError:
             expected = "an integer" if kind is int else "a number"
             raise RecurfitError(f"--exit {spec!r}: {value!r} is not {expected}.") from None
-        return cls(criterion, min_steps=min_steps, **({} if number is None else {field: number}))
+        number = {} if number is None else {field: number}
+        return cls(criterion, min_steps=min_steps, check_every=check_every, **number)
 
     def start(self, batch: int, device) -> ExitTracker:
         """The bookkeeping of one decoding forward over `batch` rows."""
@@ -79,13 +86,26 @@ class ExitTracker:
         self._stable = torch.zeros(batch, dtype=torch.long, device=device)  # argmax: steps the token held
 
     @property
-    def active(self) -> torch.LongTensor | None:
-        """Indices of the rows still recurring, or None while all are (so callers skip the gather)."""
-        return None if not self.done.any() else (~self.done).nonzero().squeeze(1)
+    def masked(self) -> bool:
+        """Whether settled rows stay in the batch, frozen, instead of leaving it (no host waits between checks)."""
+        return self.rule.check_every > 1
 
     @property
-    def finished(self) -> bool:
-        return bool(self.done.all())
+    def active(self) -> torch.LongTensor | None:
+        """Indices of the rows still recurring, or None while all are (so callers skip the gather); always None
+        when settled rows are frozen in place."""
+        if self.masked or not self.done.any():
+            return None
+        return (~self.done).nonzero().squeeze(1)
+
+    @property
+    def frozen(self) -> torch.Tensor | None:
+        """When settled rows stay in the batch: a bool per row, True for those that keep their state."""
+        return self.done if self.masked else None
+
+    def finished(self, step: int) -> bool:
+        """Whether every row has settled, asked of the device only every `check_every` steps."""
+        return step % self.rule.check_every == 0 and bool(self.done.all())
 
     def check(
         self,
@@ -97,10 +117,10 @@ class ExitTracker:
         """After core step `step`: count it for the rows that ran it, and stop those that settled.
         `logits(state, rows)` reads the next-token logits of `rows` (None: all) at `state` (only those rows)."""
         rows = self.active
-        self.steps[~self.done] = step
+        self.steps = torch.where(self.done, self.steps, step)
         settled = self._settled(previous, state, rows, logits)
         if step >= self.rule.min_steps:
-            self.done |= settled & ~self.done
+            self.done = self.done | settled  # a new tensor: `frozen` of this step stays as it was
 
     def _settled(self, previous, state, rows, logits) -> torch.Tensor:
         """A bool per row of the batch (rows already stopped are don't-cares)."""

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import RecurfitError
 from ..model.cache import RecurrentCache
+from ..model.compat import cache_kwargs
 
 
 @dataclass
@@ -56,7 +57,7 @@ def speculative_generate(
         raise RecurfitError(f"lookahead must be >= 1 and accept_ratio in (0, 1], got {lookahead} and {accept_ratio}.")
     cache = RecurrentCache(model.config, rollback=True)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    logits = model(input_ids, attention_mask=mask, num_steps=r, past_key_values=cache).logits[:, -1]
+    logits = model(input_ids, attention_mask=mask, num_steps=r, **cache_kwargs(cache)).logits[:, -1]
     pending = logits.argmax(-1, keepdim=True)  # chosen at the full r, not yet in the cache
     new, finished = [pending], _ended(pending, eos_token_id)
     drafted = accepted = 0
@@ -66,7 +67,7 @@ def speculative_generate(
         cache.truncate(length)
         block = torch.cat([pending, drafts], 1)
         mask = torch.cat([mask, torch.ones_like(block)], 1)
-        logits = model(block, attention_mask=mask, num_steps=r, past_key_values=cache).logits
+        logits = model(block, attention_mask=mask, num_steps=r, **cache_kwargs(cache)).logits
         keep = _agreeing_prefix(logits[:, :-1], drafts, accept_ratio, finished)
         pending = logits[:, keep].argmax(-1, keepdim=True)
         new += [drafts[:, :keep], pending]
@@ -83,7 +84,7 @@ def _draft(model, pending, mask, cache, draft_steps: int, lookahead: int) -> tor
     token, drafts = pending, []
     for _ in range(lookahead):
         mask = torch.cat([mask, torch.ones_like(token)], 1)
-        logits = model(token, attention_mask=mask, num_steps=draft_steps, past_key_values=cache).logits[:, -1]
+        logits = model(token, attention_mask=mask, num_steps=draft_steps, **cache_kwargs(cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         drafts.append(token)
     return torch.cat(drafts, 1)

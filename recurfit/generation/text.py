@@ -15,6 +15,8 @@ from transformers import TextStreamer
 
 from ..errors import RecurfitError
 from ..model.cache import RecurrentCache
+from ..model.compat import CACHE_ARG
+from ..model.compiled import decoding_cache
 from ..model.modeling import RecurrentForCausalLM
 from .exit import ExitRule
 from .speculative import speculative_generate
@@ -29,6 +31,7 @@ class GenerationSettings:
     recurrence: int | None = None  # r per token; None: the model's mean recurrence (the model fills it in)
     exit: str | None = None  # "kl:5e-4", "state:0.01", "argmax:2"
     min_steps: int = 2
+    exit_check_every: int = 1  # steps between the host's checks whether every row has settled (see ExitRule)
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -36,6 +39,7 @@ class GenerationSettings:
     warm_start: bool = False  # start each token's recurrence from the previous token's final state
     draft_steps: int | None = None  # self-speculative decoding: draft at this recurrence, verify at `recurrence`
     lookahead: int = 4  # tokens drafted per verification
+    compile: bool = False  # decode through a static cache and a compiled step (recurfit.model.compiled)
 
     def __post_init__(self):
         if self.recurrence is not None and not 1 <= self.recurrence <= MAX_RECURRENCE:
@@ -43,7 +47,9 @@ class GenerationSettings:
                 f"--recurrence must be between 1 and {MAX_RECURRENCE}, got {self.recurrence}; "
                 "leave it out for the model's mean recurrence."
             )
-        self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps)
+        self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps, check_every=self.exit_check_every)
+        if self.compile and (self.exit or self.draft_steps is not None):
+            raise RecurfitError("--compile decodes at a fixed depth: drop --exit and --draft-steps.")
         if self.draft_steps is not None and (self.exit or self.warm_start or self.temperature > 0):
             raise RecurfitError(
                 "--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "
@@ -89,8 +95,8 @@ def generate_text(
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p)
     if recurrent:
         kwargs.update(num_steps=settings.recurrence, exit_rule=settings.exit_rule, warm_start=settings.warm_start)
-        kwargs["past_key_values"] = RecurrentCache(model.config, policy=settings.cache_policy)
-    elif settings.exit or settings.warm_start:
+        kwargs[CACHE_ARG] = _cache(model, ids, settings)
+    elif settings.exit or settings.warm_start or settings.compile:
         _fixed_depth_refusal()
     if stream:
         kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -108,8 +114,18 @@ def generate_text(
     )
 
 
+def _cache(model, ids: torch.Tensor, settings: GenerationSettings):
+    """The KV cache for one `generate` call: static with a compiled step (reused across calls) or dynamic."""
+    if not settings.compile:
+        return RecurrentCache(model.config, policy=settings.cache_policy)
+    steps = settings.recurrence or model.config.mean_recurrence
+    return decoding_cache(model, ids.shape[0], ids.shape[1] + settings.max_new_tokens, steps, settings.cache_policy)
+
+
 def _fixed_depth_refusal():
-    raise RecurfitError("--exit, --warm-start and --draft-steps need a recurrent model; this one has a fixed depth.")
+    raise RecurfitError(
+        "--exit, --warm-start, --draft-steps and --compile need a recurrent model; this one has a fixed depth."
+    )
 
 
 def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationSettings, stream: bool) -> Generation:

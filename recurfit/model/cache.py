@@ -53,6 +53,7 @@ class RecurrentCache(Cache):
         self._written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> keys/values added this forward
         self._latest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # core layer -> new tokens' latest keys
         self.rows: torch.LongTensor | None = None  # the batch rows this core step runs on (None: all)
+        self.frozen: torch.Tensor | None = None  # rows that run this step but keep their latest entries
         self.final_state: torch.Tensor | None = None  # the last position's s_r after each forward (warm starts)
 
     def _new_layer(self, layer_idx: int) -> DynamicLayer:
@@ -84,9 +85,10 @@ class RecurrentCache(Cache):
         self.rows = None
         self.step = 0
 
-    def begin_step(self, step: int, rows: torch.LongTensor | None = None) -> None:
-        """Called by the model before core step `step` (1-based), which runs on `rows` of the batch (None: all)."""
-        self.step, self.rows = step, rows
+    def begin_step(self, step: int, rows: torch.LongTensor | None = None, frozen: torch.Tensor | None = None) -> None:
+        """Called by the model before core step `step` (1-based), which runs on `rows` of the batch (None: all);
+        `frozen` (a bool per row) marks rows that run but keep their latest step's entries (adaptive exit)."""
+        self.step, self.rows, self.frozen = step, rows, frozen
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         index = self.slot(layer_idx, self.step)
@@ -96,6 +98,10 @@ class RecurrentCache(Cache):
                 # the running rows' new entries are scattered into the last step's, over the whole batch.
                 key_states = self._latest[layer_idx][0].index_copy(0, self.rows, key_states)
                 value_states = self._latest[layer_idx][1].index_copy(0, self.rows, value_states)
+            elif self.frozen is not None:  # the same rule, as a masked write (no host wait for the row indices)
+                keep = self.frozen[:, None, None, None]
+                key_states = torch.where(keep, self._latest[layer_idx][0], key_states)
+                value_states = torch.where(keep, self._latest[layer_idx][1], value_states)
             if self.policy == "latest":
                 # Step s replaces the new tokens' step s-1 entries: restart from the slot before this forward.
                 self.layers[index] = copy.copy(self._before[index])
@@ -109,7 +115,7 @@ class RecurrentCache(Cache):
 
     def end_core(self, steps_run: int) -> None:
         """After the core loop: give slots of steps that were not run the new tokens' latest step."""
-        self.step, self.rows = 0, None
+        self.step, self.rows, self.frozen = 0, None, None
         if self.policy == "latest":
             return
         for layer_idx in range(self.prelude, self.prelude + self.core):
@@ -117,6 +123,9 @@ class RecurrentCache(Cache):
             for step in range(steps_run + 1, self.steps_stored + 1):
                 self.layers[self.slot(layer_idx, step)].update(*latest)
         self.steps_stored = max(self.steps_stored, steps_run)
+
+    def end_forward(self) -> None:
+        """After the forward (the static cache advances its device-side length here; this one has grown already)."""
 
     @contextmanager
     def probe(self, rows: torch.LongTensor | None = None):

@@ -6,6 +6,7 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
+from .compat import CACHE_ARG
 from .shape import shape_problem
 
 
@@ -27,7 +28,7 @@ class RecurrentConfig(PreTrainedConfig):
 
     model_type = "recurfit"
     sub_configs = {"text_config": AutoConfig}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = [CACHE_ARG]
 
     text_config: dict | PreTrainedConfig | None = None
     num_prelude_layers: int = 2

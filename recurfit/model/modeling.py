@@ -23,10 +23,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .adapter import AddAdapter, LinearAdapter
 from .cache import RecurrentCache
+from .compat import CACHE_ARG, cache_kwargs, take_cache
+from .compiled import decoding_cache
 from .config import RecurrentConfig
 from .families import FAMILIES, attention_types
 from .layer_inputs import positions_from_mask, select_rows
 from .sampling import parse_num_steps, sample_depth
+from .static_cache import StaticRecurrentCache
 
 _MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -58,7 +61,7 @@ class RecurrentPreTrainedModel(PreTrainedModel):
     config: RecurrentConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARG]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -141,18 +144,21 @@ class RecurrentModel(RecurrentPreTrainedModel):
             hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
         return hidden
 
-    def attention_inputs(self, embedded, attention_mask, position_ids, cache=None) -> dict[str, dict]:
-        """Mask and rotary embeddings for each attention kind present, computed once per forward."""
+    def attention_inputs(self, embedded, attention_mask, position_ids, cache=None, masks=None) -> dict[str, dict]:
+        """Mask and rotary embeddings for each attention kind present, computed once per forward (`masks`: the
+        masks per kind, already built)."""
         text = self.config.text_config
         shared_rope = None if self.rope_per_layer_type else self.rotary_emb(embedded, position_ids)
         return {
             kind: {
-                "attention_mask": _MASK_BUILDERS[kind](
+                "attention_mask": masks[kind]
+                if masks is not None
+                else _MASK_BUILDERS[kind](
                     config=text,
                     inputs_embeds=embedded,
                     attention_mask=attention_mask,
-                    past_key_values=cache,
                     position_ids=position_ids,
+                    **cache_kwargs(cache),
                 ),
                 "position_embeddings": shared_rope or self.rotary_emb(embedded, position_ids, kind),
             }
@@ -168,6 +174,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         num_steps=None,
         initial_state: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        cache: RecurrentCache | None = None,
         past_key_values: RecurrentCache | None = None,
         exit_rule=None,
         lm_head: nn.Module | None = None,
@@ -182,10 +189,10 @@ class RecurrentModel(RecurrentPreTrainedModel):
         their next-token logits through `lm_head`; `warm_start` starts s_0 from the previous token's final state.
         `readout_steps` (each < n + k): also read the coda out after these recurrences, within the same pass
         (with gradient where the step has it: depth supervision), as `readout_hidden_states`."""
+        cache = take_cache(past_key_values, cache)
         n, k = self.resolve_num_steps(num_steps)
         if any(not 1 <= step < n + k for step in readout_steps):
             raise ValueError(f"readout_steps {list(readout_steps)} must lie in [1, {n + k}) for num_steps {(n, k)}")
-        cache = past_key_values
         embedded, layer_kwargs = self._prepare(input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs)
         e = self._apply_layers(self.prelude, 0, embedded, **layer_kwargs)
         decoding = cache is not None and embedded.shape[1] == 1
@@ -204,10 +211,11 @@ class RecurrentModel(RecurrentPreTrainedModel):
                 hidden_at_readout_steps.append(self._coda(state, layer_kwargs))
         if cache is not None:
             cache.final_state = state[:, -1:]
+            cache.end_forward()
         steps = tracker.steps if tracker is not None else torch.full(state.shape[:1], n + k, device=state.device)
         return RecurrentModelOutput(
             last_hidden_state=self._coda(state, layer_kwargs),
-            past_key_values=cache,
+            **cache_kwargs(cache),
             hidden_states=tuple(states) if output_hidden_states else None,
             num_steps=(n, k),
             steps_per_token=steps,
@@ -218,8 +226,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
         """The recurrence: yields s_i = core(adapter(s_{i-1}, e)) for i = 1..steps.
 
         The first `no_grad_steps` run without gradient (truncated backprop). The cache learns which step each
-        core layer is in; with an exit `tracker`, rows that settled keep their state and drop out of the
-        core's batch (and the loop ends once every row has)."""
+        core layer is in; with an exit `tracker`, rows that settled keep their state and drop out of the core's
+        batch, or stay in it frozen (`tracker.frozen`), and the loop ends once every row has settled."""
 
         def next_token_logits(state_of_rows, rows):  # the exit rule's look at the distribution (kl, argmax)
             return lm_head(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
@@ -227,16 +235,19 @@ class RecurrentModel(RecurrentPreTrainedModel):
         batch = state.shape[0]
         for step in range(1, steps + 1):
             rows = tracker.active if tracker is not None else None  # None: every row recurs
+            frozen = tracker.frozen if tracker is not None else None  # rows that recur but keep their state
             if cache is not None:
-                cache.begin_step(step, rows)
+                cache.begin_step(step, rows, frozen)
             if step == no_grad_steps + 1 and no_grad_steps and torch.is_grad_enabled():
                 forget_gradless_casts(state.device.type)
             with torch.set_grad_enabled(torch.is_grad_enabled() and step > no_grad_steps):
                 previous, state = state, self._core_step(state, e, layer_kwargs, rows)
+            if frozen is not None:
+                state = torch.where(frozen[:, None, None], previous, state)
             if tracker is not None:
                 tracker.check(step, previous, state, next_token_logits)
             yield state
-            if tracker is not None and tracker.finished:
+            if tracker is not None and tracker.finished(step):
                 break
         if cache is not None:
             cache.end_core(step)
@@ -271,14 +282,33 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device, past)
-        inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache)
+        if isinstance(cache, StaticRecurrentCache):
+            # Positions and masks come from the cache's device-side bookkeeping: nothing here waits on the host.
+            static_positions, masks = cache.begin_forward(
+                attention_mask, embedded.shape[1], self.layer_attention, self._static_mask_format(embedded.dtype)
+            )
+            position_ids = static_positions if position_ids is None else position_ids
+            inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache, masks)
+        else:
+            if position_ids is None:
+                past = cache.get_seq_length() if cache is not None else 0
+                position_ids = positions_from_mask(attention_mask, embedded.shape[1], embedded.device, past)
+            inputs = self.attention_inputs(embedded, attention_mask, position_ids, cache)
+            if cache is not None:
+                cache.begin_forward()
         if cache is not None:
-            cache.begin_forward()
-            kwargs = dict(kwargs, past_key_values=cache)
+            kwargs = dict(kwargs, **cache_kwargs(cache))
         return embedded, dict(inputs=inputs, position_ids=position_ids, **kwargs)
+
+    def _static_mask_format(self, dtype: torch.dtype) -> torch.dtype:
+        """The 4-D mask a static cache builds: booleans for SDPA, additive floats for eager attention."""
+        backend = self.config.text_config._attn_implementation
+        if backend not in ("sdpa", "eager"):
+            raise ValueError(
+                f"StaticRecurrentCache builds masks for sdpa and eager attention, not {backend!r}; load the model "
+                "with attn_implementation='sdpa'."
+            )
+        return torch.bool if backend == "sdpa" else dtype
 
     def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict, rows=None) -> torch.Tensor:
         """s_i = core(adapter(s_{i-1}, e)), computed for `rows` only when given (the others keep s_{i-1})."""
@@ -354,7 +384,8 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache: RecurrentCache | None = None,
+        past_key_values: RecurrentCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -369,6 +400,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> RecurrentCausalLMOutput:
         r"""
+        cache (`RecurrentCache`, *optional*):
+            The KV cache (`past_key_values` on transformers before 5.24, still accepted). With `use_cache=True` and
+            none given, a `RecurrentCache` is made and returned on the output under the same name.
         num_steps (`int` or `(n, k)`, *optional*):
             Recurrences of the core: `r`, or `n` steps without gradient followed by `k` with gradient (truncated
             backprop). Unset: sampled from the Poisson-lognormal in training, `config.mean_recurrence` in eval.
@@ -388,12 +422,31 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             Recurrences (each before the last) after which the state is also read out through coda, norm and head,
             in the same pass: `readout_logits` holds their logits in order (depth supervision).
         """
-        if past_key_values is None and use_cache and not self.training:
-            past_key_values = RecurrentCache(self.config)
-        if past_key_values is not None and not isinstance(past_key_values, RecurrentCache):
+        cache = take_cache(past_key_values, cache)
+        if cache is None and use_cache and not self.training:
+            cache = RecurrentCache(self.config)
+        if cache is not None and not isinstance(cache, (RecurrentCache, StaticRecurrentCache)):
             raise TypeError(
                 f"recurfit models need a RecurrentCache (one slot per core layer per step), got "
-                f"{type(past_key_values).__name__}; pass recurfit.RecurrentCache(model.config) or use_cache=True."
+                f"{type(cache).__name__}; pass recurfit.RecurrentCache(model.config) or use_cache=True."
+            )
+        step = getattr(cache, "compiled_step", None)
+        if step is not None and not torch.compiler.is_compiling() and input_ids is not None and input_ids.shape[1] == 1:
+            if exit_rule is not None or readout_steps or output_hidden_states or labels is not None:
+                raise ValueError(
+                    "Compiled decoding gives logits only: drop exit_rule, readout_steps, labels, hidden states."
+                )
+            # One token per row: the compiled graph (recurfit.model.compiled). The cache tracks positions itself.
+            new_real = attention_mask[:, -1:] if attention_mask is not None else torch.ones_like(input_ids)
+            n, k = self.model.resolve_num_steps(num_steps)
+            # Fresh contiguous inputs: a column of a growing mask has a stride that changes every token (a retrace).
+            token, new_real = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, new_real))
+            logits = step(token, new_real, n + k, warm_start)
+            steps = torch.full(input_ids.shape[:1], n + k, device=input_ids.device)
+            if steps_log is not None:
+                steps_log.append(steps)
+            return RecurrentCausalLMOutput(
+                logits=logits, num_steps=(n, k), steps_per_token=steps, **cache_kwargs(cache)
             )
         body = self.model(
             input_ids=input_ids,
@@ -403,7 +456,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             num_steps=num_steps,
             initial_state=initial_state,
             output_hidden_states=output_hidden_states or self.config.output_hidden_states,
-            past_key_values=past_key_values,
+            cache=cache,
             exit_rule=exit_rule,
             lm_head=self.lm_head,
             warm_start=warm_start,
@@ -424,7 +477,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         return RecurrentCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=past_key_values,
+            **cache_kwargs(cache),
             hidden_states=body.hidden_states,
             num_steps=body.num_steps,
             steps_per_token=body.steps_per_token,
@@ -433,14 +486,35 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             else tuple(self.lm_head(h) for h in body.readout_hidden_states),
         )
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, compile: bool | str = False, **kwargs):
         """`GenerationMixin.generate`, plus `steps_per_token` (batch × new tokens: the recurrences that produced
-        each token) on the output when `return_dict_in_generate=True`."""
+        each token) on the output when `return_dict_in_generate=True`.
+
+        `compile=True` decodes through a static cache and a compiled step (`recurfit.model.compiled`): the same
+        tokens, one graph per batch size and r (traced on the first call, reused by later ones)."""
+        if compile:
+            kwargs[CACHE_ARG] = self._compiled_decoding_cache(args, kwargs, compile)
         log = kwargs.setdefault("steps_log", [])
         output = super().generate(*args, **kwargs)
         if not isinstance(output, torch.Tensor) and log:
             output["steps_per_token"] = torch.stack(log, dim=1)
         return output
+
+    def _compiled_decoding_cache(self, args, kwargs, compile) -> StaticRecurrentCache:
+        if kwargs.get(CACHE_ARG) is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("generate(compile=True) makes its own cache: pass a cache or compile=True, not both.")
+        if kwargs.get("exit_rule") is not None or kwargs.get("num_beams", 1) > 1:
+            raise ValueError("generate(compile=True) decodes at a fixed depth, one beam: drop exit_rule / num_beams.")
+        ids = args[0] if args else kwargs["input_ids"]
+        config = self.generation_config
+        new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens
+        length = (
+            ids.shape[1] + new_tokens
+            if new_tokens
+            else max(kwargs.get("max_length") or config.max_length, ids.shape[1] + 1)
+        )
+        steps = kwargs.get("num_steps") or self.config.mean_recurrence
+        return decoding_cache(self, ids.shape[0], length, steps, compile=compile)
 
 
 # Importing the model makes saved recurfit folders loadable by transformers' Auto classes (no trust_remote_code);

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..data import TokenStore
 from ..errors import RecurfitError
+from ..model.compat import enable_activation_checkpointing
 from ..model.families import family_of, supported_families
 from ..model.init import scaled_init_
 from ..model.loading import load_config, load_model, meta_model
@@ -51,7 +52,7 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     if config.init == "random":
         scaled_init_(model, torch.Generator().manual_seed(seed))
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model.train()
 
 

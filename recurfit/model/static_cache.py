@@ -1,0 +1,172 @@
+"""A static KV cache for a depth-recurrent model: every buffer allocated once, written at device-side positions.
+
+`RecurrentCache` grows per token and keeps per-step bookkeeping in Python dicts, which is exact but costs host work
+at every layer call. `StaticRecurrentCache` holds one key and one value buffer of shape
+`(slots, batch, kv_heads, max_length, head_dim)`, where the slots are, in order:
+
+    prelude layers (P)  |  core layer j at step s (R × max_steps; R for `latest`)  |  coda layers (C)
+
+A forward writes its new tokens' keys at positions `length … length + q - 1` (a tensor on the device), attends over
+the whole buffer through a mask built from the positions (causal, padding, sliding window), and advances `length`.
+Nothing in a decoding step depends on a host value, so the step compiles to one graph and CUDA graphs can replay it.
+
+The same rules as `RecurrentCache` hold, so greedy tokens are the same:
+- `"all"`: one slot per core layer and step. A forward that ran fewer steps than the buffer holds writes its
+  latest step's keys into the deeper slots (the latest-step rule), so a later, deeper token reads what the
+  dynamic cache would give it.
+- `"latest"`: one slot per core layer; every step overwrites the new tokens' entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..defaults import CACHE_POLICIES
+from .config import RecurrentConfig
+from .families import attention_types
+
+
+class StaticRecurrentCache(Cache):
+    is_compileable = False  # transformers' `generate` must not build its own masks for it: the model does
+
+    def __init__(
+        self,
+        config: RecurrentConfig,
+        batch_size: int,
+        max_length: int,
+        max_steps: int,
+        policy: str = "all",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy must be one of {CACHE_POLICIES}, got {policy!r}.")
+        if max_steps < 1 or max_length < 1:
+            raise ValueError(
+                f"StaticRecurrentCache needs max_steps and max_length >= 1, got {max_steps}, {max_length}."
+            )
+        super().__init__(layers=[])
+        self.policy, self.max_length, self.max_steps = policy, max_length, max_steps
+        self.prelude, self.core, self.coda = config.shape
+        text = config.text_config
+        self.kinds = attention_types(text)
+        self.sliding_window = getattr(text, "sliding_window", None)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        core_slots = self.core * (max_steps if policy == "all" else 1)
+        shape = (self.prelude + core_slots + self.coda, batch_size, text.num_key_value_heads, max_length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.real = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # non-padding positions
+        self.length = torch.zeros((), dtype=torch.long, device=device)  # tokens stored (the same for every row)
+        self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
+        self.steps_stored = 1
+        self.final_state: torch.Tensor | None = None  # the last position's s_r after each forward (warm starts)
+        self._new_positions: torch.Tensor | None = None
+        self.compiled_step = None  # a recurfit.model.compiled.CompiledStep, which the model calls for one-token steps
+        for buffer in (self.keys, self.values, self.real, self.length):
+            torch._dynamo.mark_static_address(buffer)  # fixed addresses: CUDA graphs replay without copies
+
+    # ------------------------------------------------------------ slots
+
+    def slot(self, layer_idx: int, step: int) -> int:
+        """The buffer index (layer, step) reads and writes."""
+        if layer_idx < self.prelude:
+            return layer_idx
+        core_slots = self.core * (self.max_steps if self.policy == "all" else 1)
+        if layer_idx >= self.prelude + self.core:
+            return layer_idx + core_slots - self.core
+        if self.policy == "latest" or step <= 1:
+            return layer_idx
+        return self.prelude + (step - 1) * self.core + (layer_idx - self.prelude)
+
+    # ------------------------------------------------------------ the model's calls
+
+    def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, layer_attention, mask_format):
+        """Record the new tokens (their padding from the last `new_tokens` columns of the 2-D `attention_mask`) and
+        return their position ids and, per attention kind, the 4-D mask over the whole buffer."""
+        positions = self.length + torch.arange(new_tokens, device=self.length.device)
+        self._new_positions = positions
+        batch = self.real.shape[0]
+        new_real = (
+            torch.ones(batch, new_tokens, dtype=torch.bool, device=self.real.device)
+            if attention_mask is None
+            else attention_mask[:, -new_tokens:].to(device=self.real.device, dtype=torch.bool)
+        )
+        real_before = self.real.sum(-1, keepdim=True)
+        self.real.index_copy_(1, positions, new_real)
+        # Position ids count each row's real tokens, so left padding does not shift RoPE (as positions_from_mask).
+        position_ids = (real_before + new_real.long().cumsum(-1) - 1).clamp(min=0)
+        self.step = 0
+        masks = {kind: self._mask(positions, kind, mask_format) for kind in set(layer_attention)}
+        return position_ids, masks
+
+    def _mask(self, positions: torch.Tensor, kind: str, mask_format: torch.dtype) -> torch.Tensor:
+        """(batch, 1, new tokens, max_length): a new token sees the real tokens at or before it (and itself, so a
+        padding row attends somewhere instead of producing NaN), within the sliding window where there is one."""
+        keys = torch.arange(self.max_length, device=positions.device)
+        query = positions[:, None]
+        allowed = (keys[None, :] <= query) & self.real[:, None, :]
+        if kind == "sliding_attention" and self.sliding_window:
+            allowed = allowed & (keys[None, :] > query - self.sliding_window)
+        allowed = (allowed | (keys[None, :] == query))[:, None]
+        if mask_format == torch.bool:
+            return allowed
+        return torch.zeros((), dtype=mask_format, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(mask_format).min
+        )
+
+    def begin_step(self, step: int, rows: torch.LongTensor | None = None, frozen: torch.Tensor | None = None) -> None:
+        if rows is not None or frozen is not None:
+            raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
+        if step > self.max_steps:
+            raise ValueError(f"this StaticRecurrentCache holds {self.max_steps} steps; the forward runs step {step}.")
+        self.step = step
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        index = self.slot(layer_idx, self.step)
+        self.keys[index].index_copy_(2, self._new_positions, key_states.to(self.keys.dtype))
+        self.values[index].index_copy_(2, self._new_positions, value_states.to(self.values.dtype))
+        return self.keys[index], self.values[index]
+
+    def end_core(self, steps_run: int) -> None:
+        """After the core loop: slots of deeper steps receive the new tokens' latest step (the latest-step rule)."""
+        self.step = 0
+        if self.policy == "latest":
+            return
+        for layer_idx in range(self.prelude, self.prelude + self.core):
+            latest = self.slot(layer_idx, steps_run)
+            for step in range(steps_run + 1, self.max_steps + 1):
+                deeper = self.slot(layer_idx, step)
+                for buffer in (self.keys, self.values):
+                    buffer[deeper].index_copy_(
+                        2, self._new_positions, buffer[latest].index_select(2, self._new_positions)
+                    )
+        self.steps_stored = max(self.steps_stored, steps_run)
+
+    def end_forward(self) -> None:
+        self.length.add_(self._new_positions.numel())
+
+    def probe(self, rows=None):
+        raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
+
+    # ------------------------------------------------------------ generation helpers
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (roll back rejected draft tokens): later writes overwrite the rest."""
+        self.real[:, length:] = False
+        self.length.fill_(length)
+
+    def reset(self) -> None:
+        self.real.zero_()
+        self.length.zero_()
+        self.steps_stored, self.final_state = 1, None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.length)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_length
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
