@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+from contextlib import nullcontext
+
 import pytest
 import torch
 from conftest import plan, tiny_plan_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from recurfit.train import losses
 
@@ -15,7 +20,7 @@ def test_the_peak_is_the_resident_parts_and_the_larger_transient_one():
     parts = result.parts()
     resident = sum(parts[name] for name in result.RESIDENT)
     transient = sum(parts[name] for name in result.FORWARD_BACKWARD)
-    assert result.peak == resident + max(transient, parts["optimizer_step"])
+    assert result.peak == resident + max(transient, parts["optimizer_step"], parts["validation"])
     assert all(parts[name] > 0 for name in ("distributed", "teacher", "readouts", "autocast_copies"))
     assert parts["gradients"] == parts["parameters"]  # every part trains
     assert parts["distributed"] == parts["gradients"]  # DDP's buckets: a second copy of the gradients
@@ -162,3 +167,76 @@ def test_the_fitting_micro_batch_keeps_the_global_batch():
     )
     assert verdict(plan_of, config, 1, 10**12)[0]
     assert "no micro-batch fits" in verdict(plan_of, config, 1, 1000)[1]
+
+
+class LiveTensors(TorchDispatchMode):
+    """The bytes of the tensors that the ops run under it create, alive at once: now, and at most (`peak`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.owners, self.now, self.peak = {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes():
+                self._track(tensor)
+        return output
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        """A storage is alive while a tensor made under the mode holds it (views share their base's)."""
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self.owners:
+            self.owners[key] = [0, storage.nbytes()]
+            self.now += storage.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.owners[key][0] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key) -> None:
+        self.owners[key][0] -= 1
+        if not self.owners[key][0]:
+            self.now -= self.owners.pop(key)[1]
+
+
+@pytest.mark.cpu_only("measures the tensors of a CPU forward in float32")
+def test_validation_peak_is_within_the_plans_validation_term(monkeypatch):
+    """depth_losses of one micro-batch at 4 test recurrences: what its tensors take at once stays within the plan's
+    validation term, and far below the logits of every depth (what validation held before, at once)."""
+    from conftest import tiny_parent
+
+    from recurfit import retrofit
+    from recurfit.train.distributed import Processes
+    from recurfit.train.memory import validation_bytes, vocab_size
+    from recurfit.train.validation_loss import depth_losses
+
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 2**14)  # 4 positions per chunk: few, as at a 128 k vocabulary
+    config, _ = tiny_plan_model(**{"eval.steps": "[1, 2, 4, 8]", "precision": "fp32"})
+    model = retrofit(tiny_parent("llama", num_layers=6, place=False, vocab_size=4096), (2, 2, 2)).eval()
+    rows, length = 4, 64
+    ids = torch.randint(0, vocab_size(model), (rows, length + 1), generator=torch.Generator().manual_seed(0))
+    tokens, vocab = rows * length, vocab_size(model)
+    with torch.no_grad(), LiveTensors() as live:
+        depth_losses(model, ids, [1, 2, 4, 8], 0, config, Processes(), True, lambda precision: nullcontext())
+    planned = validation_bytes(config, model, tokens, "cpu", 1)
+    assert live.peak <= planned <= 2 * live.peak
+    assert planned < tokens * vocab * 4  # less than one depth's float32 logits
+    # more test recurrences add their final hidden states only
+    more, _ = tiny_plan_model(**{"eval.steps": "[1, 2, 3, 4, 5, 6, 7, 8]", "precision": "fp32"})
+    hidden = model.config.text_config.hidden_size
+    assert validation_bytes(more, model, tokens, "cpu", 1) - planned == 4 * tokens * hidden * 4
+
+
+def test_the_dry_run_table_shows_the_validation_term():
+    from rich.console import Console
+
+    from recurfit.train.memory import gb
+    from recurfit.train.memory_fit import plan_table
+
+    config, model = tiny_plan_model()
+    result = plan(config, model)
+    console = Console(width=200, record=True)
+    console.print(plan_table(result))
+    row = next(line for line in console.export_text().splitlines() if line.startswith("│ validation "))
+    assert gb(result.validation) in row and "validation forward, one chunk of logits" in row

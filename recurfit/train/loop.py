@@ -382,16 +382,32 @@ class Trainer(Saving):
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.end:
                     self.checkpoint()
         if self.resumed_at < config.end:
-            result.validation = self.validate()
-            self._write(result.validation)
             self.checkpoint()
-        else:  # resumed from the last checkpoint, which follows the final validation: only the export is left
-            result.validation = next(
-                (r for r in reversed(read_log(self.out)) if r["kind"] == "eval" and r["step"] == config.end), None
-            )
-        self.export(result.validation)
+        self.export()  # the checkpoint and final model first: a failing final validation loses neither
+        result.validation = self._final_validation()
         self.close()
         return result
+
+    def _final_validation(self) -> dict | None:
+        """The final validation record, added to the final model's card. A resumed run whose log already holds it
+        (it was killed while exporting) does not validate again."""
+        end, record = self.config.end, None
+        if self.resumed_at >= end:  # resumed after the final checkpoint: the log may hold the final validation
+            logged = read_log(self.out) if self.processes.is_main else []
+            record = self.processes.broadcast(
+                next((r for r in logged if r["kind"] == "eval" and r["step"] == end), None)
+            )
+        if record is None:
+            try:
+                record = self.validate()
+            except BaseException:
+                final = self.out / "final"
+                self._say(f"The final validation failed; the final model is saved: `recurfit eval loss {final}`.")
+                raise
+            self._write(record)
+        if record is not None:
+            self.write_card(self.out / "final", record)
+        return record
 
     def close(self) -> None:
         """Close the log and give up the run folder."""

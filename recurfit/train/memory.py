@@ -27,6 +27,13 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
                       under autocast), four more buffers for the KL
     optimizer step    AdamW's foreach temporaries on a GPU (4 per weight), Newton-Schulz's chunk (24 bytes
                       per element of the largest): a separate peak, after backward has freed the activations
+    validation        a forward without gradient at micro-batch × seq_len tokens (validation_loss.py), read
+                      out at D = the eval.steps' depths: D × T·h·4 final hidden states, the prelude's output and
+                      the state (T·h each), one layer's activations L(s) as a bound on its working set, one
+                      chunk of the head's logits (c, its float32 upcast, one more float32 buffer); under eval
+                      autocast the head's bf16 copy and one layer's (2 per weight); under FSDP2 the prelude
+                      layers that training gathers two at a time are all gathered (g × the rest of them). A
+                      separate peak: gradients are freed after each step (counted all the same)
 
 with the saved activations of one decoder layer per token (what autograd keeps for backward: transformers'
 layers with SDPA attention, SiLU-gated MLP and RMSNorm; measured in tests/test_train_memory.py), s the bytes of
@@ -46,7 +53,7 @@ frozen parts that gradient flows through are counted as trained (a slight overes
 checkpointing each layer keeps only its input (s·h per token), plus one layer's activations while recomputing.
 
     peak = parameters + gradients + optimizer + DDP/FSDP2 + teacher
-           + max(autocast copies + activations + readouts + logits and loss, optimizer step)
+           + max(autocast copies + activations + readouts + logits and loss, optimizer step, validation)
 
 Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
 runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
@@ -102,6 +109,7 @@ class MemoryPlan:
     readouts: int
     logits_and_loss: int
     optimizer_step: int
+    validation: int
     micro: int
     seq_len: int
     k: int
@@ -116,10 +124,10 @@ class MemoryPlan:
     def peak(self) -> int:
         resident = sum(getattr(self, name) for name in self.RESIDENT)
         transient = sum(getattr(self, name) for name in self.FORWARD_BACKWARD)
-        return resident + max(transient, self.optimizer_step)
+        return resident + max(transient, self.optimizer_step, self.validation)
 
     def parts(self) -> dict[str, int]:
-        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step"]
+        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step", "validation"]
         return {name: getattr(self, name) for name in names}
 
 
@@ -214,7 +222,7 @@ def plan_memory(
     False, as `parts.select_parts` leaves them) on rows of `seq_len` tokens, per device of a `device` type, one
     of `world` processes; `micro` replaces the config's micro-batch, `teacher_parameters` sizes the teacher."""
     micro = micro or config.batch.micro
-    autocast = config.precision == "bf16" or (config.precision == "auto" and device == "cuda")
+    autocast = _autocast(config.precision, device)
     fsdp = config.distributed == "fsdp" and world > 1
     shard = world if fsdp else 1
     k = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)[1] if is_recurrent(model) else 1
@@ -237,6 +245,7 @@ def plan_memory(
         readouts=tokens * _readout_bytes(config, model, k, autocast),
         logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
         optimizer_step=step,
+        validation=validation_bytes(config, model, tokens, device, world),
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -365,6 +374,39 @@ def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
     buffers = 1 + (c < 4) + 4 * distill
     chunk = min(tokens, chunk_rows(vocab)) * vocab
     return tokens * vocab * per_token + 4 * buffers * chunk
+
+
+def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str, world: int) -> int:
+    """The validation forward's peak over the resident parts (module docstring: validation), at `tokens` per
+    micro-batch."""
+    autocast = _autocast(config.eval.precision or config.precision, device)
+    shape, vocab = layer_shape(model), vocab_size(model)
+    depths = len(set(config.eval.steps)) if is_recurrent(model) else 1
+    stream = _stream_bytes(model, autocast)
+    c = 2 if autocast else 4
+    per_token = depths * 4 * shape.hidden + (4 + stream) * shape.hidden + layer_bytes(shape, autocast, stream)
+    head_chunk = min(tokens, chunk_rows(vocab)) * vocab * (c + 4 + 4)
+    casts = 0
+    if autocast:
+        layers = decoder_layers(model)
+        largest = max((_numel(p for p in layer.parameters() if p.ndim == 2) for layer in layers), default=0)
+        casts = 2 * (vocab * shape.hidden + largest)
+    return tokens * per_token + head_chunk + casts + _validation_gathered(config, model, world, device)
+
+
+def _validation_gathered(config: TrainConfig, model: nn.Module, world: int, device: str) -> int:
+    """FSDP2: validation gathers every unit at once; training's plan holds all but the prelude layers after
+    the first two."""
+    if config.distributed != "fsdp" or world <= 1:
+        return 0
+    once, _ = sharding_units(model)
+    sizes = sorted((_numel(layer.parameters()) for layer in once), reverse=True)
+    gathered = 2 if _autocast(config.precision, device) and device == "cuda" else 4
+    return gathered * max(0, sum(sizes) - 2 * (sizes[0] if sizes else 0))
+
+
+def _autocast(precision: str, device: str) -> bool:
+    return precision == "bf16" or (precision == "auto" and device == "cuda")
 
 
 def _step_bytes(config: TrainConfig, model: nn.Module, device: str, shard: int) -> int:
