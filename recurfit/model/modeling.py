@@ -413,8 +413,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         if steps_log is not None:
             steps_log.append(body.steps_per_token)
         hidden = body.last_hidden_state
-        # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention); the
-        # readouts' too (training reads none: it computes the loss from the hidden states, train/head.py).
+        # logits_to_keep: 0 keeps all positions, an int n the last n, a tensor those indices (HF convention).
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
         loss = None
@@ -431,7 +430,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             steps_per_token=body.steps_per_token,
             readout_logits=None
             if body.readout_hidden_states is None
-            else tuple(self.lm_head(h[:, keep, :]) for h in body.readout_hidden_states),
+            else tuple(self.lm_head(h) for h in body.readout_hidden_states),
         )
 
     def generate(self, *args, **kwargs):

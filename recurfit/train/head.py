@@ -9,30 +9,50 @@ float32 log-sum-exp per position, and backward computes each chunk's logits agai
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .losses import chunk_rows
+# Positions whose logits exist at once: 2**24 elements (64 MiB in float32), whatever the vocabulary.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per chunk of the head's losses at this vocabulary size."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
 def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwargs) -> list[torch.Tensor]:
-    """`call(input_ids=..., **kwargs)` (the model, or its DDP/FSDP2 wrapper) run without reading any position out
-    through the head; the final hidden states (after the final norm), each supervised depth's first
-    (`readout_steps`) and the last depth's last, flattened to (positions, hidden).
+    """`call(input_ids=..., **kwargs)` (the model, or its DDP/FSDP2 wrapper) run without its head; the final
+    hidden states (after the final norm), each supervised depth's first (`readout_steps`) and the last depth's
+    last, flattened to (positions, hidden).
 
     The body's output is taken from a hook on it, so the same wrapped call serves DDP (whose forward prepares the
     gradients' reduction) and FSDP2 (whose root unit holds the head), for a recurrent model and a baseline."""
     captured = []
-    body = model.get_decoder()
-    hook = body.register_forward_hook(lambda module, args, output: captured.append(output))
+    hook = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        call(input_ids=input_ids, logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device), **kwargs)
+        with headless(model):
+            call(input_ids=input_ids, **kwargs)
     finally:
         hook.remove()
     (output,) = captured
     hidden = [*(output.get("readout_hidden_states") or ()), output.last_hidden_state]
     return [states.flatten(0, 1) for states in hidden]
+
+
+@contextmanager
+def headless(model: nn.Module):
+    """The model's head reads out nothing for the block (empty logits): the loss reads the hidden states. Even
+    logits of no position would have autocast cast the head's weight and keep that copy for backward."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: hidden[..., :0]
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
 
 
 def head_weight(model: nn.Module) -> torch.Tensor:
@@ -69,8 +89,9 @@ class HeadLoss(torch.autograd.Function):
                 ce += (logits.logsumexp(-1) - logits.gather(-1, targets[chunk, None]).squeeze(-1)).sum()
                 if teacher is not None:
                     kl += (teacher.exp() * (teacher - F.log_softmax(logits / temperature, dim=-1))).sum()
-        ctx.save_for_backward(hidden, matrix, targets, teacher_hidden, teacher_weight)
-        ctx.temperature, ctx.weight_dtype = temperature, weight.dtype
+        # Kept for backward in the head's dtype, as autocast's linear keeps its input
+        ctx.save_for_backward(hidden.to(dtype), matrix, targets, teacher_hidden, teacher_weight)
+        ctx.temperature, ctx.weight_dtype, ctx.hidden_dtype = temperature, weight.dtype, hidden.dtype
         count = hidden.shape[0]
         return ce / count, kl / count
 
@@ -78,7 +99,7 @@ class HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_ce, grad_kl):
         hidden, matrix, targets, teacher_hidden, teacher_weight = ctx.saved_tensors
         temperature, count = ctx.temperature, hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_hidden = torch.empty_like(hidden, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(matrix.shape, dtype=torch.float32, device=matrix.device)
@@ -95,7 +116,7 @@ class HeadLoss(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden[chunk] = grad @ matrix
                 if grad_weight is not None:
-                    grad_weight += (grad.mT @ hidden[chunk].to(matrix.dtype)).float()
+                    grad_weight += grad.mT @ hidden[chunk]  # summed in float32 over the chunks
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

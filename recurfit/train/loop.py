@@ -35,8 +35,9 @@ from ..progress import progress_bar
 from .config import TrainConfig
 from .counting import Counters, count_step, step_flops
 from .distributed import Processes
+from .head import final_hidden_states, head_losses, head_weight
 from .initial_model import build_model, is_recurrent
-from .losses import HealingLoss, Teacher, cross_entropy, describe
+from .losses import HealingLoss, Teacher, describe
 from .metrics import MetricsLog, peak_flops, read_log
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
 from .parts import decoder_layers, select_parts, trained_parts_line
@@ -269,11 +270,12 @@ class Trainer(Saving):
         if healing and self.healing.supervise is not None:
             kwargs["readout_steps"] = self.healing.readout_steps(num_steps)
         with self._autocast():
-            output = self.wrapped(input_ids=inputs, **kwargs)
-            teacher = self.teacher.logits(inputs) if healing and self.teacher is not None else None
-        if not healing:
-            return cross_entropy(output.logits, targets)
-        return self.healing([*(output.get("readout_logits") or ()), output.logits], targets, teacher, terms)
+            hidden = final_hidden_states(self.wrapped, self.model, inputs, **kwargs)
+            weight = head_weight(self.model)
+            if not healing:
+                return head_losses(hidden[-1], weight, targets)[0]
+            teacher = self.teacher.hidden_states(inputs) if self.teacher is not None else None
+            return self.healing(hidden, weight, targets, teacher, terms)
 
     def _update_or_skip(self, finite: bool) -> None:
         """Apply the update, or skip it for a non-finite loss or gradient (`nonfinite: skip`), stopping the run

@@ -19,12 +19,13 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
                       2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
     activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F + 8]   (8: the token ids)
-    readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
-                      each with its logits and their gradient
-    logits and loss   T·V × (2c + 4 with a teacher) + one chunk: the logits (kept for backward), their
-                      gradient, the teacher's float32 log-probabilities; the float32 upcast exists
-                      one chunk of 2**24 elements at a time (losses.ChunkedLoss): its softmax (and upcast
-                      under autocast), four more buffers for the KL
+    readouts          (m - 1) × T × (C·L(s) + F): depth supervision's extra readouts (m supervised depths)
+    logits and loss   the head's loss (head.HeadLoss) never holds whole logits: one chunk of 2**24 elements'
+                      logits at a time, B bytes per element (float32 logits and softmax, 8, the bf16 logits
+                      under autocast, c, and five float32 buffers for the KL, 20),
+                      the head weight's gradient (a float32 sum, and one chunk's product, c: V·h·(4 + c)),
+                      the head input's gradient (T·h·4), and with a teacher its final hidden states (T·h
+                      in its dtype)
     optimizer step    AdamW's foreach temporaries on a GPU (4 per weight), Newton-Schulz's chunk (24 bytes
                       per element of the largest): a separate peak, after backward has freed the activations
     validation        a forward without gradient at micro-batch × seq_len tokens (validation_loss.py), read
@@ -72,8 +73,9 @@ from torch import nn
 from ..model.sampling import split_depth
 from .config import TrainConfig
 from .distributed import sharding_units
+from .head import chunk_rows
 from .initial_model import is_recurrent
-from .losses import chunk_rows, supervised_steps, teacher_dtype
+from .losses import supervised_steps, teacher_dtype
 from .optim import NS_BATCH_ELEMENTS, split_parameters
 from .parts import decoder_layers, part_modules
 
@@ -243,7 +245,7 @@ def plan_memory(
         autocast_copies=_autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
         activations=tokens * _activation_bytes(config, model, k, autocast),
         readouts=tokens * _readout_bytes(config, model, k, autocast),
-        logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
+        logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
         validation=validation_bytes(config, model, tokens, device, world),
         micro=micro,
@@ -352,28 +354,39 @@ def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: b
 
 
 def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
-    """Per token, depth supervision's extra readouts: the coda, final norm, head input, logits and their
-    gradient each."""
+    """Per token, depth supervision's extra readouts: the coda, final norm and head input each (the head's loss
+    reads each depth a chunk at a time: no logits)."""
     if not is_recurrent(model) or config.depth.supervise is None:
         return 0
     extra = len(supervised_steps((0, k), config.depth.supervise)) - 1
     shape, stream = layer_shape(model), _stream_bytes(model, autocast)
     coda = _stack_bytes(shape, layer_counts(model)["coda"], autocast, stream, config.model.gradient_checkpointing)
-    # Each readout's logits, and their gradient: backward reaches every depth's loss before any head, so the
-    # gradients of all depths' logits exist at once (measured: benchmarks/memory_plan.py --loss).
-    logits = 2 * (2 if autocast else 4) * vocab_size(model)
-    return extra * (coda + _readout_head_bytes(shape, autocast, stream) + logits)
+    return extra * (coda + _readout_head_bytes(shape, autocast, stream))
 
 
-def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
-    """At the start of backward, the loss's peak: the final logits (kept for backward), their gradient, the
-    teacher's float32 log-probabilities, and the chunked loss's float32 buffers of one chunk: a softmax (and an
-    upcast under autocast), four more for the KL's. (The teacher's own logits are freed before backward.)"""
+def loss_bytes(
+    tokens: int, vocab: int, hidden: int, autocast: bool, *, distill: bool, head_trained: bool, teacher_itemsize: int
+) -> int:
+    """The head's loss at the start of backward (module docstring: logits and loss)."""
     c = 2 if autocast else 4
-    per_token = 2 * c + (4 if distill else 0)
-    buffers = 1 + (c < 4) + 4 * distill
-    chunk = min(tokens, chunk_rows(vocab)) * vocab
-    return tokens * vocab * per_token + 4 * buffers * chunk
+    buffers = 2 * 4 + (c if autocast else 0) + (5 * 4 if distill else 0)
+    chunk = min(tokens, chunk_rows(vocab)) * vocab * buffers
+    head_gradient = vocab * hidden * (4 + c) if head_trained else 0
+    teacher = tokens * hidden * teacher_itemsize if distill else 0
+    return chunk + head_gradient + tokens * hidden * 4 + teacher
+
+
+def _loss_bytes(config: TrainConfig, model: nn.Module, tokens: int, autocast: bool, device: str) -> int:
+    distill = config.distill is not None
+    return loss_bytes(
+        tokens,
+        vocab_size(model),
+        layer_shape(model).hidden,
+        autocast,
+        distill=distill,
+        head_trained=model.get_output_embeddings().weight.requires_grad,
+        teacher_itemsize=teacher_dtype(config.distill, torch.device(device)).itemsize if distill else 0,
+    )
 
 
 def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str, world: int) -> int:
