@@ -289,3 +289,22 @@ def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace, fused
 
     a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two"))
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+
+
+@pytest.mark.cpu_only(TWO_PROCESSES)
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_processes_build_on_the_meta_device_with_the_weights_of_one(tmp_path, workspace, strategy):
+    """Under torchrun only the main process builds the retrofit; the other makes it on the meta device and
+    receives its shards (FSDP2) or the whole (DDP). The set-up weights equal one process's build bit for bit:
+    the layers chosen, the drawn adapter, the untied head, the RoPE frequencies the forward uses."""
+    from recurfit.train.initial_model import build_model
+    from recurfit.train.parts import select_parts
+
+    settings = {"distributed": strategy, "model__adapter_init": "torch-default", "model__untie_embeddings": True}
+    probe(tmp_path, workspace, strategy, 2, mode="weights", **settings)
+    got = load_file(tmp_path / f"{strategy}.json.safetensors")
+    config = load_config(tmp_path / f"{strategy}.yaml")
+    built = select_parts(build_model(config.model, config.depth, config.seed), config)
+    expected = built.state_dict()
+    assert got.keys() == expected.keys() and "lm_head.weight" in got
+    assert all(torch.equal(got[name], expected[name]) for name in expected)

@@ -34,13 +34,13 @@ from ..model.sampling import mixed_seed
 from ..progress import progress_bar
 from .config import TrainConfig
 from .counting import Counters, count_step, step_flops
-from .distributed import Processes
+from .distributed import Processes, fill_from_main
 from .head import final_hidden_states, head_losses, head_weight
-from .initial_model import build_model, is_recurrent
+from .initial_model import initial_model, is_recurrent
 from .losses import HealingLoss, Teacher, describe
 from .metrics import MetricsLog, peak_flops, read_log
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
-from .parts import decoder_layers, select_parts, trained_parts_line
+from .parts import decoder_layers, trained_parts_line
 from .run_folder import RunFolder, earlier_training
 from .saving import Saving
 from .step_plan import StepPlan, depth_schedule, plan_step
@@ -90,8 +90,7 @@ class Trainer(Saving):
         if self.processes.is_main:
             self.folder.remove_leftovers()
         self.folder.check_start(resume, force)
-        model = select_parts(build_model(config.model, config.depth, config.seed), config)
-        self.model = model.to(self.processes.device)
+        self.model, built = initial_model(config, self.processes)  # the meta device's, or placed
         self.tokenizer = optional_tokenizer(config.model.source)  # saved with every snapshot and the final model
         self._say(trained_parts_line(self.model, config))
         self.recurrent = is_recurrent(self.model)
@@ -109,7 +108,13 @@ class Trainer(Saving):
         if config.compile:
             for layer in decoder_layers(self.model):
                 layer.compile()
+        on_meta = next(self.model.parameters()).is_meta
+        if on_meta and config.distributed == "ddp":
+            fill_from_main(self.model, built, self.processes)  # placed; wrapping it sends the main one's weights
         self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
+        if on_meta and config.distributed == "fsdp":
+            fill_from_main(self.model, built, self.processes)  # sharded, then each process's shards sent
+        del built
         self._set_up_healing()
         self.optimizers = build_optimizers(self.model, config.optimizer)
         self.schedulers = build_schedulers(self.optimizers, config.optimizer, config.steps)
