@@ -39,15 +39,24 @@ class Counter:
 
 
 def collectives(trainer: Trainer) -> dict:
+    """Per (n, k) of DEPTHS, one training step's [all-gathers, reduce-scatters]; and `orthogonalised`, the
+    matrices this process's Muon orthogonalised in those steps, against the `units` it updates per step."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
+    from recurfit.train import optim
+
     gathers, reductions = Counter(group, "foreach_all_gather"), Counter(group, "foreach_reduce")
+    orthogonalised, newton_schulz = [], optim.newton_schulz
+    optim.newton_schulz = lambda batch, *args: orthogonalised.append(batch.shape[0]) or newton_schulz(batch, *args)
     counts = {}
     for n, k in DEPTHS:
         trainer._plan = lambda step, n=n, k=k: StepPlan(step, (MicroBatch(0, trainer.config.batch.global_, n, k),))
         before = gathers.count, reductions.count
         trainer.train_step()
         counts[f"{n},{k}"] = [gathers.count - before[0], reductions.count - before[1]]
+    muon = trainer.optimizers[0]
+    counts["orthogonalised"] = sum(orthogonalised)
+    counts["units"] = sum(len(list(muon._units(group))) for group in muon.param_groups)
     return counts
 
 

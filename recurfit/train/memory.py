@@ -7,7 +7,7 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
 
     parameters        4·N                       (FSDP2: 4·N / W)
     gradients         4·N_trained               (FSDP2: / W)
-    optimizer         Muon: 4 per hidden matrix weight (momentum, kept whole under FSDP2 too);
+    optimizer         Muon: 4 per hidden matrix weight (momentum; FSDP2: / W, each process its shard);
                       AdamW: 8 per weight it updates (two moments; FSDP2: / W)
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
     FSDP2 gathered    g × (the recurrent body and the head: gathered for the whole step) + 2g × the largest
@@ -234,7 +234,7 @@ def plan_memory(
     resident = dict(
         parameters=4 * _numel(model.parameters()) // shard,
         gradients=4 * _numel(trained) // shard,
-        optimizer_muon=muon,
+        optimizer_muon=muon // shard,
         optimizer_adamw=adamw // shard,
         distributed=_distributed_bytes(config, model, world, micro, device, autocast),
         teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
