@@ -16,11 +16,12 @@ plan's peak less the same weights. glibc is told to serve every allocation of 12
 (MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident set at once and the high-water mark is
 that of live memory, not of the heap's fragmentation. torch's CPU allocator caches nothing.
 
-The plain loss is the loss before chunking (a float32 copy of all the logits, a float32 log-softmax kept for
-backward, the teacher's log-probabilities once per supervised depth): the chunked loss's saving is the
-difference. `--loss` measures the loss alone (forward and backward from logits already computed, in bf16 as
-under autocast on a GPU, or fp32) at a large vocabulary, where the difference matters most; its prediction is
-the plan's "logits and loss" less the logits themselves, which exist before the loss.
+The plain loss is lm_head's whole logits (and the teacher's) and the loss on them (a float32 copy of all the
+logits, a float32 log-softmax kept for backward, the teacher's log-probabilities once per supervised depth);
+the chunked one is the trainer's (train/head.py): the saving is the difference. `--loss` measures the loss
+alone (forward and backward from final hidden states already computed, under bf16 autocast as on a GPU, or
+fp32) at a large vocabulary, where the difference matters most; its prediction is the plan's "logits and
+loss" (and, under autocast, the head's bf16 copy).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def plain_loss(healing, logits: list, targets, teacher_logits):
 def measure(case: dict) -> dict:
     import torch
 
+    from recurfit.train.head import final_hidden_states, head_weight
     from recurfit.train.losses import HealingLoss
     from recurfit.train.memory import plan_memory
     from recurfit.train.optim import build_optimizers, global_grad_norm
@@ -147,15 +149,21 @@ def measure(case: dict) -> dict:
     for _ in range(2):
         for micro_batch in rows:
             inputs, targets = micro_batch[:, :-1], micro_batch[:, 1:]
-            output = model(input_ids=inputs, num_steps=num_steps, readout_steps=readouts)
-            logits = [*(output.readout_logits or ()), output.logits]
-            with torch.no_grad():
-                teacher_logits = teacher(input_ids=inputs).logits if teacher is not None else None
-            if case["loss"] == "chunked":
-                loss = healing(logits, targets, teacher_logits, {})
+            if case["loss"] == "chunked":  # the trainer's: from the hidden states, a chunk at a time
+                hidden = final_hidden_states(model, model, inputs, num_steps=num_steps, readout_steps=readouts)
+                with torch.no_grad():
+                    teacher_states = (
+                        (final_hidden_states(teacher, teacher, inputs)[-1], head_weight(teacher)) if teacher else None
+                    )
+                loss = healing(hidden, head_weight(model), targets.flatten(), teacher_states, {})
+                del hidden, teacher_states
             else:
+                output = model(input_ids=inputs, num_steps=num_steps, readout_steps=readouts)
+                logits = [*(output.readout_logits or ()), output.logits]
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=inputs).logits if teacher is not None else None
                 loss = plain_loss(healing, logits, targets, teacher_logits)
-            del output, logits, teacher_logits
+                del output, logits, teacher_logits
             (loss / len(rows)).backward()
             del loss
         global_grad_norm(model.parameters(), 1.0)
@@ -167,7 +175,7 @@ def measure(case: dict) -> dict:
     return {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts()}
 
 
-LOSS_VOCAB, LOSS_TOKENS = 128256, 512  # Llama-3's vocabulary; 512 positions
+LOSS_VOCAB, LOSS_TOKENS, LOSS_HIDDEN = 128256, 512, 2048  # Llama-3's vocabulary; 512 positions of Llama-3.2-1B's
 
 
 def loss_cases() -> list[dict]:
@@ -180,9 +188,10 @@ def loss_cases() -> list[dict]:
 
 
 def measure_loss(case: dict) -> dict:
-    """The loss's own peak: logits (of two supervised depths with distillation) made before, as a model's head
-    makes them, so that their gradient flows on and is freed as it would be into the head."""
+    """The loss's own peak from final hidden states made before (of two supervised depths with distillation):
+    the head's loss chunk by chunk, or the head's whole logits and the plain loss on them."""
     import torch
+    import torch.nn.functional as F
 
     from recurfit.train.config import DistillConfig, SuperviseConfig
     from recurfit.train.losses import HealingLoss
@@ -191,30 +200,36 @@ def measure_loss(case: dict) -> dict:
     torch.set_num_threads(2)
     dtype, distill = getattr(torch, case["dtype"]), case["distill"]
     generator = torch.Generator().manual_seed(0)
-    head = torch.zeros((), requires_grad=True)  # the logits' only leaf: its gradient is one number
-
-    def logits():
-        return torch.randn(1, LOSS_TOKENS, LOSS_VOCAB, generator=generator).mul_(3).to(dtype) + head.to(dtype)
-
-    depths = [logits() for _ in range(2 if distill else 1)]
-    teacher = torch.randn(1, LOSS_TOKENS, LOSS_VOCAB, generator=generator).to(dtype) if distill else None
-    targets = torch.randint(0, LOSS_VOCAB, (1, LOSS_TOKENS), generator=generator)
+    weight = (0.02 * torch.randn(LOSS_VOCAB, LOSS_HIDDEN, generator=generator)).requires_grad_()
+    teacher_weight = 0.02 * torch.randn(LOSS_VOCAB, LOSS_HIDDEN, generator=generator) if distill else None
+    depths = [torch.randn(LOSS_TOKENS, LOSS_HIDDEN, generator=generator) for _ in range(2 if distill else 1)]
+    teacher = torch.randn(LOSS_TOKENS, LOSS_HIDDEN, generator=generator) if distill else None
+    targets = torch.randint(0, LOSS_VOCAB, (LOSS_TOKENS,), generator=generator)
     healing = HealingLoss(DistillConfig() if distill else None, SuperviseConfig() if distill else None)
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as file:
         file.write("5")
-    loss = (
-        healing(depths, targets, teacher, {})
-        if case["loss"] == "chunked"
-        else plain_loss(healing, depths, targets, teacher)
-    )
-    del teacher  # as in the trainer's micro-batch: the teacher's logits are gone before backward
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        if case["loss"] == "chunked":
+            loss = healing(depths, weight, targets, (teacher, teacher_weight) if distill else None, {})
+        else:
+            logits = [F.linear(depth, weight)[None] for depth in depths]
+            teacher_logits = F.linear(teacher, teacher_weight)[None] if distill else None
+            loss = plain_loss(healing, logits, targets[None], teacher_logits)
+            del logits, teacher_logits
     loss.backward()
     measured = status("VmHWM") - before
-    # The plan's logits and loss less the final logits, made before the loss. With distillation, the first
-    # depth's gradient (the plan counts it with the readouts) takes the place of the teacher's logits, freed.
-    logits = LOSS_TOKENS * LOSS_VOCAB * dtype.itemsize
-    planned = loss_bytes(LOSS_TOKENS, LOSS_VOCAB, dtype == torch.bfloat16, distill) - logits
+    planned = loss_bytes(
+        LOSS_TOKENS,
+        LOSS_VOCAB,
+        LOSS_HIDDEN,
+        dtype == torch.bfloat16,
+        distill=distill,
+        head_trained=True,
+        teacher_itemsize=4,
+    )
+    if dtype == torch.bfloat16:  # the head's bf16 copy, which the plan counts among the autocast copies
+        planned += 2 * LOSS_VOCAB * LOSS_HIDDEN
     return {**case, "measured": measured, "predicted": planned}
 
 

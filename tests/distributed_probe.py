@@ -4,7 +4,10 @@
 (OUT.json.RANK), with MODE
 - `steps`: `validation`, the validation record and how many forwards validation ran in this process; under
   FSDP2, `collectives`, its all-gathers and reduce-scatters during one training step at each (n, k) of DEPTHS;
-- `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at.
+- `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at;
+- `weights` (and `weights-alone`: every process builds the whole model itself, as one process does):
+  `peak_host_bytes`, this process's peak resident set (VmHWM) once the trainer is set up, over its resident set
+  before; the main process writes the set-up model's weights (gathered) to OUT.safetensors.
 """
 
 from __future__ import annotations
@@ -36,15 +39,24 @@ class Counter:
 
 
 def collectives(trainer: Trainer) -> dict:
+    """Per (n, k) of DEPTHS, one training step's [all-gathers, reduce-scatters]; and `orthogonalised`, the
+    matrices this process's Muon orthogonalised in those steps, against the `units` it updates per step."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
+    from recurfit.train import optim
+
     gathers, reductions = Counter(group, "foreach_all_gather"), Counter(group, "foreach_reduce")
+    orthogonalised, newton_schulz = [], optim.newton_schulz
+    optim.newton_schulz = lambda batch, *args: orthogonalised.append(batch.shape[0]) or newton_schulz(batch, *args)
     counts = {}
     for n, k in DEPTHS:
         trainer._plan = lambda step, n=n, k=k: StepPlan(step, (MicroBatch(0, trainer.config.batch.global_, n, k),))
         before = gathers.count, reductions.count
         trainer.train_step()
         counts[f"{n},{k}"] = [gathers.count - before[0], reductions.count - before[1]]
+    muon = trainer.optimizers[0]
+    counts["orthogonalised"] = sum(orthogonalised)
+    counts["units"] = sum(len(list(muon._units(group))) for group in muon.param_groups)
     return counts
 
 
@@ -73,11 +85,44 @@ def resume(config, processes: Processes) -> dict:
     return {"hashed": hashed.count, "step": trainer.counters.step}
 
 
+def status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as file:
+        return int(next(line for line in file if line.startswith(field + ":")).split()[1]) * 1024
+
+
+def weights(config, processes: Processes, out: str, alone: bool) -> dict:
+    from safetensors.torch import save_file
+
+    from recurfit.train import loop
+    from recurfit.train.checkpoint import _unshared, gather_state
+    from recurfit.train.initial_model import build_model
+    from recurfit.train.parts import select_parts
+
+    if alone:  # each process builds and places the whole model: what every process did before the meta device
+        loop.initial_model = lambda config, processes: (
+            select_parts(build_model(config.model, config.depth, config.seed), config).to(processes.device),
+            None,
+        )
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")  # the high-water mark starts again at the resident set
+    trainer = Trainer(config, processes=processes)
+    peak = status("VmHWM") - before
+    state, _ = gather_state(trainer.model, [])
+    if processes.is_main:
+        save_file(_unshared(state), f"{out}.safetensors")
+    trainer.close()
+    return {"peak_host_bytes": peak}
+
+
 def main(mode: str, config_path: str, out: str) -> None:
     config = load_config(config_path)
     processes = Processes.from_environment(config.distributed_timeout)
     if mode == "resume":
         result = resume(config, processes)
+    elif mode.startswith("weights"):
+        result = weights(config, processes, out, alone=mode == "weights-alone")
     else:
         trainer = Trainer(config, processes=processes)
         result = steps(trainer)

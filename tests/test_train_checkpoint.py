@@ -189,6 +189,36 @@ def test_a_run_killed_while_exporting_finishes_without_a_second_validation(tmp_p
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_a_failing_final_validation_loses_neither_the_checkpoint_nor_the_final_model(
+    tmp_path, workspace, monkeypatch, capsys
+):
+    """The final validation runs after the final checkpoint and export: an out-of-memory error there (injected)
+    leaves both written, and the final model equal to the one of a run whose validation succeeds."""
+    from recurfit.train import validation_loss
+
+    config = config_for(workspace, tmp_path / "run", "steps=3")
+    whole = train(config_for(workspace, tmp_path / "whole", "steps=3"))
+    card = (whole.out / "final" / "README.md").read_text()
+    assert "## Validation loss (nats/token, step 3)" in card  # added to the card after the export
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: out of memory in the final validation")
+
+    monkeypatch.setattr(validation_loss, "depth_losses", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        train(config)
+    out = tmp_path / "run"
+    assert f"the final model is saved: `recurfit eval loss {out / 'final'}`" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000003"]
+    expected, got = (load_file(folder / "final" / "model.safetensors") for folder in (whole.out, out))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert [r["kind"] for r in read_log(out)][-1] == "save"  # no eval record: validation never finished
+    assert "## Validation loss" not in (out / "final" / "README.md").read_text()
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 @pytest.mark.parametrize("damage", [_truncate, _flip_a_byte, _pickled_optimizer, _trainer_json_without_counters])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, workspace, capsys, damage):
     out = tmp_path / "run"

@@ -37,6 +37,8 @@ PROBE = Path(__file__).parent / "distributed_probe.py"
 # A hang (collectives that differ between processes) must fail the test, not the CI run.
 HANG = 300
 
+DEPTHS = [(1, 1), (6, 3)]  # distributed_probe.py's: one training step at each
+
 
 def probe(tmp_path: Path, workspace: Path, name: str, processes: int, mode: str = "steps", **overrides) -> list[dict]:
     """distributed_probe.py's result of each process, for the tiny config with `overrides`."""
@@ -130,7 +132,7 @@ def test_fsdp2_collectives_do_not_grow_with_the_recurrence(fsdp_probe):
         # each unit once; the prelude layers are gathered for each forward and backward, body and root once.
         assert reductions == 4
         assert gathers <= 2 * 2 * 2 + 2
-    assert two[0]["collectives"] == two[1]["collectives"]
+    assert two[0]["collectives"]["1,1"] == two[1]["collectives"]["1,1"]
 
 
 @pytest.mark.cpu_only(TWO_PROCESSES)
@@ -289,3 +291,32 @@ def test_fsdp2_with_gathered_muon_matches_one_process(tmp_path, workspace, fused
 
     a, b = (load_file(tmp_path / name / "final" / "model.safetensors") for name in ("one", "two"))
     assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+
+
+@pytest.mark.cpu_only(TWO_PROCESSES)
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_processes_build_on_the_meta_device_with_the_weights_of_one(tmp_path, workspace, strategy):
+    """Under torchrun only the main process builds the retrofit; the other makes it on the meta device and
+    receives its shards (FSDP2) or the whole (DDP). The set-up weights equal one process's build bit for bit:
+    the layers chosen, the drawn adapter, the untied head, the RoPE frequencies the forward uses."""
+    from recurfit.train.initial_model import build_model
+    from recurfit.train.parts import select_parts
+
+    settings = {"distributed": strategy, "model__adapter_init": "torch-default", "model__untie_embeddings": True}
+    probe(tmp_path, workspace, strategy, 2, mode="weights", **settings)
+    got = load_file(tmp_path / f"{strategy}.json.safetensors")
+    config = load_config(tmp_path / f"{strategy}.yaml")
+    built = select_parts(build_model(config.model, config.depth, config.seed), config)
+    expected = built.state_dict()
+    assert got.keys() == expected.keys() and "lm_head.weight" in got
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.cpu_only(TWO_PROCESSES)
+def test_fsdp2_muon_orthogonalises_each_matrix_on_one_process(fsdp_probe):
+    """Sharded Muon deals the matrices out round robin: over the probe's 2 steps, the two processes together
+    orthogonalise each unit once per step, each half of them (within one per step): none repeats another's work."""
+    _, two = fsdp_probe
+    units = two[0]["collectives"]["units"]
+    done = [result["collectives"]["orthogonalised"] for result in two]
+    assert sum(done) == len(DEPTHS) * units and abs(done[0] - done[1]) <= len(DEPTHS)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from recurfit.model.accounting import training_flops_per_token
 from recurfit.model.sampling import mixed_seed
-from recurfit.train import Trainer, losses, train
+from recurfit.train import Trainer, head, losses, train
 from recurfit.train.config import DistillConfig, SuperviseConfig
 from recurfit.train.losses import depth_weights, supervised_steps
 from recurfit.train.metrics import read_log
@@ -47,18 +47,19 @@ def config_for_supervise(last):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 5 positions of the 97-token vocabulary: a (3, 7) batch spans five chunks, the last partial."""
-    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 97 * 5)
+    monkeypatch.setattr(head, "CHUNK_ELEMENTS", 97 * 5)
 
 
-def logits_and_targets(seed: int = 0, dtype=torch.float32):
+def hidden_weight_and_targets(seed: int = 0):
+    """Final hidden states (3 rows of 7 positions, 16 wide), a head of a 97-token vocabulary, targets."""
     generator = torch.Generator().manual_seed(seed)
-    logits = (3 * torch.randn(3, 7, 97, generator=generator)).to(dtype).requires_grad_()
-    return logits, torch.randint(0, 97, (3, 7), generator=generator)
+    hidden = torch.randn(3, 7, 16, generator=generator).requires_grad_()
+    weight = (0.5 * torch.randn(97, 16, generator=generator)).requires_grad_()
+    return hidden, weight, torch.randint(0, 97, (3, 7), generator=generator)
 
 
-def gradient(loss: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    (grad,) = torch.autograd.grad(loss, tensor)
-    return grad
+def gradients(loss: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(loss, tensors, retain_graph=True)
 
 
 def test_distillation_loss_equals_a_hand_computation(tmp_path, workspace):
@@ -176,45 +177,58 @@ def test_a_baseline_distils_too_and_starts_at_its_teacher(tmp_path, workspace):
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_chunked_cross_entropy_equals_the_plain_one_value_and_gradient(small_chunks):
-    logits, targets = logits_and_targets()
-    chunked = losses.cross_entropy(logits, targets)
-    plain = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def test_the_head_loss_equals_the_plain_one_value_and_gradients(small_chunks):
+    """HeadLoss against lm_head then cross_entropy on the whole logits, float32: the loss and the gradients of the
+    hidden states and of the head's weight (summed over five chunks)."""
+    hidden, weight, targets = hidden_weight_and_targets()
+    chunked, _ = head.head_losses(hidden.flatten(0, 1), weight, targets)
+    plain = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), targets.flatten())
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gradient(2.5 * chunked, logits), gradient(2.5 * plain, logits), rtol=1e-5, atol=1e-8)
+    for got, want in zip(gradients(2.5 * chunked, hidden, weight), gradients(2.5 * plain, hidden, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_chunked_cross_entropy_of_bf16_logits_upcasts_as_the_plain_one(small_chunks):
-    logits, targets = logits_and_targets(dtype=torch.bfloat16)
-    chunked = losses.cross_entropy(logits, targets)
+def test_the_head_loss_under_autocast_multiplies_in_bf16_as_lm_head(small_chunks):
+    """Under bf16 autocast the chunks' logits are lm_head's bf16 logits (the same loss), and the gradients are
+    autocast's: the hidden states' equal, the weight's summed in float32 over the chunks where autocast sums in
+    one bf16 matmul (so they differ by bf16 rounding: at most 2⁻⁸ of the gradient's norm)."""
+    hidden, weight, targets = hidden_weight_and_targets()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked, _ = head.head_losses(hidden.flatten(0, 1), weight, targets)
+        logits = F.linear(hidden, weight)
+    assert logits.dtype == torch.bfloat16 and chunked.dtype == torch.float32
     plain = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    assert chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=1e-6)
-    grad = gradient(chunked, logits)
-    assert grad.dtype == torch.bfloat16
-    torch.testing.assert_close(grad, gradient(plain, logits), rtol=0, atol=0)
+    (got_hidden, got_weight), (want_hidden, want_weight) = (
+        gradients(loss, hidden, weight) for loss in (chunked, plain)
+    )
+    assert got_hidden.dtype == got_weight.dtype == torch.float32
+    torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=0)
+    assert (got_weight - want_weight).norm() <= 2**-8 * want_weight.norm()
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 def test_distillation_and_supervision_equal_the_plain_losses(small_chunks):
-    """Every supervised depth is distilled from one set of teacher log-probabilities: the same objective as
-    log_softmax and kl_div on the whole vocabulary, value and gradient."""
-    depths = [logits_and_targets(seed)[0] for seed in (1, 2)]
-    _, targets = logits_and_targets()
-    teacher = torch.randn(3, 7, 97, generator=torch.Generator().manual_seed(3))
+    """Every supervised depth is distilled from the teacher's head read chunk by chunk: the same objective as
+    log_softmax and kl_div on the whole vocabulary, value and gradient (each depth's hidden states, the head)."""
+    depths = [hidden_weight_and_targets(seed)[0] for seed in (1, 2)]
+    _, weight, targets = hidden_weight_and_targets()
+    teacher_hidden, teacher_weight, _ = hidden_weight_and_targets(3)
     alpha, temperature = 0.3, 2.0
     healing = losses.HealingLoss(DistillConfig(alpha=alpha, temperature=temperature), SuperviseConfig())
-    chunked = healing(depths, targets, teacher, {})
+    teacher = (teacher_hidden.flatten(0, 1), teacher_weight)
+    chunked = healing([depth.flatten(0, 1) for depth in depths], weight, targets, teacher, {})
 
     def plain(student):
-        student_log = F.log_softmax(student.flatten(0, 1) / temperature, dim=-1)
-        teacher_log = F.log_softmax(teacher.flatten(0, 1) / temperature, dim=-1)
+        student_log = F.log_softmax(F.linear(student, weight).flatten(0, 1) / temperature, dim=-1)
+        teacher_log = F.log_softmax(F.linear(teacher_hidden, teacher_weight).flatten(0, 1) / temperature, dim=-1)
         kl = F.kl_div(student_log, teacher_log, reduction="batchmean", log_target=True)
-        ce = F.cross_entropy(student.flatten(0, 1), targets.flatten())
+        ce = F.cross_entropy(F.linear(student, weight).flatten(0, 1), targets.flatten())
         return alpha * ce + (1 - alpha) * temperature**2 * kl
 
     reference = sum(plain(student) / 2 for student in depths)
     torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-6)
-    for student in depths:
-        torch.testing.assert_close(gradient(chunked, student), gradient(reference, student), rtol=1e-5, atol=1e-8)
+    for got, want in zip(gradients(chunked, *depths, weight), gradients(reference, *depths, weight)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert teacher_weight.grad is None and teacher_hidden.grad is None  # the teacher is not trained

@@ -123,6 +123,23 @@ class Processes:
             dist.destroy_process_group()
 
 
+def fill_from_main(model: nn.Module, built: nn.Module | None, processes: Processes) -> None:
+    """Fill `model`, made on the meta device and sharded (FSDP2) or not yet placed (DDP), with the weights of the
+    model the main process `built` (None elsewhere): each process receives its own shards of each tensor
+    (`set_model_state_dict` with `broadcast_from_rank0`). Buffers, some of which no state dict holds (RoPE's
+    frequencies), are sent whole. DDP's wrap sends them itself."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=processes.device)
+    if processes.sharded:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, built.state_dict() if built is not None else {}, options=options)
+        for name, buffer in model.named_buffers():
+            if built is not None:
+                buffer.copy_(built.get_buffer(name))
+            dist.broadcast(buffer, src=0)
+
+
 def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module | None]:
     """What FSDP2 shards as units of their own, besides the root (see the module's docstring): the layers that
     run once per forward, and the recurrent body (`model.model`: all but the head; None for a fixed-depth model,

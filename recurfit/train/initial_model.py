@@ -56,6 +56,26 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     return model.train()
 
 
+def initial_model(config: TrainConfig, processes) -> tuple[nn.Module, nn.Module | None]:
+    """(the model to train, the main process's built model to load it from, or None), its frozen parts frozen.
+
+    One process builds it (`build_model`) and places it on its device. Under torchrun only the main process
+    builds it, on the CPU; every other process makes the same structure from the main process's model config on
+    the meta device (no weights, no host memory), which `distributed.fill_from_main` fills once it is sharded
+    (FSDP2: each process receives its own shards) or placed (DDP). Under FSDP2 the main process trains such a
+    structure too, filled from the model it built."""
+    built = select_parts(build_model(config.model, config.depth, config.seed), config) if processes.is_main else None
+    if not processes.grouped:
+        return built.to(processes.device), None
+    model_config = processes.broadcast(built.config if built is not None else None)
+    if built is not None and config.distributed == "ddp":
+        return built.to(processes.device), None  # DDP broadcasts it to the others when it wraps it
+    structure = meta_model(model_config)
+    if config.model.gradient_checkpointing:
+        structure.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return select_parts(structure.train(), config), built
+
+
 def _restructure(
     model: nn.Module, config: ModelConfig, depth: DepthConfig, select: str, calibration, seed: int
 ) -> nn.Module:

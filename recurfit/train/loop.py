@@ -34,12 +34,13 @@ from ..model.sampling import mixed_seed
 from ..progress import progress_bar
 from .config import TrainConfig
 from .counting import Counters, count_step, step_flops
-from .distributed import Processes
-from .initial_model import build_model, is_recurrent
-from .losses import HealingLoss, Teacher, cross_entropy, describe
+from .distributed import Processes, fill_from_main
+from .head import final_hidden_states, head_losses, head_weight
+from .initial_model import initial_model, is_recurrent
+from .losses import HealingLoss, Teacher, describe
 from .metrics import MetricsLog, peak_flops, read_log
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
-from .parts import decoder_layers, select_parts, trained_parts_line
+from .parts import decoder_layers, trained_parts_line
 from .run_folder import RunFolder, earlier_training
 from .saving import Saving
 from .step_plan import StepPlan, depth_schedule, plan_step
@@ -89,8 +90,7 @@ class Trainer(Saving):
         if self.processes.is_main:
             self.folder.remove_leftovers()
         self.folder.check_start(resume, force)
-        model = select_parts(build_model(config.model, config.depth, config.seed), config)
-        self.model = model.to(self.processes.device)
+        self.model, built = initial_model(config, self.processes)  # the meta device's, or placed
         self.tokenizer = optional_tokenizer(config.model.source)  # saved with every snapshot and the final model
         self._say(trained_parts_line(self.model, config))
         self.recurrent = is_recurrent(self.model)
@@ -108,7 +108,13 @@ class Trainer(Saving):
         if config.compile:
             for layer in decoder_layers(self.model):
                 layer.compile()
+        on_meta = next(self.model.parameters()).is_meta
+        if on_meta and config.distributed == "ddp":
+            fill_from_main(self.model, built, self.processes)  # placed; wrapping it sends the main one's weights
         self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
+        if on_meta and config.distributed == "fsdp":
+            fill_from_main(self.model, built, self.processes)  # sharded, then each process's shards sent
+        del built
         self._set_up_healing()
         self.optimizers = build_optimizers(self.model, config.optimizer)
         self.schedulers = build_schedulers(self.optimizers, config.optimizer, config.steps)
@@ -269,11 +275,12 @@ class Trainer(Saving):
         if healing and self.healing.supervise is not None:
             kwargs["readout_steps"] = self.healing.readout_steps(num_steps)
         with self._autocast():
-            output = self.wrapped(input_ids=inputs, **kwargs)
-            teacher = self.teacher.logits(inputs) if healing and self.teacher is not None else None
-        if not healing:
-            return cross_entropy(output.logits, targets)
-        return self.healing([*(output.get("readout_logits") or ()), output.logits], targets, teacher, terms)
+            hidden = final_hidden_states(self.wrapped, self.model, inputs, **kwargs)
+            weight = head_weight(self.model)
+            if not healing:
+                return head_losses(hidden[-1], weight, targets)[0]
+            teacher = self.teacher.hidden_states(inputs) if self.teacher is not None else None
+            return self.healing(hidden, weight, targets, teacher, terms)
 
     def _update_or_skip(self, finite: bool) -> None:
         """Apply the update, or skip it for a non-finite loss or gradient (`nonfinite: skip`), stopping the run
@@ -383,16 +390,32 @@ class Trainer(Saving):
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < config.end:
                     self.checkpoint()
         if self.resumed_at < config.end:
-            result.validation = self.validate()
-            self._write(result.validation)
             self.checkpoint()
-        else:  # resumed from the last checkpoint, which follows the final validation: only the export is left
-            result.validation = next(
-                (r for r in reversed(read_log(self.out)) if r["kind"] == "eval" and r["step"] == config.end), None
-            )
-        self.export(result.validation)
+        self.export()  # the checkpoint and final model first: a failing final validation loses neither
+        result.validation = self._final_validation()
         self.close()
         return result
+
+    def _final_validation(self) -> dict | None:
+        """The final validation record, added to the final model's card. A resumed run whose log already holds it
+        (it was killed while exporting) does not validate again."""
+        end, record = self.config.end, None
+        if self.resumed_at >= end:  # resumed after the final checkpoint: the log may hold the final validation
+            logged = read_log(self.out) if self.processes.is_main else []
+            record = self.processes.broadcast(
+                next((r for r in logged if r["kind"] == "eval" and r["step"] == end), None)
+            )
+        if record is None:
+            try:
+                record = self.validate()
+            except BaseException:
+                final = self.out / "final"
+                self._say(f"The final validation failed; the final model is saved: `recurfit eval loss {final}`.")
+                raise
+            self._write(record)
+        if record is not None:
+            self.write_card(self.out / "final", record)
+        return record
 
     def close(self) -> None:
         """Close the log and give up the run folder."""

@@ -5,18 +5,15 @@
 
 KL is taken between the next-token distributions at temperature T (softmax of logits / T), averaged over
 tokens; T² keeps its gradient's scale independent of T (Hinton et al., 2015). With both on, every supervised
-depth is distilled from the same teacher log-probabilities, computed once per micro-batch. docs/training.md
-("Healing") gives the settings and costs.
+depth is distilled from the same teacher. docs/training.md ("Healing") gives the settings and costs.
 
-Both losses are computed over chunks of rows (`ChunkedLoss`): the float32 upcast of a large vocabulary's
-logits exists one chunk at a time, never for the whole micro-batch, and backward recomputes each chunk's
-softmax instead of keeping a float32 log-softmax of every position (docs/training.md, "The memory plan").
+Every loss is read from final hidden states through the head a chunk of positions at a time (`head.HeadLoss`):
+neither the student's logits at any depth nor the teacher's exist whole, nor their gradient.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import RecurfitError
 from ..model.accounting import count_parameters, inference_flops_per_token
@@ -24,89 +21,7 @@ from ..model.loading import load_model
 from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
 from .distributed import fsdp_units
-
-# Rows of logits (positions) upcast to float32 at once: 2**24 elements, 64 MiB, whatever the vocabulary.
-CHUNK_ELEMENTS = 2**24
-
-
-def chunk_rows(vocab_size: int) -> int:
-    """Positions per chunk of the chunked losses at this vocabulary size."""
-    return max(1, CHUNK_ELEMENTS // vocab_size)
-
-
-class ChunkedLoss(torch.autograd.Function):
-    """Mean next-token cross-entropy, and with teacher log-probabilities the mean KL(teacher_T ‖ student_T), over
-    rows of `logits` (positions × vocabulary) in chunks, in float32 whatever the logits' precision.
-
-    Forward keeps the logits as they are (a reference, not a copy) and one float32 log-sum-exp per row; backward
-    recomputes each chunk's softmax and writes its gradient, in the logits' dtype, into one buffer:
-
-        d CE / d z   = (softmax(z) - onehot(target)) / rows
-        d KL / d z   = (softmax(z / T) · Σ p_teacher - p_teacher) / (T · rows)
-
-    which is what autograd computes through log_softmax, so the chunked losses equal the plain ones (tested).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, teacher_log_probs, temperature: float):
-        rows = chunk_rows(logits.shape[-1])
-        ce, kl = logits.new_zeros((), dtype=torch.float32), logits.new_zeros((), dtype=torch.float32)
-        for start in range(0, logits.shape[0], rows):
-            chunk = logits[start : start + rows].float()
-            target = targets[start : start + rows]
-            ce += (chunk.logsumexp(-1) - chunk.gather(-1, target[:, None]).squeeze(-1)).sum()
-            if teacher_log_probs is not None:
-                student = F.log_softmax(chunk / temperature, dim=-1)
-                teacher = teacher_log_probs[start : start + rows]
-                kl += (teacher.exp() * (teacher - student)).sum()
-        ctx.save_for_backward(logits, targets, teacher_log_probs)
-        ctx.temperature = temperature
-        count = logits.shape[0]
-        return ce / count, kl / count
-
-    @staticmethod
-    def backward(ctx, grad_ce, grad_kl):
-        logits, targets, teacher_log_probs = ctx.saved_tensors
-        temperature, count = ctx.temperature, logits.shape[0]
-        grad = torch.empty_like(logits)
-        rows = chunk_rows(logits.shape[-1])
-        for start in range(0, count, rows):
-            chunk = logits[start : start + rows].float()
-            target = targets[start : start + rows]
-            part = chunk.softmax(-1)
-            part[torch.arange(len(target), device=part.device), target] -= 1
-            part *= grad_ce / count
-            if teacher_log_probs is not None:
-                teacher = teacher_log_probs[start : start + rows].exp()
-                student = (chunk / temperature).softmax(-1) * teacher.sum(-1, keepdim=True)
-                part += (student - teacher) * (grad_kl / (temperature * count))
-            grad[start : start + rows] = part
-        return grad, None, None, None
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, in float32 whatever the logits' precision, chunked (`ChunkedLoss`)."""
-    ce, _ = ChunkedLoss.apply(logits.flatten(0, 1), targets.flatten(), None, 1.0)
-    return ce
-
-
-def teacher_log_probs(teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The teacher's float32 log-probabilities at temperature T, one row per position (no gradient), computed
-    a chunk at a time: the float32 result is the only copy of the whole."""
-    flat = teacher.detach().flatten(0, 1)
-    result = torch.empty(flat.shape, dtype=torch.float32, device=flat.device)
-    rows = chunk_rows(flat.shape[-1])
-    for start in range(0, flat.shape[0], rows):
-        result[start : start + rows] = F.log_softmax(flat[start : start + rows].float() / temperature, dim=-1)
-    return result
-
-
-def distillation_losses(
-    student: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CE, KL(teacher_T ‖ student_T)) per token, averaged over tokens, in float32 (KL not scaled by T²);
-    `teacher` holds `teacher_log_probs`."""
-    return ChunkedLoss.apply(student.flatten(0, 1), targets.flatten(), teacher, temperature)
+from .head import final_hidden_states, head_losses, head_weight
 
 
 def supervised_steps(num_steps: tuple[int, int], supervise: SuperviseConfig | None) -> list[int]:
@@ -143,20 +58,26 @@ class HealingLoss:
         return 6 * readouts * (counts["coda"] + counts["final_norm"]) if readouts else 0
 
     def __call__(
-        self, logits: list[torch.Tensor], targets: torch.Tensor, teacher: torch.Tensor | None, terms: dict
+        self,
+        hidden: list[torch.Tensor],
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        teacher: tuple[torch.Tensor, torch.Tensor] | None,
+        terms: dict,
     ) -> torch.Tensor:
-        """The loss from each supervised depth's `logits` (shallowest first, the final one last) and the teacher's
-        logits; `terms` receives the final depth's `ce` (and `kl`), and with supervision the weighted means
-        `ce_supervised` (and `kl_supervised`), detached."""
-        weights = depth_weights(len(logits), self.supervise.weighting if self.supervise else "uniform")
+        """The loss from each supervised depth's final `hidden` states (shallowest first, the final one last) read
+        through the head `weight`, and the `teacher`'s (final hidden states, head weight); `terms` receives the
+        final depth's `ce` (and `kl`), and with supervision the weighted means `ce_supervised` (and
+        `kl_supervised`), detached. Call it under the forward's autocast: the head multiplies in its dtype."""
+        weights = depth_weights(len(hidden), self.supervise.weighting if self.supervise else "uniform")
+        temperature = self.distill.temperature if self.distill is not None else 1.0
+        pairs = [head_losses(depth, weight, targets, teacher, temperature) for depth in hidden]
+        by_depth = {"ce": [ce for ce, _ in pairs]}
         if self.distill is None:
-            by_depth = {"ce": [cross_entropy(depth_logits, targets) for depth_logits in logits]}
             losses = by_depth["ce"]
         else:
-            alpha, temperature = self.distill.alpha, self.distill.temperature
-            target = teacher_log_probs(teacher, temperature)  # once per micro-batch, whatever the depths
-            pairs = [distillation_losses(depth_logits, targets, target, temperature) for depth_logits in logits]
-            by_depth = {"ce": [ce for ce, _ in pairs], "kl": [kl for _, kl in pairs]}
+            by_depth["kl"] = [kl for _, kl in pairs]
+            alpha = self.distill.alpha
             losses = [alpha * ce + (1 - alpha) * temperature**2 * kl for ce, kl in pairs]
         for name, values in by_depth.items():
             terms[name] = values[-1].detach()
@@ -189,8 +110,9 @@ class Teacher:
             fsdp_units(self.model, mixed_precision=False, trained=False)
 
     @torch.no_grad()
-    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=inputs).logits
+    def hidden_states(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(its final hidden states at `inputs`, its head's weight): what the loss reads its distribution from."""
+        return final_hidden_states(self.model, self.model, inputs)[-1], head_weight(self.model)
 
 
 def teacher_dtype(config: DistillConfig, device: torch.device) -> torch.dtype:

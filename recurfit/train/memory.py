@@ -7,7 +7,7 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
 
     parameters        4·N                       (FSDP2: 4·N / W)
     gradients         4·N_trained               (FSDP2: / W)
-    optimizer         Muon: 4 per hidden matrix weight (momentum, kept whole under FSDP2 too);
+    optimizer         Muon: 4 per hidden matrix weight (momentum; FSDP2: / W, each process its shard);
                       AdamW: 8 per weight it updates (two moments; FSDP2: / W)
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
     FSDP2 gathered    g × (the recurrent body and the head: gathered for the whole step) + 2g × the largest
@@ -19,14 +19,22 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
                       2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
     activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F + 8]   (8: the token ids)
-    readouts          (m - 1) × T × (C·L(s) + F + 2c·V): depth supervision's extra readouts (m supervised depths),
-                      each with its logits and their gradient
-    logits and loss   T·V × (2c + 4 with a teacher) + one chunk: the logits (kept for backward), their
-                      gradient, the teacher's float32 log-probabilities; the float32 upcast exists
-                      one chunk of 2**24 elements at a time (losses.ChunkedLoss): its softmax (and upcast
-                      under autocast), four more buffers for the KL
+    readouts          (m - 1) × T × (C·L(s) + F): depth supervision's extra readouts (m supervised depths)
+    logits and loss   the head's loss (head.HeadLoss) never holds whole logits: one chunk of 2**24 elements'
+                      logits at a time, B bytes per element (float32 logits and softmax, 8, the bf16 logits
+                      under autocast, c, and five float32 buffers for the KL, 20),
+                      the head weight's gradient (a float32 sum, and one chunk's product, c: V·h·(4 + c)),
+                      the head input's gradient (T·h·4), and with a teacher its final hidden states (T·h
+                      in its dtype)
     optimizer step    AdamW's foreach temporaries on a GPU (4 per weight), Newton-Schulz's chunk (24 bytes
                       per element of the largest): a separate peak, after backward has freed the activations
+    validation        a forward without gradient at micro-batch × seq_len tokens (validation_loss.py), read
+                      out at D = the eval.steps' depths: D × T·h·4 final hidden states, the prelude's output and
+                      the state (T·h each), one layer's activations L(s) as a bound on its working set, one
+                      chunk of the head's logits (c, its float32 upcast, one more float32 buffer); under eval
+                      autocast the head's bf16 copy and one layer's (2 per weight); under FSDP2 the prelude
+                      layers that training gathers two at a time are all gathered (g × the rest of them). A
+                      separate peak: gradients are freed after each step (counted all the same)
 
 with the saved activations of one decoder layer per token (what autograd keeps for backward: transformers'
 layers with SDPA attention, SiLU-gated MLP and RMSNorm; measured in tests/test_train_memory.py), s the bytes of
@@ -46,7 +54,7 @@ frozen parts that gradient flows through are counted as trained (a slight overes
 checkpointing each layer keeps only its input (s·h per token), plus one layer's activations while recomputing.
 
     peak = parameters + gradients + optimizer + DDP/FSDP2 + teacher
-           + max(autocast copies + activations + readouts + logits and loss, optimizer step)
+           + max(autocast copies + activations + readouts + logits and loss, optimizer step, validation)
 
 Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
 runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
@@ -65,8 +73,9 @@ from torch import nn
 from ..model.sampling import split_depth
 from .config import TrainConfig
 from .distributed import sharding_units
+from .head import chunk_rows
 from .initial_model import is_recurrent
-from .losses import chunk_rows, supervised_steps, teacher_dtype
+from .losses import supervised_steps, teacher_dtype
 from .optim import NS_BATCH_ELEMENTS, split_parameters
 from .parts import decoder_layers, part_modules
 
@@ -102,6 +111,7 @@ class MemoryPlan:
     readouts: int
     logits_and_loss: int
     optimizer_step: int
+    validation: int
     micro: int
     seq_len: int
     k: int
@@ -116,10 +126,10 @@ class MemoryPlan:
     def peak(self) -> int:
         resident = sum(getattr(self, name) for name in self.RESIDENT)
         transient = sum(getattr(self, name) for name in self.FORWARD_BACKWARD)
-        return resident + max(transient, self.optimizer_step)
+        return resident + max(transient, self.optimizer_step, self.validation)
 
     def parts(self) -> dict[str, int]:
-        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step"]
+        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step", "validation"]
         return {name: getattr(self, name) for name in names}
 
 
@@ -214,7 +224,7 @@ def plan_memory(
     False, as `parts.select_parts` leaves them) on rows of `seq_len` tokens, per device of a `device` type, one
     of `world` processes; `micro` replaces the config's micro-batch, `teacher_parameters` sizes the teacher."""
     micro = micro or config.batch.micro
-    autocast = config.precision == "bf16" or (config.precision == "auto" and device == "cuda")
+    autocast = _autocast(config.precision, device)
     fsdp = config.distributed == "fsdp" and world > 1
     shard = world if fsdp else 1
     k = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)[1] if is_recurrent(model) else 1
@@ -224,7 +234,7 @@ def plan_memory(
     resident = dict(
         parameters=4 * _numel(model.parameters()) // shard,
         gradients=4 * _numel(trained) // shard,
-        optimizer_muon=muon,
+        optimizer_muon=muon // shard,
         optimizer_adamw=adamw // shard,
         distributed=_distributed_bytes(config, model, world, micro, device, autocast),
         teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
@@ -235,8 +245,9 @@ def plan_memory(
         autocast_copies=_autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
         activations=tokens * _activation_bytes(config, model, k, autocast),
         readouts=tokens * _readout_bytes(config, model, k, autocast),
-        logits_and_loss=loss_bytes(tokens, vocab_size(model), autocast, config.distill is not None),
+        logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
+        validation=validation_bytes(config, model, tokens, device, world),
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -343,28 +354,72 @@ def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: b
 
 
 def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
-    """Per token, depth supervision's extra readouts: the coda, final norm, head input, logits and their
-    gradient each."""
+    """Per token, depth supervision's extra readouts: the coda, final norm and head input each (the head's loss
+    reads each depth a chunk at a time: no logits)."""
     if not is_recurrent(model) or config.depth.supervise is None:
         return 0
     extra = len(supervised_steps((0, k), config.depth.supervise)) - 1
     shape, stream = layer_shape(model), _stream_bytes(model, autocast)
     coda = _stack_bytes(shape, layer_counts(model)["coda"], autocast, stream, config.model.gradient_checkpointing)
-    # Each readout's logits, and their gradient: backward reaches every depth's loss before any head, so the
-    # gradients of all depths' logits exist at once (measured: benchmarks/memory_plan.py --loss).
-    logits = 2 * (2 if autocast else 4) * vocab_size(model)
-    return extra * (coda + _readout_head_bytes(shape, autocast, stream) + logits)
+    return extra * (coda + _readout_head_bytes(shape, autocast, stream))
 
 
-def loss_bytes(tokens: int, vocab: int, autocast: bool, distill: bool) -> int:
-    """At the start of backward, the loss's peak: the final logits (kept for backward), their gradient, the
-    teacher's float32 log-probabilities, and the chunked loss's float32 buffers of one chunk: a softmax (and an
-    upcast under autocast), four more for the KL's. (The teacher's own logits are freed before backward.)"""
+def loss_bytes(
+    tokens: int, vocab: int, hidden: int, autocast: bool, *, distill: bool, head_trained: bool, teacher_itemsize: int
+) -> int:
+    """The head's loss at the start of backward (module docstring: logits and loss)."""
     c = 2 if autocast else 4
-    per_token = 2 * c + (4 if distill else 0)
-    buffers = 1 + (c < 4) + 4 * distill
-    chunk = min(tokens, chunk_rows(vocab)) * vocab
-    return tokens * vocab * per_token + 4 * buffers * chunk
+    buffers = 2 * 4 + (c if autocast else 0) + (5 * 4 if distill else 0)
+    chunk = min(tokens, chunk_rows(vocab)) * vocab * buffers
+    head_gradient = vocab * hidden * (4 + c) if head_trained else 0
+    teacher = tokens * hidden * teacher_itemsize if distill else 0
+    return chunk + head_gradient + tokens * hidden * 4 + teacher
+
+
+def _loss_bytes(config: TrainConfig, model: nn.Module, tokens: int, autocast: bool, device: str) -> int:
+    distill = config.distill is not None
+    return loss_bytes(
+        tokens,
+        vocab_size(model),
+        layer_shape(model).hidden,
+        autocast,
+        distill=distill,
+        head_trained=model.get_output_embeddings().weight.requires_grad,
+        teacher_itemsize=teacher_dtype(config.distill, torch.device(device)).itemsize if distill else 0,
+    )
+
+
+def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str, world: int) -> int:
+    """The validation forward's peak over the resident parts (module docstring: validation), at `tokens` per
+    micro-batch."""
+    autocast = _autocast(config.eval.precision or config.precision, device)
+    shape, vocab = layer_shape(model), vocab_size(model)
+    depths = len(set(config.eval.steps)) if is_recurrent(model) else 1
+    stream = _stream_bytes(model, autocast)
+    c = 2 if autocast else 4
+    per_token = depths * 4 * shape.hidden + (4 + stream) * shape.hidden + layer_bytes(shape, autocast, stream)
+    head_chunk = min(tokens, chunk_rows(vocab)) * vocab * (c + 4 + 4)
+    casts = 0
+    if autocast:
+        layers = decoder_layers(model)
+        largest = max((_numel(p for p in layer.parameters() if p.ndim == 2) for layer in layers), default=0)
+        casts = 2 * (vocab * shape.hidden + largest)
+    return tokens * per_token + head_chunk + casts + _validation_gathered(config, model, world, device)
+
+
+def _validation_gathered(config: TrainConfig, model: nn.Module, world: int, device: str) -> int:
+    """FSDP2: validation gathers every unit at once; training's plan holds all but the prelude layers after
+    the first two."""
+    if config.distributed != "fsdp" or world <= 1:
+        return 0
+    once, _ = sharding_units(model)
+    sizes = sorted((_numel(layer.parameters()) for layer in once), reverse=True)
+    gathered = 2 if _autocast(config.precision, device) and device == "cuda" else 4
+    return gathered * max(0, sum(sizes) - 2 * (sizes[0] if sizes else 0))
+
+
+def _autocast(precision: str, device: str) -> bool:
+    return precision == "bf16" or (precision == "auto" and device == "cuda")
 
 
 def _step_bytes(config: TrainConfig, model: nn.Module, device: str, shard: int) -> int:

@@ -106,6 +106,7 @@ DESCRIPTIONS = {
     "readouts": "depth supervision's extra readouts",
     "logits_and_loss": "logits, their gradient, loss chunks",
     "optimizer_step": "step temporaries (after backward)",
+    "validation": "validation forward, one chunk of logits",
 }
 
 
@@ -124,5 +125,5 @@ def plan_table(plan: MemoryPlan):
     for name, size in plan.parts().items():
         if size:
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
-    table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", "resident + max(forward/backward, step)")
+    table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", "resident + max(forward/backward, step, validation)")
     return table

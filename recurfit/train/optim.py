@@ -141,8 +141,10 @@ class BatchedMuon(torch.optim.Muon):
       √max(1, rows/cols) LR scale of the concatenated shape, weight decay. This equals `torch.optim.Muon`
       stepping one parameter that is the concatenation.
     - FSDP2: Newton-Schulz orthogonalises a whole matrix; on a shard it would orthogonalise the wrong thing. For
-      a DTensor parameter each rank gathers the full gradient (the momentum buffer is kept whole), computes the
-      full update, and applies its shard of it: every rank computed the same matrix, so no communication.
+      DTensor parameters the momentum stays sharded (elementwise: each process updates its shard), each
+      momentum-updated matrix is gathered, and one process orthogonalises it, the units dealt out round robin
+      (as distributed Muon implementations share the work); the owner then scatters each process its shard of
+      the update. Every process orthogonalises 1/W of the matrices, not all of them.
     """
 
     def __init__(self, params, *, fused=(), ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
@@ -171,16 +173,26 @@ class BatchedMuon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        dealt = 0  # units dealt out so far, round robin over the processes
         for group in self.param_groups:
             units = [[p for p in unit if p.grad is not None] for unit in self._units(group)]
             # Chunk by chunk, so the extra memory is one chunk's updates, not one of every matrix.
             for chunk in same_shape_chunks([unit for unit in units if unit]):
-                updates = torch.stack([self._momentum_update(group, unit) for unit in chunk])
-                orthogonal = newton_schulz(
-                    updates, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                owners = [_owner(unit, dealt + index) for index, unit in enumerate(chunk)]
+                dealt += len(chunk)
+                updates = [self._momentum_update(group, unit) for unit in chunk]  # FSDP2: gathered everywhere
+                mine = [update for update, unit, owner in zip(updates, chunk, owners) if owner == _rank(unit)]
+                del updates
+                orthogonal = iter(
+                    newton_schulz(
+                        torch.stack(mine), group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                    ).unbind()
+                    if mine
+                    else ()
                 )
-                for unit, update in zip(chunk, orthogonal.unbind()):
-                    self._apply(group, unit, update)
+                for unit, owner in zip(chunk, owners):
+                    update = next(orthogonal) if owner == _rank(unit) else None
+                    self._apply(group, unit, update, owner)
         return loss
 
     def _units(self, group):
@@ -195,28 +207,33 @@ class BatchedMuon(torch.optim.Muon):
                 yield self.fused[index]
 
     def _momentum_update(self, group, unit: list[torch.Tensor]) -> torch.Tensor:
-        """Nesterov momentum as torch's Muon computes it, per parameter; a fused unit's rows concatenated."""
+        """Nesterov momentum as torch's Muon computes it, per parameter (on its shard, under FSDP2); a fused unit's
+        rows concatenated. FSDP2: the whole matrix, gathered (a collective: every process calls it)."""
         momentum, updates = group["momentum"], []
         for p in unit:
-            grad = p.grad.full_tensor() if _is_dtensor(p.grad) else p.grad
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
-            buffer.lerp_(grad, 1 - momentum)
-            updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
+            buffer.lerp_(p.grad, 1 - momentum)
+            update = p.grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+            updates.append(update.full_tensor() if _is_dtensor(update) else update)
         return updates[0] if len(updates) == 1 else torch.cat(updates)
 
     @staticmethod
-    def _apply(group, unit: list[torch.Tensor], update: torch.Tensor) -> None:
-        """Decoupled weight decay, then the update at Muon's shape-adjusted LR (of the unit's whole shape)."""
+    def _apply(group, unit: list[torch.Tensor], update: torch.Tensor | None, owner: int) -> None:
+        """Decoupled weight decay, then the update at Muon's shape-adjusted LR (of the unit's whole shape).
+        FSDP2: the `owner` process's `update` (None elsewhere) is scattered, each process receiving its shard."""
         lr = float(group["lr"])
-        adjusted_lr = muon_lr_scale(group["adjust_lr_fn"], update.shape) * lr
+        shape = (sum(p.shape[0] for p in unit), unit[0].shape[1])
+        adjusted_lr = muon_lr_scale(group["adjust_lr_fn"], shape) * lr
+        if update is None:  # another process's: a buffer of the whole shape to receive into
+            update = torch.empty(shape, dtype=unit[0].dtype, device=unit[0].device)
         for p, part in zip(unit, update.split([p.shape[0] for p in unit])):
             if _is_dtensor(p):
                 from torch.distributed.tensor import distribute_tensor
 
-                part = distribute_tensor(part, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                part = distribute_tensor(part, p.device_mesh, p.placements, src_data_rank=owner).to_local()
                 p = p.to_local()
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(part, alpha=-adjusted_lr)
@@ -305,6 +322,16 @@ def cpu_has_native_bf16() -> bool:
 
 def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
+
+
+def _rank(unit: list[torch.Tensor]) -> int:
+    """This process's rank in the mesh the unit is sharded over (0 for a plain tensor)."""
+    return unit[0].device_mesh.get_local_rank() if _is_dtensor(unit[0]) else 0
+
+
+def _owner(unit: list[torch.Tensor], index: int) -> int:
+    """The process that orthogonalises the `index`-th unit of a step: round robin over the mesh (FSDP2)."""
+    return index % unit[0].device_mesh.size() if _is_dtensor(unit[0]) else 0
 
 
 class AdamWStar(torch.optim.Optimizer):

@@ -8,6 +8,8 @@ schedulers, stream, counters, processes and folder.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +18,8 @@ import torch
 
 from ..errors import RecurfitError
 from ..io.files import staged_directory
-from ..model.card import write_model_card
-from ..model.loading import save_tokenizer
+from ..model.card import CARD, write_model_card
+from ..model.loading import load_config, meta_model, save_tokenizer
 from ..progress import size_text
 from .checkpoint import (
     Checkpoint,
@@ -163,9 +165,24 @@ class Saving:
                 record = self.training_record()
                 (staging / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
                 if card:
-                    training = {"config": self.config.to_dict(), **record, "steps": record["step"]}
-                    cells = (card_validation["step"], *validation_columns(card_validation)) if card_validation else None
-                    write_model_card(staging, model, self.out.name, training, cells)
+                    self._write_card(staging, model, card_validation)
+        self.processes.barrier()
+
+    def _write_card(self, folder: Path, model, validation: dict | None) -> None:
+        """The model card of the model saved in `folder`: the recipe, the tokens and the `validation` record."""
+        record = self.training_record()
+        training = {"config": self.config.to_dict(), **record, "steps": record["step"]}
+        cells = (validation["step"], *validation_columns(validation)) if validation else None
+        write_model_card(folder, model, self.out.name, training, cells)
+
+    def write_card(self, folder: Path, validation: dict) -> None:
+        """Replace the card of the model saved in `folder` by one with `validation` (the final validation, run
+        after the export): written aside, then moved over the old card (main process)."""
+        if self.processes.is_main:
+            model = meta_model(load_config(str(folder)))  # what the card reads: the config and parameter counts
+            with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".card-") as aside:
+                self._write_card(Path(aside), model, validation)
+                os.replace(Path(aside) / CARD, folder / CARD)
         self.processes.barrier()
 
     def export(self, validation: dict | None = None) -> Path:

@@ -8,7 +8,7 @@ from ..data import TokenStore
 from ..model.sampling import mixed_seed
 from .config import TrainConfig
 from .distributed import Processes
-from .losses import cross_entropy
+from .head import final_hidden_states, head_losses, head_weight
 
 
 @torch.no_grad()
@@ -19,7 +19,8 @@ def validation_record(
     log's `eval` record of `step`; None without validation stores. `autocast(precision)` is the run's autocast.
 
     The rows are split into micro-batches and the micro-batches shared out over the processes; each is read
-    out at every test recurrence in one pass through the core (its largest r, not their sum)."""
+    out at every test recurrence in one pass through the core (its largest r, not their sum). Its memory is the
+    plan's `validation` term (memory.py)."""
     if not stores:
         return None
     model.eval()
@@ -42,12 +43,14 @@ def validation_record(
 
 def depth_losses(model, rows: torch.Tensor, depths: list[int], index: int, config, processes, recurrent, autocast):
     """The next-token CE of `rows` after each of `depths` recurrences (increasing), from one forward whose
-    s_0 is seeded from the micro-batch's `index` (the same on any number of processes)."""
+    s_0 is seeded from the micro-batch's `index` (the same on any number of processes). The forward stops at
+    the final hidden states of each depth; the head reads them one depth, and one chunk of positions, at a time
+    (`head.HeadLoss`): no depth's whole logits exist."""
     torch.manual_seed(mixed_seed(config.seed, index))
     rows = rows.to(processes.device, non_blocking=True)
     inputs, targets = rows[:, :-1], rows[:, 1:]
     kwargs = {"num_steps": (0, depths[-1]), "readout_steps": depths[:-1]} if recurrent else {}
     with autocast(config.eval.precision):
-        output = model(input_ids=inputs, **kwargs)
-    logits = [*(output.get("readout_logits") or ()), output.logits]
-    return torch.stack([cross_entropy(each, targets) for each in logits]).float()
+        hidden = final_hidden_states(model, model, inputs, **kwargs)
+        weight = head_weight(model)
+        return torch.stack([head_losses(each, weight, targets)[0] for each in hidden]).float()

@@ -1,0 +1,94 @@
+"""The memory plan (recurfit/train/memory.py) of retrofits of 8 B and 14 B parents on 8 and 16 GPUs of 80 GB:
+which sharding, micro-batch and gradient checkpointing fit (docs/how-to/large-parents.md quotes it).
+
+    python benchmarks/large_parents.py [--seq-len 4096]
+
+The parents are built on the meta device from their public config values (no download, no weights); the
+retrofit keeps half their layers as the paper's (2, 4, 2) of a 16-layer parent: Llama-3.1-8B (32 layers) as
+(4, 8, 4), Qwen3-14B (40 layers) as (5, 10, 5). Training: mean recurrence 32, backprop depth 8, Muon, bf16
+autocast, validation at r = 1…64. A plan is a prediction (checked against measured peaks by
+benchmarks/memory_plan.py); a verdict "fits" leaves 10% of the GPU free.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+PARENTS = {
+    "meta-llama/Llama-3.1-8B": (
+        dict(
+            model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+        ),
+        [4, 8, 4],
+    ),
+    "Qwen/Qwen3-14B": (
+        dict(
+            model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+            num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+            tie_word_embeddings=False,
+        ),
+        [5, 10, 5],
+    ),
+}  # fmt: skip
+GPU_MEMORY = 80 * 10**9
+
+
+def planned_model(name: str, config):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from recurfit.train.initial_model import _restructure, planned_parts
+
+    settings = dict(PARENTS[name][0])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    return planned_parts(_restructure(parent, config.model, config.depth, "paper", None, config.seed), config)
+
+
+def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
+    from recurfit.train import load_config
+
+    base = {
+        "out": "runs/plan",
+        "model": {"path": name, "shape": PARENTS[name][1], "gradient_checkpointing": checkpointing},
+        "data": {"phases": [{"sources": ["unused"]}]},
+        "depth": {"mean_recurrence": 32, "backprop_depth": 8},
+        "optimizer": {"name": "muon"},
+        "batch": {"micro": micro, "global": 512},
+        "precision": "bf16",
+        "distributed": strategy,
+        "eval": {"steps": [1, 2, 4, 8, 16, 32, 64]},
+    }
+    return load_config(None, base=base)
+
+
+def main() -> None:
+    from recurfit.train.memory import gb, plan_memory
+    from recurfit.train.memory_fit import fits
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    args = parser.parse_args()
+    print(f"seq_len {args.seq_len}, global batch 512, predicted peak per 80 GB GPU (fits: within 72 GB)")
+    print(
+        f"{'parent':26s} {'GPUs':>4s} {'sharding':8s} {'checkpointing':13s} "
+        + " ".join(f"{m:>12d}" for m in (1, 2, 4, 8))
+    )
+    for name in PARENTS:
+        for world in (8, 16):
+            for strategy in ("ddp", "fsdp"):
+                for checkpointing in (False, True):
+                    cells = []
+                    for micro in (1, 2, 4, 8):
+                        config = train_config(name, strategy, checkpointing, micro)
+                        plan = plan_memory(config, planned_model(name, config), args.seq_len, world=world)
+                        cells.append(f"{gb(plan.peak):>8s} {'fits' if fits(plan, GPU_MEMORY) else '  no'}")
+                    on = "on" if checkpointing else "off"
+                    print(f"{name:26s} {world:4d} {strategy:8s} {on:13s} " + " ".join(f"{c:>12s}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

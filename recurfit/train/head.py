@@ -1,0 +1,146 @@
+"""The head without the whole logits: a forward that stops at the final hidden states, and the head's loss
+computed from them a chunk of positions at a time.
+
+At a 128 k vocabulary, a micro-batch of 8 × 4,096 tokens has 8.4 GB of bf16 logits, as much again for their
+gradient, and each supervised depth (and the teacher) adds as much. `HeadLoss` never holds more than one
+chunk of positions' logits: forward keeps the hidden states (hidden size, not vocabulary, wide) and one
+float32 log-sum-exp per position, and backward computes each chunk's logits again.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Positions whose logits exist at once: 2**24 elements (64 MiB in float32), whatever the vocabulary.
+CHUNK_ELEMENTS = 2**24
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Positions per chunk of the head's losses at this vocabulary size."""
+    return max(1, CHUNK_ELEMENTS // vocab_size)
+
+
+def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+    """`call(input_ids=..., **kwargs)` (the model, or its DDP/FSDP2 wrapper) run without its head; the final
+    hidden states (after the final norm), each supervised depth's first (`readout_steps`) and the last depth's
+    last, flattened to (positions, hidden).
+
+    The body's output is taken from a hook on it, so the same wrapped call serves DDP (whose forward prepares the
+    gradients' reduction) and FSDP2 (whose root unit holds the head), for a recurrent model and a baseline."""
+    captured = []
+    hook = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        with headless(model):
+            call(input_ids=input_ids, **kwargs)
+    finally:
+        hook.remove()
+    (output,) = captured
+    hidden = [*(output.get("readout_hidden_states") or ()), output.last_hidden_state]
+    return [states.flatten(0, 1) for states in hidden]
+
+
+@contextmanager
+def headless(model: nn.Module):
+    """The model's head reads out nothing for the block (empty logits): the loss reads the hidden states. Even
+    logits of no position would have autocast cast the head's weight and keep that copy for backward."""
+    head = model.get_output_embeddings()
+    head.forward = lambda hidden: hidden[..., :0]
+    try:
+        yield
+    finally:
+        del head.forward  # the class's forward again
+
+
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The head's weight as the forward just used it (FSDP2: the gathered one, held from forward to backward)."""
+    weight = model.get_output_embeddings().weight
+    return weight.full_tensor() if type(weight).__name__ == "DTensor" else weight
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the head multiplies in here: autocast's, when autocast is on for this device."""
+    device = tensor.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else tensor.dtype
+
+
+class HeadLoss(torch.autograd.Function):
+    """Mean next-token cross-entropy of `hidden @ weight.T`, and with a teacher (its hidden states and head
+    weight) the mean KL(teacher_T ‖ student_T), over chunks of positions, in float32 whatever the logits' dtype.
+
+    The logits of a chunk are computed in `dtype` (the run's autocast dtype, as `lm_head` under autocast), upcast,
+    and dropped; the teacher's log-probabilities likewise, in its own weight's dtype. Backward recomputes them and
+    applies, chunk by chunk, what autograd computes through `lm_head` and `log_softmax`:
+
+        d CE / d z   = (softmax(z) - onehot(target)) / positions
+        d KL / d z   = (softmax(z / T) · Σ p_teacher - p_teacher) / (T · positions)
+        d / d hidden = (d / d z) @ weight,   d / d weight = Σ over chunks (d / d z)ᵀ @ hidden   (float32 sum)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, temperature: float, dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            matrix = weight.to(dtype)
+            ce, kl = hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros((), dtype=torch.float32)
+            for chunk, logits, teacher in _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
+                ce += (logits.logsumexp(-1) - logits.gather(-1, targets[chunk, None]).squeeze(-1)).sum()
+                if teacher is not None:
+                    kl += (teacher.exp() * (teacher - F.log_softmax(logits / temperature, dim=-1))).sum()
+        # Kept for backward in the head's dtype, as autocast's linear keeps its input
+        ctx.save_for_backward(hidden.to(dtype), matrix, targets, teacher_hidden, teacher_weight)
+        ctx.temperature, ctx.weight_dtype, ctx.hidden_dtype = temperature, weight.dtype, hidden.dtype
+        count = hidden.shape[0]
+        return ce / count, kl / count
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_kl):
+        hidden, matrix, targets, teacher_hidden, teacher_weight = ctx.saved_tensors
+        temperature, count = ctx.temperature, hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(matrix.shape, dtype=torch.float32, device=matrix.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for chunk, logits, teacher in _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
+                grad = logits.softmax(-1)
+                grad[torch.arange(grad.shape[0], device=grad.device), targets[chunk]] -= 1
+                grad *= grad_ce / count
+                if teacher is not None:
+                    teacher = teacher.exp()
+                    student = (logits / temperature).softmax(-1) * teacher.sum(-1, keepdim=True)
+                    grad += (student - teacher) * (grad_kl / (temperature * count))
+                grad = grad.to(matrix.dtype)  # as autograd's: the gradient of logits in their dtype
+                if grad_hidden is not None:
+                    grad_hidden[chunk] = grad @ matrix
+                if grad_weight is not None:
+                    grad_weight += grad.mT @ hidden[chunk]  # summed in float32 over the chunks
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
+    """(positions, float32 logits, float32 teacher log-probabilities at `temperature` or None) per chunk."""
+    rows = chunk_rows(matrix.shape[0])
+    for start in range(0, hidden.shape[0], rows):
+        chunk = slice(start, start + rows)
+        logits = (hidden[chunk].to(matrix.dtype) @ matrix.mT).float()
+        teacher = None
+        if teacher_hidden is not None:
+            teacher_logits = (teacher_hidden[chunk].to(teacher_weight.dtype) @ teacher_weight.mT).float()
+            teacher = F.log_softmax(teacher_logits / temperature, dim=-1)
+        yield chunk, logits, teacher
+
+
+def head_losses(hidden, weight, targets, teacher=None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE, KL(teacher_T ‖ student_T)) of the head `weight` read at `hidden` (positions × hidden), per token, in
+    float32 (KL not scaled by T², and 0 without a `teacher` = (its hidden states, its head weight))."""
+    teacher_hidden, teacher_weight = teacher if teacher is not None else (None, None)
+    if teacher_hidden is not None:
+        teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
+    return HeadLoss.apply(
+        hidden, weight, targets.flatten(), teacher_hidden, teacher_weight, temperature, compute_dtype(weight)
+    )
