@@ -72,7 +72,7 @@ def initial_model(config: TrainConfig, processes) -> tuple[nn.Module, nn.Module 
         return built.to(processes.device), None  # DDP broadcasts it to the others when it wraps it
     structure = meta_model(model_config)
     if config.model.gradient_checkpointing:
-        structure.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(structure)
     return select_parts(structure.train(), config), built
 
 
