@@ -90,6 +90,9 @@ def _add_store_arguments(p) -> None:
     )
 
 
+EMBEDDED_TOKENIZER = "embedded SmolLM2-135M-Instruct"
+
+
 def cmd_data_prepare(args) -> None:
     from ..data import prepare
     from ..data.decontaminate import summary as decontamination_summary
@@ -99,12 +102,17 @@ def cmd_data_prepare(args) -> None:
 
     row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.tokenizer is None:  # the store only suits models with this tokenizer: say so before the work
+        console.print(
+            f"Tokenising with the tokenizer of the {EMBEDDED_TOKENIZER} (no --tokenizer): the store suits models with "
+            "this tokenizer only; pass --tokenizer PARENT for another parent."
+        )
     result = prepare(
         tokenizer,
         args.source,
         args.seq_len,
         args.out,
-        tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
+        tokenizer_name=args.tokenizer or EMBEDDED_TOKENIZER,
         val_fraction=args.val_fraction,
         text_field=args.text_field,
         seed=args.seed,
