@@ -46,7 +46,7 @@ def _add_filter_arguments(p) -> None:
         "--filter",
         choices=["nemotron-sft"],
         help="nemotron-sft: drop rows written by RL-trained reasoning models (DeepSeek-R1, QwQ, Qwen3 Thinking, "
-        "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/training.md)",
+        "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/how-to/data.md)",
     )
     p.add_argument("--generator-field", help="with --filter: field naming each row's model (default: detected)")
     p.add_argument(
