@@ -158,3 +158,11 @@ def test_the_example_configs_in_the_docs_load():
     for page, config in configs:
         loaded = load_config(None, [], base=config)
         assert loaded.out == config["out"], page
+
+
+def test_readme_is_short_and_holds_the_command_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    ci = "./scripts/setup.sh" + (REPO / ".ci" / "run").read_text().split("\n./scripts/setup.sh", 1)[1].rstrip()
+    assert ci in readme
+    assert "./scripts/setup.sh && .venv/bin/recurfit demo" in readme
