@@ -1,4 +1,4 @@
-"""The healing study (docs/healing.md): which way of training a fresh retrofit closes the gap to its parent
+"""The healing study (docs/results/healing.md): which way of training a fresh retrofit closes the gap to its parent
 fastest per FLOP.
 
 Every arm trains the same retrofit of `--recipe` (default: recipes/smollm2-cpu.yaml, the embedded SmolLM2-135M
@@ -237,7 +237,7 @@ def cached_exit_depths(model_folder: Path, store: str) -> dict:
         )  # fmt: skip
         length = prompt.shape[0]  # PROMPT_TOKENS, or the whole row if it is shorter
         new = output.sequences.shape[1] - length
-        # The first token comes from the prompt's forward, which runs all its steps (docs/generation.md): the
+        # The first token comes from the prompt's forward, which runs all its steps (docs/how-to/generation.md): the
         # decoded ones after it are measured. Token i of the answer is predicted at position length − 1 + i.
         cached += output["steps_per_token"][0, 1:new].tolist()
         depth, _ = _readout_log_probs(model, output.sequences, torch.Generator().manual_seed(0))
@@ -311,7 +311,7 @@ def _mean_sd(values: list[float], digits: int = 3) -> str:
 
 
 def report(results: dict[str, dict[int, dict]], stores: list[str], minutes: float) -> str:
-    """The tables of docs/healing.md: mean ± standard deviation over seeds, the share of the gap to the parent
+    """The tables of docs/results/healing.md: mean ± standard deviation over seeds, the share of the gap to the parent
     trained at the same rates that training closed, exit depths, and the verdicts."""
     lines = [
         f"Time of this invocation of the study (stages done before are skipped): {minutes:.1f} minutes.",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The mini-reproduction (docs/mini-reproduction.md): three recurrent arms of recipes/mini/smollm2-242.yaml and the
+# The mini-reproduction (docs/results/mini-reproduction.md): three recurrent arms of recipes/mini/smollm2-242.yaml and the
 # parent trained on the same tokens, on CPU; each run evaluated over training (loss, GSM8K) from its snapshots;
-# the paper's figures and tables from those evaluations. 1 h 29 min on 2 cores (docs/mini-reproduction.md).
+# the paper's figures and tables from those evaluations. 1 h 29 min on 2 cores (docs/results/mini-reproduction.md).
 #
 #   ./scripts/mini-reproduction.sh [OUT]       # default OUT: runs/mini; finished stages are skipped on re-run
 set -euo pipefail
@@ -34,7 +34,7 @@ done
 # Math loss and GSM8K over training FLOPs, at the end against r, bars, the Table 1-style tables; training curves.
 "$recurfit" plot "$out"/eval/*-math "$out"/eval/*-gsm8k "$out/pretrained" "$out/random" "$out/1-sqrt" \
   --out "$out/figures"
-"${PYTHON:-.venv/bin/python}" - "$out" <<'SUMMARY'   # one table for docs/mini-reproduction.md
+"${PYTHON:-.venv/bin/python}" - "$out" <<'SUMMARY'   # one table for docs/results/mini-reproduction.md
 import sys
 from pathlib import Path
 

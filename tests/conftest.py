@@ -186,12 +186,13 @@ CHARS = "abcdefghijklmnopqrstuvwxyz .,!?0123456789\n"
 WORDS = "the cat sat on a mat dog ran far and then slept under big red tree".split()
 
 
-def char_tokenizer():
-    """A character-level fast tokenizer whose 46 ids fit the tiny models' 97-token vocabulary."""
+def char_tokenizer(chars: str = CHARS):
+    """A character-level fast tokenizer whose 46 ids fit the tiny models' 97-token vocabulary (other `chars`, in
+    another order: another tokenizer of the same size)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(CHARS)}}
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(

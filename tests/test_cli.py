@@ -109,3 +109,12 @@ def test_help_lines_give_their_defaults_and_distinct_examples(capsys):
             and "(default: all)" in text
             and "seed of the initial states s_0 (default: 0)" in text
         )
+
+
+def test_every_help_reads_as_a_users_with_a_one_line_description():
+    for name, parser in subparsers(build_parser()):
+        text = parser.format_help()
+        assert "SUPPRESS" not in text, f"{name} --help: {text}"
+        description = parser.description or ""
+        assert description and "\n" not in description and "`" not in description, f"{name}: {description!r}"
+        assert description[0].isupper() and description.endswith("."), f"{name}: {description!r}"

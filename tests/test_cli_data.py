@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROWS, bad_data_files, run_cli, write_jsonl
+from conftest import ROWS, bad_data_files, run_cli, write_documents, write_jsonl
 from conftest import run_cli as run
 
 
@@ -107,3 +107,13 @@ def test_data_prepare_names_the_bad_file_and_writes_nothing(workspace, tmp_path,
     error = text[text.find("error: ") :]  # after what prepare says first (the expected size on disk)
     assert code == 2 and error.startswith(f"error: {message}") and "Traceback" not in text
     assert not (tmp_path / "store").exists()
+
+
+def test_data_prepare_without_tokenizer_says_which_it_used(tmp_path, capsys):
+    write_documents(tmp_path / "docs.jsonl", 200)
+    code, text = run(capsys, "data", "prepare", "--source", tmp_path / "docs.jsonl", "--seq-len", "32",
+                     "--val-fraction", "0.1", "--decontaminate", "none", "--out", tmp_path / "data")  # fmt: skip
+    assert code == 0, text
+    assert "Tokenising with the tokenizer of the embedded SmolLM2-135M-Instruct (no --tokenizer)" in text
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["tokenizer"] == "embedded SmolLM2-135M-Instruct" and len(meta["tokenizer_vocabulary"]) == 16

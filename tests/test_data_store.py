@@ -55,3 +55,42 @@ def test_stores_of_format_1_still_load(tmp_path):
     np.testing.assert_array_equal(TokenStore(store, "val")[1], rows[1])
     batch = RowStream([Phase({str(store): 1.0})], seed=0).next_batch(5)
     assert sorted(map(tuple, batch.tolist())) == sorted(map(tuple, rows.tolist()))
+
+
+def test_a_store_made_with_another_tokenizer_is_refused_by_train_and_eval_loss(tmp_path, workspace, saved, capsys):
+    from conftest import CHARS, run_cli, tiny_config
+
+    from recurfit.train import load_config
+    from recurfit.train.loop import Trainer
+
+    other = tmp_path / "other"
+    prepare(char_tokenizer(CHARS[::-1]), [str(workspace / "prose.jsonl")], 32, other, tokenizer_name="reversed-chars",
+            show_progress=False, val_fraction=0.05, decontaminate="none")  # fmt: skip
+    meta = json.loads((other / "meta.json").read_text())
+    assert meta["vocab_size"] == TokenStore(workspace / "prose").vocab_size  # the sizes agree: only the hash tells
+    config = tiny_config(workspace, tmp_path / "run", data={"phases": [{"sources": [str(other)]}], "validation": []})
+    with pytest.raises(RecurfitError, match=rf"{other} was tokenised with reversed-chars's tokenizer, not the model's"):
+        Trainer(load_config(None, [], base=config))
+    assert not (tmp_path / "run").exists()
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", other, "--out", tmp_path / "eval")
+    assert code == 2 and "was tokenised with reversed-chars's tokenizer, not the model's" in text
+    assert f"({saved / 'model'})" in text and not (tmp_path / "eval").exists()
+    code, text = run_cli(
+        capsys, "eval", "loss", saved / "model", "--data", workspace / "prose", "--out", tmp_path / "ok"
+    )
+    assert code == 0, text  # the same tokenizer saved with the model: accepted
+
+
+def test_a_store_that_records_no_tokenizer_still_trains_and_evaluates(tmp_path, workspace, saved, capsys):
+    """Stores prepared before the tokenizer's vocabulary hash was recorded: nothing to check them against."""
+    import shutil
+
+    from conftest import run_cli
+
+    old = tmp_path / "old"
+    shutil.copytree(workspace / "prose", old)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["tokenizer_vocabulary"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    code, text = run_cli(capsys, "eval", "loss", saved / "model", "--data", old, "--out", tmp_path / "eval")
+    assert code == 0, text

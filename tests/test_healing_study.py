@@ -1,5 +1,5 @@
 """The healing study's script end to end on a tiny parent: every arm trains, is evaluated over training, and
-the report compares them (the real study runs the same code on the embedded SmolLM2: docs/healing.md)."""
+the report compares them (the real study runs the same code on the embedded SmolLM2: docs/results/healing.md)."""
 
 from __future__ import annotations
 

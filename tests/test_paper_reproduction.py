@@ -1,4 +1,4 @@
-"""The paper, exactly: settings checked against the authors' released files (docs/paper-settings.md)."""
+"""The paper, exactly: settings checked against the authors' released files (docs/reference/paper-settings.md)."""
 
 import json
 import math
@@ -32,7 +32,7 @@ PARENTS = {  # the paper recipes' parents' shapes (their Hub configs), built on 
 }  # fmt: skip
 
 
-SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
+SETTINGS = Path(__file__).parent.parent / "docs" / "reference" / "paper-settings.md"
 
 
 RECIPES = Path(__file__).parent.parent / "recipes" / "paper"
@@ -44,13 +44,13 @@ PLOT_DATA = json.loads((Path(__file__).parent / "fixtures" / "paper_plot_flops.j
 PLOT_TOKENS_PER_STEP = 2**20  # the authors' get_flops counts every run at 2^20 tokens per step
 
 
-# A run a recipe continues (model.init_from) that no recipe writes: docs/paper-settings.md, two-phase arms.
+# A run a recipe continues (model.init_from) that no recipe writes: docs/reference/paper-settings.md, two-phase arms.
 UNWRITTEN_RUNS = {"runs/tinyllama-two-phase-1-static": ("tinyllama-484-two-phase-1.yaml", ["model.shape=null"])}
 
 
 def plot_data_table() -> list[tuple[str, str, str | None, list[str]]]:
     """(plot data file, run label, recipe or None for the untrained parent, overrides) from the mapping table of
-    docs/paper-settings.md ("Which recipe produced each plotted run")."""
+    docs/reference/paper-settings.md ("Which recipe produced each plotted run")."""
     text = SETTINGS.read_text().split("| plot data file |", 1)[1].split("\n\n", 1)[0]
     rows = []
     for line in text.splitlines()[2:]:

@@ -14,7 +14,7 @@ from recurfit.train import load_config
 RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml"))
 
 
-SETTINGS = Path(__file__).parent.parent / "docs" / "paper-settings.md"
+SETTINGS = Path(__file__).parent.parent / "docs" / "reference" / "paper-settings.md"
 
 
 SECTION = re.compile(r"^#{2,3} .*?`(recipes/paper/[\w.-]+\.yaml)`|^### \*arm\* .*?overrides `([^`]+)`")

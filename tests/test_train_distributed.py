@@ -82,7 +82,7 @@ def core_gradients(model, ids, cache_enabled: bool) -> dict[str, torch.Tensor]:
 TWO_PROCESSES = "2 processes need 2 GPUs under --device cuda, and the suite's machine has 1"
 
 
-# The tolerances docs/training.md ("Tests") and the README state for 2 processes against 1.
+# The tolerances docs/contributing.md and the README state for 2 processes against 1.
 DDP_TOLERANCE = 1e-6  # AdamW, or Muon with float32 Newton-Schulz: float rounding of the all-reduce only
 
 

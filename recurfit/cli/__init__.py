@@ -22,6 +22,7 @@ from .external import cmd_lm_eval
 
 __all__ = ["build_parser", "console", "main"]
 
+DESCRIPTION = "Retrofit depth-recurrence into pretrained language models: surgery, training, evaluation, serving."
 # In the order `recurfit --help` lists their commands
 COMMAND_MODULES = (surgery, data, train, generate, evaluate, external, demo)
 
@@ -29,7 +30,7 @@ COMMAND_MODULES = (surgery, data, train, generate, evaluate, external, demo)
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = Parser(prog="recurfit", description=__doc__.splitlines()[0])
+    parser = Parser(prog="recurfit", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"recurfit {__version__}")
     parser.add_argument(
         "--verbose",

@@ -123,10 +123,20 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action) -> str:
         text, default = action.help or "", action.default
-        if not action.option_strings or default is None or default is False or "default" in text:
+        shown_already = "default" in text or default is argparse.SUPPRESS  # --help, --version
+        if not action.option_strings or default is None or default is False or shown_already:
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class Subcommands(argparse._SubParsersAction):
+    """Subcommands whose own --help opens with the line the parent's --help lists them with."""
+
+    def add_parser(self, name, **kwargs):
+        if kwargs.get("help") and "description" not in kwargs:
+            kwargs["description"] = kwargs["help"][0].upper() + kwargs["help"][1:] + "."
+        return super().add_parser(name, **kwargs)
 
 
 class Parser(argparse.ArgumentParser):
@@ -135,6 +145,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Subcommands)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")

@@ -46,7 +46,7 @@ def _add_filter_arguments(p) -> None:
         "--filter",
         choices=["nemotron-sft"],
         help="nemotron-sft: drop rows written by RL-trained reasoning models (DeepSeek-R1, QwQ, Qwen3 Thinking, "
-        "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/training.md)",
+        "gpt-oss) and remove <extra_id_N>User/Assistant tags, as in the paper's §4.5 (docs/how-to/data.md)",
     )
     p.add_argument("--generator-field", help="with --filter: field naming each row's model (default: detected)")
     p.add_argument(
@@ -90,6 +90,9 @@ def _add_store_arguments(p) -> None:
     )
 
 
+EMBEDDED_TOKENIZER = "embedded SmolLM2-135M-Instruct"
+
+
 def cmd_data_prepare(args) -> None:
     from ..data import prepare
     from ..data.decontaminate import summary as decontamination_summary
@@ -99,12 +102,17 @@ def cmd_data_prepare(args) -> None:
 
     row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.tokenizer is None:  # the store only suits models with this tokenizer: say so before the work
+        console.print(
+            f"Tokenising with the tokenizer of the {EMBEDDED_TOKENIZER} (no --tokenizer): the store suits models with "
+            "this tokenizer only; pass --tokenizer PARENT for another parent."
+        )
     result = prepare(
         tokenizer,
         args.source,
         args.seq_len,
         args.out,
-        tokenizer_name=args.tokenizer or "embedded SmolLM2-135M",
+        tokenizer_name=args.tokenizer or EMBEDDED_TOKENIZER,
         val_fraction=args.val_fraction,
         text_field=args.text_field,
         seed=args.seed,

@@ -26,7 +26,7 @@ from . import shards as sh
 from .filters import FilterStats
 from .packing import BlockEncoder
 from .sources import fingerprint, iter_documents
-from .store import FORMAT_VERSION
+from .store import FORMAT_VERSION, vocabulary_hash
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Job:
     def fingerprint(self, tokenizer) -> str:
         job = {
             "sources": [fingerprint(source, self.text_field) for source in self.sources],
-            "tokenizer": _tokenizer_fingerprint(tokenizer),
+            "tokenizer": vocabulary_hash(tokenizer),
             "seq_len": self.seq_len,
             "val_fraction": self.val_fraction,
             "seed": self.seed,
@@ -62,11 +62,6 @@ class Job:
         if self.decontaminate:  # absent when off: stores made before decontamination keep their fingerprint
             job["decontaminate"] = dc.settings(self.decontaminate)
         return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items())
-    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
 @dataclass

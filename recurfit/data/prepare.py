@@ -44,7 +44,7 @@ from .filters import FilterStats
 from .packing import DEFAULT_PACKING, BlockEncoder
 from .pipeline import Job, build, end_documents
 from .sources import check_filter
-from .store import FORMAT_VERSION, META, SPLITS, read_meta
+from .store import FORMAT_VERSION, META, SPLITS, read_meta, vocabulary_hash
 
 DEFAULT_LAYOUT = sh.Layout()
 
@@ -240,6 +240,7 @@ def _finish(building: Path, out: Path, plan: sh.Plan, job: Job, encoder, digest,
         "packing": job.packing,
         "bos_token_id": encoder.bos_token_id(),
         "tokenizer": tokenizer_name,
+        "tokenizer_vocabulary": vocabulary_hash(tokenizer),
         "sources": list(job.sources),
         "val_fraction": job.val_fraction,
         "seed": job.seed,

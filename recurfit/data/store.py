@@ -1,6 +1,7 @@
 """The token store `data prepare` writes: packed rows of `seq_len + 1` token ids, memory-mapped.
 
-    DATA/meta.json                 seq_len, dtype, rows per split, tokenizer, packing, sources, fingerprint,
+    DATA/meta.json                 seq_len, dtype, rows per split, tokenizer (name and vocabulary hash), packing,
+                                   sources, fingerprint,
                                    and each shard's documents, token counts and SHA-256 checksums
     DATA/shards/00000.train.bin    the tokens of the shard's training documents, one after another
     DATA/shards/00000.val.bin      its held-out documents, the same way
@@ -12,11 +13,14 @@ reads exactly as one made in one piece. A row holds `seq_len + 1` tokens so that
 `row[1:]` are both `seq_len` long. Each document is followed by EOS (and, with `bos-eos` packing, preceded by
 the tokenizer's BOS), as in the paper's pretraining data.
 
-Stores of format 1 (before shards) hold one `train.bin` and `val.bin` of whole rows; they still load.
+Stores of format 1 (before shards) hold one `train.bin` and `val.bin` of whole rows; they still load. Stores
+that record no vocabulary hash (`tokenizer_vocabulary`) load too; `check_tokenizer` cannot check them, and
+training then checks only that their vocabulary is no larger than the model's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 from functools import cached_property
@@ -31,6 +35,25 @@ SPLITS = ("train", "val")
 SHARDS = "shards"
 FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
+
+
+def vocabulary_hash(tokenizer) -> str:
+    """A tokenizer's identity: a hash of its vocabulary (each token and its id), the same for every copy of it."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def check_tokenizer(folder: str | Path, meta: dict, tokenizer) -> None:
+    """Refuses a store tokenised with another tokenizer than `tokenizer` (the model's): its token ids would mean
+    other tokens. A store that records no vocabulary hash (prepared by an earlier version) is not checked."""
+    recorded = meta.get("tokenizer_vocabulary")
+    if recorded is None or tokenizer is None or recorded == vocabulary_hash(tokenizer):
+        return
+    model = tokenizer.name_or_path
+    raise RecurfitError(
+        f"{folder} was tokenised with {meta.get('tokenizer') or 'another tokenizer'}'s tokenizer, not the model's "
+        f"({model}): prepare it again with `recurfit data prepare --tokenizer {model}`."
+    )
 
 
 def shard_path(folder: str | Path, name: str, split: str) -> Path:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.sources import iter_documents
-from ..data.store import META, TokenStore
+from ..data.store import META, TokenStore, check_tokenizer
 from ..defaults import LOSS_RECURRENCES
 from ..errors import RecurfitError
 from ..model.modeling import RecurrentForCausalLM
@@ -45,6 +45,7 @@ def load_examples(source: str, tokenizer=None, seq_len: int = 256, limit: int | 
     """A token store's `val` rows, or documents from `source` cut into windows of `seq_len + 1` tokens."""
     if (Path(source) / META).is_file():
         store = TokenStore(source, "val")
+        check_tokenizer(source, store.meta, tokenizer)
         if len(store) == 0:
             raise RecurfitError(
                 f"{source} has no validation rows (prepared with --val-fraction {store.meta.get('val_fraction', 0)}); "

@@ -151,7 +151,7 @@ def _loading(recurrent: bool) -> str:
             "## Use",
             "",
             "```python",
-            "import recurfit.model.modeling  # registers the model type with transformers' Auto classes",
+            "import recurfit  # registers the model type with transformers' Auto classes",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             "",
             'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_ID")',

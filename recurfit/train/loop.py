@@ -26,6 +26,7 @@ import torch
 from rich.progress import TextColumn
 
 from ..data import Phase, RowStream, TokenStore
+from ..data.store import check_tokenizer
 from ..errors import RecurfitError
 from ..io.lock import owned
 from ..model.accounting import count_parameters
@@ -185,6 +186,7 @@ class Trainer(Saving):
     def _check_vocabulary(self) -> None:
         vocab = self.model.config.vocab_size
         for store in [*self.stream.stores, *self.validation]:
+            check_tokenizer(store.folder, store.meta, self.tokenizer)
             if store.vocab_size > vocab:
                 raise RecurfitError(
                     f"{store.folder} was tokenised with a {store.vocab_size}-token vocabulary "
