@@ -11,7 +11,7 @@ Each step is a subprocess with its own time limit inside the part's budget; its 
 `OUT/suite-partN.log` as it runs, and `OUT/summary-partN.md` (status, seconds and the last lines of each step)
 is rewritten after every step, so a part stopped at the device's limit still returns what it measured. The
 last step of each part packs the long outputs (JUnit XML, the training log, the profiler trace) into
-`OUT/artifacts-partN.tar.gz`. docs/performance.md says what to copy where.
+`OUT/artifacts-partN.tar.gz`. docs/results/gpu.md says what to copy where.
 
 `--cpu-smoke` hides the packages the device machine lacks (lm-eval, datasets, gguf, ...) from every step, so
 CI fails here if recurfit starts importing one of them on the paths the suite runs.

@@ -36,7 +36,7 @@ def test_cpu_smoke_runs_every_step_of_every_part(tmp_path):
     assert set(steps) >= {"resume-ddp", "resume-fsdp", "memory-probe", "autocast-grad", "tests-healing", "recompiles"}
     assert set(steps.values()) == {"ok"}, steps
     one, two, three = summaries["1"], summaries["2"], summaries["3"]
-    # what each step must print for docs/performance.md's table
+    # what each step must print for docs/results/gpu.md's table
     assert "recurfit dependencies missing here: datasets, gguf, lm_eval" in one  # hidden as on the device
     assert "TFLOP/s" in one and "passed" in one and "saved for backward" in one and "tokens/s" in one
     assert "ms/token" in two and "speculative" in two and "host synchronisations" in two

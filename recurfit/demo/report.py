@@ -60,8 +60,8 @@ def _rates(settings: DemoSettings) -> str:
     relation = f"{ratio:g} times the paper's" if math.isclose(settings.lr, ratio * paper.lr) else "not the paper's"
     return (
         f"{rates}: {relation} (Muon {_rate(paper.muon_lr)}, AdamW {_rate(paper.lr)}), which are set for runs of "
-        "thousands of steps; in a run of tens of steps, larger steps heal far more of the retrofit (docs/healing.md, "
-        "docs/demo.md)"
+        "thousands of steps; in a run of tens of steps, larger steps heal far more of the retrofit "
+        "(docs/results/healing.md)"
     )
 
 

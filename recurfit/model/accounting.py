@@ -9,7 +9,7 @@
 `paper_flops_per_token` and `paper_training_flops` count as the paper authors' own scripts did (no adapter,
 no final norm, their curriculum ramp), to reproduce the FLOPs axes of the paper's figures.
 All functions take a model (a meta-device model is fine) or the dict `count_parameters` returns. The rules,
-with the paper's sections: docs/method.md ("FLOPs").
+with the paper's sections: docs/reference/method.md ("FLOPs").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How many recurrences a forward pass runs: the training depth sampler, the curricula, `num_steps` parsing.
 
-The formulas, with the paper's sections: docs/method.md ("The depth sampler", "Curricula").
+The formulas, with the paper's sections: docs/reference/method.md ("The depth sampler", "Curricula").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 KL is taken between the next-token distributions at temperature T (softmax of logits / T), averaged over
 tokens; T² keeps its gradient's scale independent of T (Hinton et al., 2015). With both on, every supervised
-depth is distilled from the same teacher. docs/training.md ("Healing") gives the settings and costs.
+depth is distilled from the same teacher. docs/how-to/healing.md gives the settings and costs.
 
 Every loss is read from final hidden states through the head a chunk of positions at a time (`head.HeadLoss`):
 neither the student's logits at any depth nor the teacher's exist whole, nor their gradient.
