@@ -11,7 +11,8 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
 3. Adaptive exit: mean recurrences per token, NLL and agreement with fixed r for KL thresholds, each with a
    cold s_0 and warm-started from the previous token's final state.
 4. Self-speculative decoding (free-running greedy): tokens/s and acceptance at r ∈ `--spec-depths` against
-   plain greedy decoding at the same r, and whether the outputs are identical.
+   plain greedy decoding at the same r, with `--lookahead` drafts every round (fixed) and with as many as the
+   measured acceptance pays for (adaptive, the default), and whether the outputs are identical.
 5. Adaptive depth in a batch of `--batch` sequences: time per token against fixed r, as a ratio to the
    compute the rows' own depths predict (the core runs only on rows still recurring).
 6. Compiled decoding (`generate(compile=True)`: static cache, one graph per batch size and r) against eager
@@ -19,8 +20,11 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
    `--compile-depths`, the tokens compared, graphs traced, the one-time compile cost, and the weights-read
    floor (at `--bandwidth`, or the bandwidth measured here with `--bandwidth measure`).
 `--parent tinyllama` retrofits TinyLlama-1.1B's shape with random weights (no download) and decodes random
-tokens: its times are real, its NLL and agreement are not. `--bandwidth` (GB/s, measured) adds the time
-per token that reading the weights once per layer call takes at that bandwidth, the decode floor at batch 1.
+tokens: its times are real, its NLL and agreement are not. `--perturb-adapter ε` adds ε times a random matrix
+(entries of variance 1 / 2h) to the retrofit's identity adapter [0 | I], so that the depths compute different
+things: drafts are then rejected more the larger ε (about 1: acceptance ≈ 0). `--bandwidth` (GB/s, measured)
+adds the time per token that reading the weights once per layer call takes at that bandwidth, the decode floor
+at batch 1.
 Use a trained model for 2, 3 and 5: an untrained identity-adapter retrofit ignores its state, so every step
 computes the same thing, no option can cost anything, and every row exits at the same step.
 Times are medians over the decoded tokens of this one run, modes interleaved (the machine is noisy).
@@ -124,6 +128,9 @@ def main() -> None:
     parser.add_argument("--random-tokens", action="store_true", help="decode random tokens (tinyllama: always)")
     parser.add_argument("--shape", default="4,8,4", help="the retrofit of the parent (without MODEL)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    parser.add_argument(
+        "--perturb-adapter", type=float, default=0.0, help="ε: the retrofit's adapter [0 | I] + ε·noise"
+    )
     parser.add_argument("--sections", default="1,2,3,4,5,6", help="which of the measurements above to run")
     parser.add_argument(
         "--bandwidth", help="memory bandwidth in GB/s for the decode floor, or `measure` to measure it here"
@@ -197,6 +204,11 @@ def models(args):
         tokenizer = None if args.random_tokens else load_tokenizer(args.model or folder)
     shape = tuple(int(x) for x in args.shape.split(","))
     model = recurfit.retrofit(parent, shape) if args.model is None else load_model(args.model, dtype=torch.float32)
+    if args.perturb_adapter:
+        weight = model.model.adapter.weight
+        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) / weight.shape[1] ** 0.5
+        with torch.no_grad():
+            weight += args.perturb_adapter * noise.to(weight.dtype)
     return model.eval().to(args.device, dtype), parent.eval().to(args.device, dtype), tokenizer
 
 
@@ -238,30 +250,42 @@ def policy_and_exit(model, ids, full, depths, args) -> None:
 
 
 def speculative(model, prompts, args) -> None:
-    """Free-running greedy decoding, plain against self-speculative, at each depth."""
+    """Free-running greedy decoding at each depth: plain, and self-speculative with a fixed and an adaptive number
+    of drafts per round (modes interleaved in each repeat, so all see the same machine load)."""
     print(
         f"\n4. self-speculative decoding: draft at r = {args.draft_steps}, lookahead {args.lookahead}, "
         f"{prompts.shape[0]} sequences, {args.decode} new tokens"
     )
-    print("   r   plain tokens/s  speculative tokens/s  speed-up  acceptance  identical output")
+    print(
+        "   r   plain tok/s  fixed tok/s  speed-up  acceptance  adaptive tok/s  speed-up  acceptance  "
+        "drafts/token  identical output"
+    )
+    modes = {"fixed": dict(adaptive=False), "adaptive": dict(adaptive=True)}
     for r in (int(r) for r in args.spec_depths.split(",")):
         kwargs = dict(max_new_tokens=args.decode, num_steps=r)
-        plain_s, spec_s = [], []
-        for _ in range(args.repeats):  # interleaved, so both see the same machine load
+        seconds = {name: [] for name in ("plain", *modes)}
+        outputs = {}
+        for _ in range(args.repeats):
+            synchronize(prompts.device)
             start = time.perf_counter()
             plain = model.generate(prompts, do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
-            plain_s.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            fast = speculative_generate(
-                model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead, **kwargs
-            )
-            spec_s.append(time.perf_counter() - start)
+            synchronize(prompts.device)
+            seconds["plain"].append(time.perf_counter() - start)
+            for name, mode in modes.items():
+                start = time.perf_counter()
+                outputs[name] = speculative_generate(
+                    model, prompts, draft_steps=args.draft_steps, lookahead=args.lookahead, **mode, **kwargs
+                )
+                synchronize(prompts.device)
+                seconds[name].append(time.perf_counter() - start)
         tokens = prompts.shape[0] * args.decode
-        plain_rate, spec_rate = tokens / statistics.median(plain_s), tokens / statistics.median(spec_s)
-        same = "yes" if torch.equal(plain, fast.sequences) else "no"
+        rate = {name: tokens / statistics.median(times) for name, times in seconds.items()}
+        same = all(torch.equal(plain, output.sequences) for output in outputs.values())
+        fixed, adaptive = outputs["fixed"], outputs["adaptive"]
         print(
-            f"  {r:>2}  {plain_rate:14.1f}  {spec_rate:20.1f}  {spec_rate / plain_rate:8.2f}  "
-            f"{fast.acceptance_rate:10.0%}  {same:>16}"
+            f"  {r:>2}  {rate['plain']:11.1f}  {rate['fixed']:11.1f}  {rate['fixed'] / rate['plain']:8.2f}  "
+            f"{fixed.acceptance_rate:10.0%}  {rate['adaptive']:14.1f}  {rate['adaptive'] / rate['plain']:8.2f}  "
+            f"{adaptive.acceptance_rate:10.0%}  {adaptive.drafted / args.decode:12.2f}  {'yes' if same else 'no':>16}"
         )
 
 

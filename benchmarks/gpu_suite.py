@@ -48,9 +48,17 @@ PYTEST_PROGRESS = re.compile(r"^[.sxXFE]+\s*(\[\s*\d+%\])?$")
 TOKENIZER_WORDS = 32000  # the synthetic tokenizer of the NCCL run: TinyLlama's vocabulary size
 
 
-# decode.py's arguments: r = 4 and 32, self-speculative at r = 32 from 4-step drafts (tinyllama: random tokens).
-FULL_DECODE = "--depths 4,32 --spec-depths 32 --draft-steps 4 --prompt 128 --decode 64 --batch 32"
-SMOKE_DECODE = "--depths 1,2 --spec-depths 2 --draft-steps 1 --prompt 8 --decode 3 --batch 2 --repeats 1"
+# decode.py's arguments: r = 4 and 32, self-speculative at r = 32 from 4-step drafts (tinyllama: random tokens),
+# on an adapter perturbed from [0 | I], where the depths differ: with the identity adapter every depth computes the
+# same state, so drafts are always accepted and every row exits at its first check, which measures nothing.
+FULL_DECODE = (
+    "--depths 4,32 --spec-depths 32 --draft-steps 4 --prompt 128 --decode 64 --batch 32 --exit-thresholds 1e-3 "
+    "--perturb-adapter 0.1"
+)
+SMOKE_DECODE = (
+    "--depths 1,2 --spec-depths 2 --draft-steps 1 --prompt 8 --decode 3 --batch 2 --repeats 1 --exit-thresholds 1e-3 "
+    "--perturb-adapter 0.1"
+)
 
 
 @dataclass
@@ -164,7 +172,7 @@ def part_two(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
     decode += ["--dtype", sizes.dtype, *sizes.decode, *(["--bandwidth", bandwidth] if bandwidth != "0" else [])]
     profile = [BENCH / "profile_step.py", *model_arguments(sizes), "--depth", sizes.depth]
     return [
-        Step("decode-batch-1", 110, python(*decode, "--sequences", 1)),
+        Step("decode-batch-1", 120, python(*decode, "--sequences", 1, "--sections", "1,2,3,4,5")),
         Step("decode-batch-32", 70, python(*decode, "--sequences", 2 if smoke else 32, "--sections", "1,4")),
         Step("profile", 70, python(*profile, "--trace", work / "profile-trace.json.gz")),
         Step("head-memory-128k", 50, python(*profile, "--vocab-size", 512 if smoke else 128256, "--no-profile")),
@@ -184,6 +192,20 @@ def part_two(sizes: Sizes, work: Path, smoke: bool) -> list[Step]:
                 "train",
                 work / "train.yaml",
             ),
+        ),
+        # Compiled static-cache decoding (CUDA graphs) at batch 1 and 32, r = 4 and 32, against the weights-read
+        # floor; last in the part, as its compile time at r = 32 is not yet measured. The CPU smoke leaves it out:
+        # inductor's CPU compile of these graphs takes minutes there (tests/test_model_compiled.py covers the path).
+        *(
+            []
+            if smoke
+            else [
+                Step(
+                    "decode-compiled",
+                    240,
+                    python(*decode, "--sequences", 32, "--sections", "1,6", "--compile-batches", "1,32"),
+                )
+            ]
         ),
     ]
 
@@ -424,16 +446,23 @@ def prepare_train(work: Path, smoke: bool) -> None:
 RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 1e-3}
 
 
+# The resume check's run: 16 steps, killed once the checkpoint of step 8 exists. A TinyLlama (4, 8, 4) checkpoint
+# (fp32 weights and optimizer states) is ~7 GB and the device's disk 64 GiB: each run keeps one (the end's, or the
+# kill's), and every run folder is deleted as soon as its losses are read.
+RESUME_STEPS, KILL_AT = 16, 8
+
+
 def scale_run(work: Path, smoke: bool, **settings) -> dict:
     """prepare_train's run, at the scale settings of part 3: sequences of the store's length (1,024 on the GPU,
-    at least 256 as the resume check needs), gradient accumulation (global = 4 × micro), a depth per micro-batch."""
+    at least 256 as the resume check needs), gradient accumulation (global = 4 × micro), a depth per micro-batch;
+    a checkpoint only at the end (`every: 0`), one kept."""
     import yaml
 
     run = yaml.safe_load((work / "train.yaml").read_text())
     micro = 1 if smoke else 2
     run["batch"] = {"micro": micro, "global": 4 * micro}
     run["depth"] = {"mean_recurrence": 4 if smoke else 8, "backprop_depth": 2 if smoke else 4, "draw": "micro_batch"}
-    return {**run, "steps": 16, "checkpoint": {"every": 4, "keep": 2}, **settings}
+    return {**run, "steps": RESUME_STEPS, "checkpoint": {"every": 0, "keep": 1}, **settings}
 
 
 def torchrun(*argv) -> list[str]:
@@ -441,40 +470,49 @@ def torchrun(*argv) -> list[str]:
 
 
 def resume_check(work: Path, strategy: str, smoke: bool) -> int:
-    """One-process torchrun (NCCL on a GPU) with `strategy`: a straight run, and one killed after its first
-    checkpoint and resumed; prints the largest relative difference of their losses against RESUME_TOLERANCE."""
+    """One-process torchrun (NCCL on a GPU) with `strategy`: a straight run, and one killed after its checkpoint of
+    step KILL_AT and resumed; prints the largest relative difference of their losses against RESUME_TOLERANCE."""
     import yaml
 
-    from recurfit.train.metrics import read_log
-
-    paths = {}
+    configs, paths = {}, {}
     for name in ("straight", "killed"):
         paths[name] = work / f"resume-{strategy}-{name}"
         shutil.rmtree(paths[name], ignore_errors=True)  # the kill below watches for a checkpoint: none from before
         run = scale_run(work, smoke, out=str(paths[name]), distributed=strategy)
-        (work / f"resume-{strategy}-{name}.yaml").write_text(yaml.safe_dump(run))
-    subprocess.run(torchrun("train", work / f"resume-{strategy}-straight.yaml"), check=True)
-    config = work / f"resume-{strategy}-killed.yaml"
-    killed = subprocess.Popen(torchrun("train", config))
-    while killed.poll() is None and not (paths["killed"] / "checkpoints" / "step-000004").exists():
+        if name == "killed":  # a checkpoint to resume from; once resumed, the run writes only the end's
+            run["checkpoint"] = {"every": KILL_AT, "keep": 1}
+        configs[name] = work / f"resume-{strategy}-{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(run))
+    losses = {"straight": train_losses(configs["straight"], paths["straight"])}
+    killed = subprocess.Popen(torchrun("train", configs["killed"]))
+    while killed.poll() is None and not (paths["killed"] / "checkpoints" / f"step-{KILL_AT:06d}").exists():
         time.sleep(0.01)
-    kill_every_process_of(config)  # torchrun's workers run in sessions of their own: a kill of the agent misses them
+    kill_every_process_of(configs["killed"])  # torchrun's workers run in sessions of their own: a kill misses them
     killed.wait()
     saved = sorted((paths["killed"] / "checkpoints").glob("step-*"))
-    if not saved or saved[-1].name == "step-000016":
+    if not saved or saved[-1].name == f"step-{RESUME_STEPS:06d}":
+        shutil.rmtree(paths["killed"], ignore_errors=True)
         print("the run finished before it could be killed: no resume was checked")
         return 1
-    subprocess.run(torchrun("train", work / f"resume-{strategy}-killed.yaml", "--resume"), check=True)
-    losses = {
-        name: {r["step"]: r["loss"] for r in read_log(path) if r["kind"] == "train"} for name, path in paths.items()
-    }
+    losses["killed"] = train_losses(configs["killed"], paths["killed"], "--resume")
     worst = max(abs(losses["killed"][s] - loss) / abs(loss) for s, loss in losses["straight"].items())
     tolerance = RESUME_TOLERANCE["cpu" if smoke else "cuda"]
     print(
-        f"{strategy}: killed, resumed from {saved[-1].name}; losses of steps 1-16 within {worst:.2e} relative "
-        f"(tolerance {tolerance})"
+        f"{strategy}: killed, resumed from {saved[-1].name}; losses of steps 1-{RESUME_STEPS} within {worst:.2e} "
+        f"relative (tolerance {tolerance})"
     )
-    return 0 if list(losses["killed"]) == list(range(1, 17)) and worst <= tolerance else 1
+    return 0 if list(losses["killed"]) == list(range(1, RESUME_STEPS + 1)) and worst <= tolerance else 1
+
+
+def train_losses(config: Path, out: Path, *options: str) -> dict[int, float]:
+    """Run (or resume) the training `config` under one-process torchrun; its train losses by step. Its run folder
+    (a ~7 GB checkpoint on the GPU) is deleted once they are read."""
+    from recurfit.train.metrics import read_log
+
+    subprocess.run(torchrun("train", config, *options), check=True)
+    losses = {r["step"]: r["loss"] for r in read_log(out) if r["kind"] == "train"}
+    shutil.rmtree(out)
+    return losses
 
 
 def kill_every_process_of(config: Path) -> None:
@@ -584,6 +622,7 @@ def run_parts(args) -> int:
         suite = Suite(args.out, "1", work, args.cpu_smoke)
         ok &= suite.run(part_one(sizes, work, args.cpu_smoke))
         suite.pack(args.out)
+        drop_run_folders(work)
     if args.part in ("2", "all"):
         suite = Suite(args.out, "2", work, args.cpu_smoke)
         first = (
@@ -594,11 +633,21 @@ def run_parts(args) -> int:
         ok &= suite.run(first)  # a fresh machine: part 1's install and peaks are gone with the last one
         ok &= suite.run(part_two(sizes, work, args.cpu_smoke))
         suite.pack(args.out)
+        drop_run_folders(work)
     if args.part in ("3", "all"):
         suite = Suite(args.out, "3", work, args.cpu_smoke)
         ok &= suite.run([install_step(args.cpu_smoke), *part_three(sizes, work, args.cpu_smoke)])
         suite.pack(args.out)
+        drop_run_folders(work)
     return 0 if ok else 1
+
+
+def drop_run_folders(work: Path) -> None:
+    """The training runs' folders, once a part has packed their logs: each holds a ~7 GB checkpoint and a final
+    model on the GPU, and a warm machine runs the next part on the same 64 GiB disk."""
+    for folder in [work / "run", work / "memory", work / "compiled", *work.glob("resume-*")]:
+        if folder.is_dir():
+            shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

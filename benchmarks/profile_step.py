@@ -2,16 +2,18 @@
 
     python benchmarks/profile_step.py --parent tinyllama --device cuda --dtype bf16 --trace trace.json.gz
     python benchmarks/profile_step.py --parent tinyllama --vocab-size 128256 --no-profile   # Llama-3 vocabulary
-    python benchmarks/profile_step.py --parent tinyllama --fsdp --no-profile-kernels        # FSDP2, one process
+    python benchmarks/profile_step.py --parent tinyllama --fsdp --rows 10                   # FSDP2, one process
 
 Runs forward and backward at the fixed depth `--depth n,k` (r̄ = 32, k̄ = 8 by default: 24 + 8) after a
 warm-up step, then prints: the operators by device time (and host time), the host synchronisations
 (`aten::item`, `aten::_local_scalar_dense`, `cudaStreamSynchronize`, `cudaDeviceSynchronize`), the number of
 kernels launched, and the peak memory with the logits' share. `--fsdp` shards the model with FSDP2 in a
 one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun (each prelude layer,
-the recurrent body as one unit, the root), and lists the all-gathers the profiler saw. In a group of one FSDP2
-communicates nothing (each unit already holds its whole parameters); the counts of 2 processes, which do not
-grow with n + k, are tests/test_train_distributed.py's.
+the recurrent body as one unit, the root; with `--dtype bf16` in training's mixed precision: parameters gathered
+and computed in bf16, gradients reduced in fp32), and lists the all-gathers the profiler saw. In a group of one
+FSDP2 communicates nothing (each unit already holds its whole parameters); the counts of 2 processes, which do
+not grow with n + k, are tests/test_train_distributed.py's. The loss is recurfit's own (chunked fp32
+cross-entropy, as `recurfit train` computes it), so the peak memory is training's.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from contextlib import nullcontext
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from train_step import TINYLLAMA, parent_model  # benchmarks/ is on the path when this file runs
+from train_step import TINYLLAMA, parent_model, training_loss  # benchmarks/ is on the path when this file runs
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import recurfit
+from recurfit.train.losses import CHUNK_ELEMENTS, chunk_rows
 
 SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
@@ -51,15 +54,14 @@ def build(args) -> torch.nn.Module:
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
-        print(f"FSDP2 over a one-process {backend} group")
-        Processes(device=torch.device(args.device), grouped=True).wrap(model, "fsdp")
+        bf16 = args.dtype == "bf16"  # as recurfit train shards: parameters gathered in bf16 on a GPU
+        print(f"FSDP2 over a one-process {backend} group{', bf16 mixed precision' if bf16 else ''}")
+        Processes(device=torch.device(args.device), grouped=True).wrap(model, "fsdp", bf16=bf16)
     return model
 
 
 def step(model, ids, depth, autocast) -> None:
-    with autocast:
-        loss = model(input_ids=ids, labels=ids, num_steps=depth).loss
-    loss.backward()
+    training_loss(model, ids, autocast, num_steps=depth).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -98,7 +100,8 @@ def main() -> None:
     model = build(args)
     vocab = model.config.text_config.vocab_size
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    ids = torch.randint(0, vocab, (args.batch, args.seq_len), device=device)
+    # One token more per row: inputs its first seq_len tokens, targets its last, as recurfit train feeds them.
+    ids = torch.randint(0, vocab, (args.batch, args.seq_len + 1), device=device)
     depth = tuple(int(x) for x in args.depth.split(","))
     print(
         f"{args.parent} {model.config.shape}, vocabulary {vocab}, {args.batch}×{args.seq_len} tokens, depth {depth}, "
@@ -128,8 +131,8 @@ def main() -> None:
     width = 2 if args.dtype == "bf16" else 4
     peak = f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; " if device.type == "cuda" else ""
     print(
-        f"{peak}logits {logits * width / 2**30:.2f} GiB ({args.dtype}), "
-        f"{logits * 4 / 2**30:.2f} GiB in fp32 for the loss"
+        f"{peak}logits {logits * width / 2**30:.2f} GiB ({args.dtype}); the loss upcasts {chunk_rows(vocab)} "
+        f"positions at a time to fp32 ({CHUNK_ELEMENTS * 4 / 2**20:.0f} MiB, not {logits * 4 / 2**30:.2f} GiB)"
     )
     if args.fsdp:
         torch.distributed.destroy_process_group()

@@ -39,6 +39,7 @@ from recurfit.model.loading import load_model
 from recurfit.model.sampling import sample_depth
 from recurfit.train import optim
 from recurfit.train.config import OptimizerConfig
+from recurfit.train.losses import cross_entropy
 from recurfit.train.metrics import peak_flops
 from recurfit.train.optim import BatchedMuon, build_optimizers, cpu_has_native_bf16, newton_schulz_flops
 
@@ -61,13 +62,21 @@ def parent_model(name: str) -> torch.nn.Module:
     return load_model(None if name == "embedded" else name, dtype=torch.float32)
 
 
+def training_loss(model, rows: torch.Tensor, autocast, **kwargs) -> torch.Tensor:
+    """The loss as `recurfit train` computes it: the forward on `rows[:, :-1]` under `autocast`, then recurfit's
+    chunked float32 cross-entropy against `rows[:, 1:]` outside it (transformers' loss would upcast every logit
+    at once, which training never does)."""
+    with autocast:
+        logits = model(input_ids=rows[:, :-1], **kwargs).logits
+    return cross_entropy(logits, rows[:, 1:])
+
+
 def step_seconds(model, ids, num_steps, autocast, repeats: int) -> float:
     kwargs = {} if num_steps is None else {"num_steps": num_steps}
     times = []
     for _ in range(repeats + 1):  # the first run warms up (and compiles)
         start = time.perf_counter()
-        with autocast:
-            loss = model(input_ids=ids, labels=ids, **kwargs).loss
+        loss = training_loss(model, ids, autocast, **kwargs)
         loss.backward()
         if ids.is_cuda:
             torch.cuda.synchronize()
@@ -91,8 +100,8 @@ def saved_bytes(model, ids, num_steps, autocast) -> int:
             total += storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        loss = model(input_ids=ids, labels=ids, num_steps=num_steps).loss
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = training_loss(model, ids, autocast, num_steps=num_steps)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total
@@ -138,8 +147,9 @@ def main() -> None:
             if type(module).__name__.endswith("DecoderLayer"):
                 module.compile()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
-    ids = torch.randint(0, parent.config.vocab_size, (args.batch, args.seq_len), device=device)
-    tokens = ids.numel()
+    # One token more per row: the inputs are its first seq_len tokens, the targets its last (as in training).
+    ids = torch.randint(0, parent.config.vocab_size, (args.batch, args.seq_len + 1), device=device)
+    tokens = args.batch * args.seq_len
     print(
         f"parent {args.parent} ({parent.config.num_hidden_layers} layers), shape {shape}, {args.batch}×{args.seq_len} "
         f"tokens, {device}, {args.dtype}{', compiled' if args.compile else ''}, torch {torch.__version__}"
@@ -185,19 +195,23 @@ def main() -> None:
 
     # 3. throughput at the sampled depth (GPU)
     if args.throughput_steps:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        optimizers = build_optimizers(model, OptimizerConfig())  # recurfit train's default: Muon and AdamW
         generator = torch.Generator().manual_seed(0)
         depths = [sample_depth(32, 8, generator) for _ in range(args.throughput_steps + 2)]
-        step_seconds(model, ids, depths[0], autocast, 1)  # warm-up
+
+        def train_step(depth) -> None:
+            training_loss(model, ids, autocast, num_steps=depth).backward()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        for depth in depths[:2]:  # warm-up: compilation and the optimizers' states, untimed
+            train_step(depth)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start, flops = time.perf_counter(), 0.0
         for depth in depths[2:]:
-            with autocast:
-                loss = model(input_ids=ids, labels=ids, num_steps=depth).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(depth)
             flops += tokens * training_flops_per_token(counts_model, depth)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -229,20 +243,20 @@ def optimizer_costs(model, ids, num_steps, autocast, args) -> None:
     def step_flops(tokens, depth):
         return tokens * (training_flops_per_token(counts, depth) + head)
 
+    tokens = args.batch * args.seq_len
     t_forward_backward = step_seconds(model, ids, num_steps, autocast, args.repeats)
-    rate = step_flops(ids.numel(), num_steps) / t_forward_backward
-    step_tokens = args.step_tokens or ids.numel()
+    rate = step_flops(tokens, num_steps) / t_forward_backward
+    step_tokens = args.step_tokens or tokens
     step_depth = tuple(int(x) for x in args.step_depth.split(",")) if args.step_depth else num_steps
     t_step = step_flops(step_tokens, step_depth) / rate
     print(
         f"\noptimizer step against forward+backward ({device}, CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, native bf16 matmul: {cpu_has_native_bf16()}):\n"
-        f"  forward+backward of {ids.numel():,} tokens at (n,k)={num_steps}: {t_forward_backward:.2f} s, "
+        f"  forward+backward of {tokens:,} tokens at (n,k)={num_steps}: {t_forward_backward:.2f} s, "
         f"{rate / 1e9:.0f} GFLOP/s (with the LM head); an optimizer step of {step_tokens:,} tokens at "
         f"(n,k)={step_depth}: {t_step:.2f} s predicted at that rate"
     )
-    with autocast:
-        loss = model(input_ids=ids, labels=ids, num_steps=num_steps).loss
+    loss = training_loss(model, ids, autocast, num_steps=num_steps)
     loss.backward()  # gradients for the optimizers to step on, kept for every row
     arms = [("Muon, float32", dict(muon_dtype="float32"), None)]
     if args.unbatched:

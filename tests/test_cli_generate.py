@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import (
+    GREEDY_TOKENS,
     char_tokenizer,
     model_with_state,
     run_cli,
@@ -104,6 +105,7 @@ def test_warm_start_runs_in_the_cli_and_lm_eval(workspace, tmp_path, capsys):
     assert lm.exit_rule == ExitRule("argmax", patience=2) and lm.get_model_info()["state_init"] == "previous"
 
 
+@pytest.mark.float32_only(GREEDY_TOKENS)
 def test_generate_command_decodes_speculatively(workspace, tmp_path, capsys):
     code, _ = run(capsys, "retrofit", "--model", workspace / "parent", "--shape", "2,2,2", "--out", tmp_path / "rec")
     code, text = run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
+    PADDED_ROWS,
     char_tokenizer,
     generate_adaptive,
     model_with_state,
@@ -45,6 +46,7 @@ def test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero(criterio
     assert torch.all(some.steps_per_token[:, 1:] >= 3) and torch.all(some.steps_per_token <= 12)
 
 
+@pytest.mark.float32_only(PADDED_ROWS)
 def test_adaptive_rows_in_a_batch_equal_each_prompt_alone():
     model = model_with_state_for_cache("qwen3")
     ids, mask = prompts_for_cache()
@@ -100,6 +102,7 @@ def test_adaptive_batch_runs_the_core_only_on_rows_still_recurring():
     assert sum(calls) == depths.sum().item()  # prefill: 3 rows × 12 steps, then each row its own depth
 
 
+@pytest.mark.float32_only(PADDED_ROWS)
 def test_adaptive_kl_with_skipped_rows_equals_each_prompt_alone():
     """Gathering the running rows keeps every row's tokens and depths those of the prompt decoded alone."""
     model = model_with_state("mistral")  # sliding windows shorter than the sequence

@@ -18,7 +18,7 @@ def table(summary: str) -> list[str]:
     return summary.split("\n## ")[0].splitlines()
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2400)  # ~30 min measured on 2 cores under a load average of 15-27
 def test_cpu_smoke_runs_every_step_of_every_part(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
@@ -45,7 +45,7 @@ def test_cpu_smoke_runs_every_step_of_every_part(tmp_path):
     with tarfile.open(out / "artifacts-part2.tar.gz") as archive:
         assert {"profile-trace.json.gz", "run/log.jsonl", "peaks.json"} <= set(archive.getnames())
     for strategy in ("ddp", "fsdp"):  # a real kill and resume, exact on the CPU
-        assert f"{strategy}: killed, resumed from step-000004; losses of steps 1-16 within 0.00e+00" in three
+        assert f"{strategy}: killed, resumed from step-000008; losses of steps 1-16 within 0.00e+00" in three
     assert "recompiles: 0 in 6 training steps" in three and "planned peak" in three
     for part in "123":  # one part per device call, which returns at most 8 files
         assert len(list(out.glob(f"*-part{part}.*"))) <= 8

@@ -12,6 +12,11 @@ The verify forward writes every accepted token's keys at every step 1..r, as dec
 would (the cache's cached = uncached property), so a round's cost is `lookahead` shallow forwards and one
 deep forward over `lookahead + 1` tokens instead of `n + 1` deep forwards for the `n + 1` tokens it keeps.
 In a batch, a round keeps the prefix every unfinished row accepted.
+
+Drafts that are rejected cost their shallow forwards and gain nothing, so by default (`adaptive=True`) each round
+drafts as many tokens as pay at the acceptance measured so far (`DraftLength`): up to `lookahead` while drafts are
+accepted, none (a plain full-r step) where they are not, with a one-draft probe now and then to measure again.
+The tokens are the same whatever the number of drafts: only the speed changes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..errors import RecurfitError
 from ..model.cache import RecurrentCache
@@ -48,8 +54,11 @@ def speculative_generate(
     accept_ratio: float = 1.0,
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
+    adaptive: bool = True,
 ) -> SpeculativeOutput:
-    """Decode greedily at `num_steps` (default: the model's mean recurrence), drafting at `draft_steps`."""
+    """Decode greedily at `num_steps` (default: the model's mean recurrence), drafting at `draft_steps`: at most
+    `lookahead` tokens a round, as many as the measured acceptance makes worth it (`adaptive`), or always
+    `lookahead`."""
     r = sum(model.model.resolve_num_steps(num_steps))  # the model's own default depth when None
     if not 1 <= draft_steps < r:
         raise RecurfitError(f"draft_steps must be between 1 and the full recurrence - 1 ({r - 1}), got {draft_steps}.")
@@ -61,10 +70,13 @@ def speculative_generate(
     pending = logits.argmax(-1, keepdim=True)  # chosen at the full r, not yet in the cache
     new, finished = [pending], _ended(pending, eos_token_id)
     drafted = accepted = 0
+    length_policy = DraftLength(lookahead, forward_cost(model, draft_steps) / forward_cost(model, r), adaptive)
     while sum(t.shape[1] for t in new) < max_new_tokens and not finished.all():
-        length, lookahead_now = cache.get_seq_length(), min(lookahead, max_new_tokens - sum(t.shape[1] for t in new))
+        remaining = max_new_tokens - sum(t.shape[1] for t in new)
+        length, lookahead_now = cache.get_seq_length(), min(length_policy.choose(), remaining)
         drafts = _draft(model, pending, mask, cache, draft_steps, lookahead_now)
-        cache.truncate(length)
+        if lookahead_now:  # a plain step (no drafts) has nothing to roll back
+            cache.truncate(length)
         block = torch.cat([pending, drafts], 1)
         mask = torch.cat([mask, torch.ones_like(block)], 1)
         logits = model(block, attention_mask=mask, num_steps=r, **cache_kwargs(cache)).logits
@@ -73,21 +85,87 @@ def speculative_generate(
         new += [drafts[:, :keep], pending]
         finished |= _ended(drafts[:, :keep], eos_token_id) | _ended(pending, eos_token_id)
         drafted, accepted = drafted + lookahead_now, accepted + keep
-        mask = mask[:, : mask.shape[1] - (lookahead_now - keep)]
-        cache.truncate(length + 1 + keep)
+        length_policy.update(lookahead_now, keep)
+        if keep < lookahead_now:
+            mask = mask[:, : mask.shape[1] - (lookahead_now - keep)]
+            cache.truncate(length + 1 + keep)
     tokens = _pad_after_eos(torch.cat(new, 1)[:, :max_new_tokens], eos_token_id, pad_token_id)
     return SpeculativeOutput(torch.cat([input_ids, tokens], 1), drafted, accepted)
 
 
 def _draft(model, pending, mask, cache, draft_steps: int, lookahead: int) -> torch.LongTensor:
     """`lookahead` greedy tokens at the draft recurrence, each fed back through the cache."""
-    token, drafts = pending, []
+    token, drafts = pending, [pending[:, :0]]  # none: a plain step at the full r
     for _ in range(lookahead):
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         logits = model(token, attention_mask=mask, num_steps=draft_steps, **cache_kwargs(cache)).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         drafts.append(token)
     return torch.cat(drafts, 1)
+
+
+def forward_cost(model, num_steps: int) -> int:
+    """Parameters a forward of one token at `num_steps` reads: prelude, coda and head once, adapter and core at
+    every step. Decoding a few tokens is bound by reading the weights (and by launching their layers' kernels,
+    which scales alike), so this is a round's cost whatever its number of tokens."""
+
+    def count(*modules: nn.Module) -> int:
+        return sum(p.numel() for module in modules for p in module.parameters())
+
+    body = model.model
+    return count(*body.prelude, *body.coda, model.lm_head) + num_steps * count(body.adapter, *body.core)
+
+
+class DraftLength:
+    """The number of drafts of each round, from the acceptance measured in the rounds before.
+
+    A draft is accepted with probability α once the ones before it were (greedy drafts fail at the first
+    disagreement), so a round of d drafts yields 1 + α + … + α^d tokens for d draft forwards of `draft_cost` (in
+    full-depth forwards) and one verifying forward; a plain step yields 1 token for 1. Each round takes the d in
+    0..lookahead with the most tokens per cost. α is estimated from decayed counts of accepted drafts and of
+    rejections (recent rounds weigh most), starting from one accepted draft: the first round drafts `lookahead`.
+    Once drafting does not pay, decoding goes on in plain steps and probes with one draft after 2, 4, … up to
+    `MAX_WAIT` of them, so that acceptance at ~0 costs little more than plain decoding and a change is noticed.
+    """
+
+    DECAY = 0.7  # weight of the counts so far at each round
+    MAX_WAIT = 32  # plain steps between probes, at most
+
+    def __init__(self, lookahead: int, draft_cost: float, adaptive: bool = True):
+        self.lookahead, self.draft_cost, self.adaptive = lookahead, draft_cost, adaptive
+        self.accepted, self.rejected = 1.0, 0.0
+        self.wait, self.next_wait = 0, 2
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def best(self) -> int:
+        """The number of drafts with the most expected tokens per cost at the current acceptance (0: none)."""
+        alpha = self.acceptance
+
+        def tokens_per_cost(d: int) -> float:
+            return sum(alpha**i for i in range(d + 1)) / (1 + d * self.draft_cost)
+
+        return max(range(self.lookahead + 1), key=lambda d: (tokens_per_cost(d), -d))
+
+    def choose(self) -> int:
+        if not self.adaptive:
+            return self.lookahead
+        if self.wait:  # plain steps until the next probe
+            self.wait -= 1
+            return 0
+        return max(self.best(), 1)  # 1 where drafting did not pay: a probe
+
+    def update(self, drafted: int, kept: int) -> None:
+        if not drafted:
+            return
+        self.accepted = self.DECAY * self.accepted + kept
+        self.rejected = self.DECAY * self.rejected + (kept < drafted)
+        if self.best():
+            self.next_wait = 2
+        else:  # plain steps before the next probe, twice as many as before
+            self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, self.MAX_WAIT)
 
 
 def _agreeing_prefix(logits, drafts, accept_ratio: float, finished) -> int:
