@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GREEDY_TOKENS, model_with_state_for_cache, prompts_for_cache
+from conftest import GREEDY_TOKENS, model_with_state_for_cache, prompts_for_cache, tiny_parent
 
+import recurfit
 from recurfit.generation.exit import ExitRule
+from recurfit.model.modeling import _truncated_normal_by_inverse_cdf
 
 
 def greedy(model, ids, mask, r, new=8, **kwargs):
@@ -67,6 +69,21 @@ def test_compiled_decoding_stops_rows_at_eos_and_samples_like_eager():
             compile=compile,
         )
     assert torch.equal(sampled[False], sampled[counter])
+
+
+def test_a_random_initial_state_compiles_into_the_step():
+    """With σ > 0 (every real retrofit) s_0 is drawn inside the graph, by the inverse CDF of the truncated normal."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = recurfit.retrofit(tiny_parent("llama"), (2, 2, 2), adapter_init="random").eval()
+    assert model.config.state_init_std > 0
+    ids, mask = prompts_for_cache()
+    counter = CompileCounter()
+    out = greedy(model, ids, mask, 2, new=5, compile=counter)  # fullgraph: a graph break would raise here
+    assert counter.frame_count == 1 and out.shape == (2, ids.shape[1] + 5)
+    draws = _truncated_normal_by_inverse_cdf(torch.zeros(4096), 0.5)
+    assert draws.abs().max() <= 1.5 and abs(draws.std().item() - 0.5 * 0.9866) < 0.02  # TruncNormal(±3σ)'s std
 
 
 def test_compiled_decoding_refuses_what_it_cannot_do():

@@ -6,7 +6,6 @@ from transformers import AutoConfig, PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..defaults import ADAPTERS, BACKPROP_DEPTH, DEFAULT_STATE_INIT_STD, MEAN_RECURRENCE
-from .compat import CACHE_ARG
 from .shape import shape_problem
 
 
@@ -28,7 +27,7 @@ class RecurrentConfig(PreTrainedConfig):
 
     model_type = "recurfit"
     sub_configs = {"text_config": AutoConfig}
-    keys_to_ignore_at_inference = [CACHE_ARG]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the KV cache, by either transformers name
 
     text_config: dict | PreTrainedConfig | None = None
     num_prelude_layers: int = 2

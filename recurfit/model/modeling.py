@@ -12,6 +12,7 @@ attention masks and rotary embeddings are computed once per forward and shared b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -132,6 +133,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
         """s_0: truncated normal N(0, σ²) cut at ±3σ, or zeros when `config.state_init_std` is 0."""
         std = self.config.state_init_std
         state = torch.zeros_like(embedded)
+        if std > 0 and torch.compiler.is_compiling():
+            return _truncated_normal_by_inverse_cdf(state, std)
         if std > 0:
             nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
         return state
@@ -334,6 +337,14 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if self.training and torch.is_grad_enabled():
             return sample_depth(self.config.mean_recurrence, self.config.backprop_depth)
         return 0, self.config.mean_recurrence
+
+
+def _truncated_normal_by_inverse_cdf(like: torch.Tensor, std: float) -> torch.Tensor:
+    """TruncNormal(0, std², ±3 std) by the inverse CDF: the distribution `nn.init.trunc_normal_` draws, without the
+    data-dependent check in its sampler (`if not mask.any()` in recent torch), which no compiled graph can hold."""
+    low = 0.5 * math.erfc(3 / math.sqrt(2))  # Φ(-3)
+    uniform = torch.empty(like.shape, dtype=torch.float32, device=like.device).uniform_(low, 1 - low)
+    return (std * math.sqrt(2) * torch.erfinv(2 * uniform - 1)).to(like.dtype)
 
 
 def forget_gradless_casts(device_type: str) -> None:
