@@ -30,7 +30,7 @@ from train_step import TINYLLAMA, parent_model, training_loss  # benchmarks/ is 
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import recurfit
-from recurfit.train.losses import CHUNK_ELEMENTS, chunk_rows
+from recurfit.train.head import CHUNK_ELEMENTS, chunk_rows
 
 SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 

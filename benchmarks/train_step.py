@@ -39,7 +39,7 @@ from recurfit.model.loading import load_model
 from recurfit.model.sampling import sample_depth
 from recurfit.train import optim
 from recurfit.train.config import OptimizerConfig
-from recurfit.train.losses import cross_entropy
+from recurfit.train.head import final_hidden_states, head_losses, head_weight
 from recurfit.train.metrics import peak_flops
 from recurfit.train.optim import BatchedMuon, build_optimizers, cpu_has_native_bf16, newton_schulz_flops
 
@@ -63,12 +63,12 @@ def parent_model(name: str) -> torch.nn.Module:
 
 
 def training_loss(model, rows: torch.Tensor, autocast, **kwargs) -> torch.Tensor:
-    """The loss as `recurfit train` computes it: the forward on `rows[:, :-1]` under `autocast`, then recurfit's
-    chunked float32 cross-entropy against `rows[:, 1:]` outside it (transformers' loss would upcast every logit
-    at once, which training never does)."""
+    """The loss as `recurfit train` computes it: the forward on `rows[:, :-1]` under `autocast` up to the final
+    hidden states, then the head's float32 cross-entropy against `rows[:, 1:]` a chunk of positions at a time
+    (transformers' loss would upcast every logit at once, which training never does)."""
     with autocast:
-        logits = model(input_ids=rows[:, :-1], **kwargs).logits
-    return cross_entropy(logits, rows[:, 1:])
+        hidden = final_hidden_states(model, model, rows[:, :-1], **kwargs)
+        return head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0]
 
 
 def step_seconds(model, ids, num_steps, autocast, repeats: int) -> float:
