@@ -229,6 +229,8 @@ class BatchedMuon(torch.optim.Muon):
         adjusted_lr = muon_lr_scale(group["adjust_lr_fn"], shape) * lr
         if update is None:  # another process's: a buffer of the whole shape to receive into
             update = torch.empty(shape, dtype=unit[0].dtype, device=unit[0].device)
+        else:  # Newton-Schulz's dtype (bf16) to the parameters': the scatter sends it into buffers of that dtype
+            update = update.to(unit[0].dtype)
         for p, part in zip(unit, update.split([p.shape[0] for p in unit])):
             if _is_dtensor(p):
                 from torch.distributed.tensor import distribute_tensor
