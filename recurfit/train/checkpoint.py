@@ -216,7 +216,7 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_onl
         fresh = []
         if shared_only:
             state, fresh = _shared_state(model, optimizer, state)
-        _load_optimizer_state(model, optimizer, state, strict=not shared_only)
+        _load_optimizer_state(model, optimizer, state)
         for parameter in fresh:  # torch's loader gave it the state of a step with zero gradient (AdamW: step 1)
             optimizer.state.pop(parameter, None)
         for group, own in zip(optimizer.param_groups, settings):
@@ -228,17 +228,19 @@ def _shared_state(model, optimizer, saved: dict) -> tuple[dict, list]:
     each parameter `optimizer` updates that `saved` holds; and the parameters it does not hold (to start afresh)."""
     if not any(group["params"] for group in optimizer.param_groups):
         return saved, []  # nothing to update: nothing is loaded (_load_optimizer_state)
+    # Reading the optimizer's own state makes torch initialise it (a step with zero gradients); those states stand
+    # in for the parameters `saved` lacks, because torch's loader (2.9) needs a state for every parameter.
     own = get_optimizer_state_dict(model, optimizer, options=FULL)
     names = [name for group in own["param_groups"] for name in group["params"]]
-    state = {name: saved["state"][name] for name in names if name in saved["state"]}
-    fresh = [parameter for name, parameter in model.named_parameters() if name in names and name not in state]
+    missing = {name for name in names if name not in saved["state"]}
+    state = {name: own["state"][name] if name in missing else saved["state"][name] for name in names}
+    fresh = [parameter for name, parameter in model.named_parameters() if name in missing]
     return {"state": state, "param_groups": own["param_groups"]}, fresh
 
 
-def _load_optimizer_state(model, optimizer, state: dict, strict: bool = True) -> None:
+def _load_optimizer_state(model, optimizer, state: dict) -> None:
     """`set_optimizer_state_dict`, except for an optimizer with nothing to update (AdamW beside Muon when only
-    hidden matrices train): it has no state to load, and torch's loader cannot place an empty one. Not `strict`:
-    parameters without state in `state` start afresh."""
+    hidden matrices train): it has no state to load, and torch's loader cannot place an empty one."""
     if any(group["params"] for group in optimizer.param_groups):
-        options = StateDictOptions(full_state_dict=True, strict=strict)
+        options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)
