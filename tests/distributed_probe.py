@@ -4,6 +4,8 @@
 (OUT.json.RANK), with MODE
 - `steps`: `validation`, the validation record and how many forwards validation ran in this process; under
   FSDP2, `collectives`, its all-gathers and reduce-scatters during one training step at each (n, k) of DEPTHS;
+- `numerics`: `dtypes`, the dtype of the hidden states the first prelude layer, the adapter and the first core
+  layer receive in one training step, and `losses`, the losses of that step and 3 more;
 - `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at;
 - `weights` (and `weights-alone`: every process builds the whole model itself, as one process does):
   `peak_host_bytes`, this process's peak resident set (VmHWM) once the trainer is set up, over its resident set
@@ -76,6 +78,20 @@ def steps(trainer: Trainer) -> dict:
     return result
 
 
+def numerics(trainer: Trainer) -> dict:
+    body, dtypes = trainer.model.model, {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda module, args, name=name: dtypes.setdefault(name, str(args[0].dtype)) and None
+        )
+        for name, module in (("prelude", body.prelude[0]), ("adapter", body.adapter), ("core", body.core[0]))
+    ]
+    losses = [trainer.train_step()["loss"] for _ in range(4)]
+    for hook in hooks:
+        hook.remove()
+    return {"dtypes": dtypes, "losses": losses}
+
+
 def resume(config, processes: Processes) -> dict:
     from recurfit.train import checkpoint
 
@@ -125,7 +141,7 @@ def main(mode: str, config_path: str, out: str) -> None:
         result = weights(config, processes, out, alone=mode == "weights-alone")
     else:
         trainer = Trainer(config, processes=processes)
-        result = steps(trainer)
+        result = numerics(trainer) if mode == "numerics" else steps(trainer)
         trainer.close()
         # DDP's reducer holds the process group: freed after destroy_process_group, it would be the group's last
         # owner and join gloo's threads holding the GIL, while one of them waits for the GIL to free a finished

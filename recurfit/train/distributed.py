@@ -61,11 +61,11 @@ class Processes:
 
     def wrap(self, model: nn.Module, strategy: str, bf16: bool = False) -> nn.Module:
         """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` the model in place (see the module's
-        docstring for its units); `bf16` on a GPU: gathered and computed in bf16, gradients reduced in fp32."""
+        docstring for its units); `bf16`: gathered and computed in bf16, gradients reduced in fp32."""
         if not self.grouped:
             return model
         if strategy == "fsdp":
-            self.sharded += fsdp_units(model, mixed_precision=bf16 and self.device.type == "cuda")
+            self.sharded += fsdp_units(model, mixed_precision=bf16)
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -153,10 +153,19 @@ def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module | None]
 def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
     """`fully_shard` the `sharding_units`, root last; returns each with its reshard_after_forward. A `trained`
     model keeps its recurrent body gathered from its forward to its backward (a distillation teacher has no
-    backward: resharded)."""
+    backward: resharded).
+
+    `mixed_precision` (training runs it under bf16 autocast): weights are gathered in bf16, gradients reduced in
+    fp32, and the numbers computed are DDP + autocast's: the residual stream, s₀, the adapter's input and RoPE's
+    tables stay fp32 as they are when autocast computes with fp32 weights, because the token embeddings are upcast
+    and no unit casts its inputs. What differs from DDP is the bf16 rounding of the weights autocast would leave in
+    fp32 (embeddings, norms): tests/test_train_distributed.py bounds its effect on the loss."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy()
+    if mixed_precision:
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)
+        model.get_input_embeddings().register_forward_hook(_float32_output)
     once, body = sharding_units(model)
     units = [(layer, True) for layer in once]
     if body is not None:
@@ -165,3 +174,8 @@ def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) ->
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=policy)  # the root: FSDP2 keeps it gathered after forward
     return [*units, (model, False)]
+
+
+def _float32_output(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """The token embeddings of bf16-gathered weights, in the fp32 of an embedding autocast leaves alone."""
+    return output.float()

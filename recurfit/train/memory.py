@@ -12,7 +12,7 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
     FSDP2 gathered    g × (the recurrent body and the head: gathered for the whole step) + 2g × the largest
                       prelude layer (gathered for its forward, and the next one prefetched), g = 2 when the
-                      units gather in bf16 (bf16 on a GPU), else 4; plus the unsharded gradients, 4 per trained
+                      units gather in bf16 (precision bf16), else 4; plus the unsharded gradients, 4 per trained
                       weight when a process runs two or more micro-batches per step (they accumulate whole until
                       the last one's reduce-scatter), else 4 per trained weight of the body and head
     teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
@@ -275,7 +275,7 @@ def _distributed_bytes(
     once, _ = sharding_units(model)  # the rest, body and head, is gathered for the whole step
     in_once = {id(p) for layer in once for p in layer.parameters()}
     whole = [p for p in model.parameters() if id(p) not in in_once]
-    gathered = 2 if autocast and device == "cuda" else 4  # fsdp_units' MixedPrecisionPolicy
+    gathered = 2 if autocast else 4  # fsdp_units' MixedPrecisionPolicy
     accumulating = config.batch.global_ // world > micro
     gradients = [p for p in (model.parameters() if accumulating else whole) if p.requires_grad]
     largest = max((_numel(layer.parameters()) for layer in once), default=0)
@@ -414,7 +414,7 @@ def _validation_gathered(config: TrainConfig, model: nn.Module, world: int, devi
         return 0
     once, _ = sharding_units(model)
     sizes = sorted((_numel(layer.parameters()) for layer in once), reverse=True)
-    gathered = 2 if _autocast(config.precision, device) and device == "cuda" else 4
+    gathered = 2 if _autocast(config.precision, device) else 4
     return gathered * max(0, sum(sizes) - 2 * (sizes[0] if sizes else 0))
 
 
