@@ -280,10 +280,10 @@ def _gsm8k_meaning(report: dict) -> str:
     settings = report["settings"]
     tokens = settings.steps * settings.batch * settings.seq_len
     scored = (
-        f"No model here solves any of the {settings.gsm8k} problems"
+        f"No model here solves any of the {settings.gsm8k} GSM8K problems"
         if max(solved.values()) == 0
-        else f"The models solve {min(solved.values())} to {max(solved.values())} of the {settings.gsm8k} problems, "
-        f"where one problem is {100 / settings.gsm8k:.0f} points: differences this small are noise"
+        else f"The models solve {min(solved.values())} to {max(solved.values())} of the {settings.gsm8k} GSM8K "
+        f"problems, where one problem is {100 / settings.gsm8k:.0f} points: differences this small are noise"
     )
     parameters = report["gsm8k"].parent.effective_parameters / 1e6
     return (
