@@ -41,11 +41,7 @@ class RecurrentCache(Cache):
         text = config.text_config
         self.kinds = attention_types(text)
         self.sliding_window = getattr(text, "sliding_window", None)
-        super().__init__(layers=[self._new_layer(i) for i in range(len(self.kinds))])
-        if rollback:
-            for layer in self.layers:
-                if isinstance(layer, DynamicSlidingWindowLayer):
-                    layer.activate_past_recording()  # copied into every step's slot with the layer
+        super().__init__(layers=[self._new_layer(i, rollback) for i in range(len(self.kinds))])
         self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
         self.slots: dict[tuple[int, int], int] = {}  # (core layer index, step >= 2) -> index in self.layers
         self.steps_stored = 1  # steps each core layer has a slot for
@@ -56,9 +52,18 @@ class RecurrentCache(Cache):
         self.frozen: torch.Tensor | None = None  # rows that run this step but keep their latest entries
         self.final_state: torch.Tensor | None = None  # the last position's s_r after each forward (warm starts)
 
-    def _new_layer(self, layer_idx: int) -> DynamicLayer:
-        if self.kinds[layer_idx] == "sliding_attention" and self.sliding_window:
-            return DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+    def _new_layer(self, layer_idx: int, rollback: bool) -> DynamicLayer:
+        """Each step's slot of a core layer is a copy of its layer, rollback setting included."""
+        if self.kinds[layer_idx] != "sliding_attention" or not self.sliding_window:
+            return DynamicLayer()
+        layer = DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
+        if not rollback:
+            return layer
+        if hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()  # keeps older entries until `truncate` crops
+            return layer
+        # transformers before past recording (5.9): a layer that keeps every entry rolls back too, and the sliding
+        # mask still hides what lies outside the window.
         return DynamicLayer()
 
     def _is_core(self, layer_idx: int) -> bool:
