@@ -236,7 +236,7 @@ def plan_memory(
         gradients=4 * _numel(trained) // shard,
         optimizer_muon=muon // shard,
         optimizer_adamw=adamw // shard,
-        distributed=_distributed_bytes(config, model, world, micro, device, autocast),
+        distributed=_distributed_bytes(config, model, world, micro, autocast),
         teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
     )
     step = _step_bytes(config, model, device, shard)
@@ -265,9 +265,7 @@ def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
     return 4 * _numel(matrices), 8 * _numel(others)
 
 
-def _distributed_bytes(
-    config: TrainConfig, model: nn.Module, world: int, micro: int, device: str, autocast: bool
-) -> int:
+def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, micro: int, autocast: bool) -> int:
     if world <= 1:
         return 0
     if config.distributed == "ddp":
