@@ -46,3 +46,22 @@ def test_held_out_problems_equal_no_training_problem_are_worked_right_and_share_
     assert not index.masks([f"{q} {s} {a}" for problems in held_out.values() for q, s, a in problems]).any()
     with pytest.raises(ValueError, match="split must be one of \\['easy', 'hard'\\]"):
         next(held_out_problems(1, "medium"))
+
+
+def test_read_solution_states_the_answer_and_checks_every_arithmetic_step():
+    from recurfit.data.word_problems import Solution, held_out_problems, read_solution, word_problems
+
+    # Every worked solution the templates write, in the training layout, states its answer and is true throughout.
+    for question, steps, answer in [*word_problems(300), *held_out_problems(50, "hard")]:
+        solution = read_solution(f" {steps}\nThe answer is {answer}.")
+        assert solution.stated == answer and solution.steps == solution.steps_right >= 1, (question, steps)
+    # A model's answer: a wrong step and a chained one are caught, "The answer is: N" states N, and what follows
+    # the stated answer is not part of the solution.
+    answer = " 2 * (46 + 32) = 2 * 104 = 208 metres. $208 - $8 = $200.\nThe answer is: $1,200.\n5 + 5 = 10."
+    assert read_solution(answer) == Solution("1200", steps=2, steps_right=1)
+    # No stated answer; an operation in words is not a step; a decimal is a number, not a sentence's end.
+    assert read_solution("The discount is 30% of $340 = $102. 217 / 10 = 21.7 each. 217 / 10 = 21") == Solution(
+        None, steps=2, steps_right=1
+    )
+    # Only arithmetic is evaluated: anything else on a side of "=" makes the step untrue, never runs.
+    assert read_solution("2 ** 3 = 8. (1 + 1 = 2") == Solution(None, steps=2, steps_right=0)

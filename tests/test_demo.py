@@ -8,6 +8,7 @@ import yaml
 
 from recurfit.data.decontaminate import EVAL_SETS
 from recurfit.data.store import TokenStore
+from recurfit.data.word_problems import read_solution
 from recurfit.demo.report import _rates
 from recurfit.demo.run import run_demo
 from recurfit.demo.settings import DemoSettings
@@ -47,7 +48,8 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
     ]
     assert "6. Math accuracy on held-out word problems" in headings[4] and "7. GSM8K" in headings[5]
     conclusion = report.split("## 1.")[0]
-    for claim in ("**English.**", "**Math, easy split.**", "**Math, hard split.**", "**What this run cannot show.**"):
+    claims = ("**English.**", "**Math, easy split.**", "**Math, hard split.**", "**Math, the worked answers.**")
+    for claim in (*claims, "**What this run cannot show.**"):
         assert claim in conclusion
     assert "recurfit demo --steps 40 " in conclusion  # the command that scales it up
     # Where the time went, stage by stage, on a named machine (AVX2 CPUs emulate bf16: it matters).
@@ -83,10 +85,21 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
             sum(p["correct"] for p in problems if p["model"] == model and p["split"] == split)
             for split in ("easy", "hard")
         ]
-        math_section = report.split("## 6. ")[1].split("## 7. ")[0]
+        math_section = report.split("## 6. ")[1].split("How the answers are worked")[0]  # the accuracy table
         (row,) = [line for line in math_section.splitlines() if line.startswith(f"| {label} |")]
         assert [cell.split(" ")[0] for cell in row.split(" | ")[2:]] == [str(n) for n in right]
     assert all(p["correct"] == (p["extracted"] == p["target"]) for p in problems)
+    # How the answers are worked: each record reads its own answer, and the table counts the records.
+    assert all(read_solution(p["answer"]) == (p["stated"], p["steps"], p["steps_right"]) for p in problems)
+    worked = report.split("How the answers are worked")[1].split("## 7. ")[0]
+    for model, label in (("r=1", "retrofit r=1"), ("r=2", "retrofit r=2"), ("parent", "parent (same tokens)")):
+        expected = []
+        for split in ("easy", "hard"):
+            mine = [p for p in problems if p["model"] == model and p["split"] == split]
+            finished = sum(p["stated"] is not None for p in mine)
+            steps, right = sum(p["steps"] for p in mine), sum(p["steps_right"] for p in mine)
+            expected += [f"{finished} of {len(mine)}", f"{right} of {steps}"]
+        assert f"| {label} | " + " | ".join(expected) + " |" in worked
     # The parent's progress lines show no recurrence; the retrofit's do.
     lines = capsys.readouterr().out.splitlines()
     progress = [line for line in lines if line.startswith("training: ")]

@@ -8,12 +8,18 @@ templates were written for this module, not taken from any benchmark, and every 
 Held-out problems (`held_out_problems`, the demo's math accuracy) come from another seed and draw every number
 above the range the training problems draw it from, so none can equal a training problem: the `easy` split from
 the training templates, the `hard` split from templates of four steps, more than any training problem has.
+`read_solution` reads a model's answer in that layout: whether it states an answer, and how many of its
+arithmetic steps are true.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import random
+import re
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 NAMES = ("Ada", "Bruno", "Chiara", "Dmitri", "Esi", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Kemal", "Lucia")
 NAMES += ("Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Soren", "Tomas", "Ulla", "Viktor", "Wren", "Yusuf")
@@ -255,3 +261,54 @@ class _AboveTrainingRanges(random.Random):
 
     def randint(self, a: int, b: int) -> int:
         return super().randint(b + 1, b + max(2, (b - a + 1) // 2))
+
+
+class Solution(NamedTuple):
+    """What a worked answer holds: the number its "The answer is N." states (None: it states none), its arithmetic
+    steps (equations with an operation, "a * b = c") and how many of them are true."""
+
+    stated: str | None
+    steps: int
+    steps_right: int
+
+
+# The layout's last line; small models often write "The answer is: N", which states an answer all the same.
+STATED = re.compile(r"The answer is:? \$?(-?[\d,]*\d)")
+# A run of arithmetic text holding an "=": "2 * (46 + 32) = 2 * 78 = 156", "$340 - $102 = $238".
+EQUATION = re.compile(r"[\d$+\-*/() .,]*=[\d$+\-*/() .,=]*")
+OPERATIONS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def read_solution(answer: str) -> Solution:
+    """The stated answer and the arithmetic steps of a worked answer up to the answer it states (what a model
+    writes after that is not part of its solution). A step is true when every side of its "=" has one value."""
+    stated = STATED.search(answer)
+    worked = answer[: stated.start()] if stated else answer
+    steps = right = 0
+    sentences = re.split(r"\.(?:\s|$)", worked)  # a period then a space ends a sentence; "21.7" is a number
+    for equation in (found for sentence in sentences for found in EQUATION.findall(sentence)):
+        sides = [side.replace("$", "").replace(",", "").strip(" .") for side in equation.split("=")]
+        if not any(symbol in sides[0] for symbol in "+-*/"):
+            continue  # "30% of $340 = $102": the operation is in words, outside the run
+        steps += 1
+        values = [_value(side) for side in sides]
+        right += None not in values and all(abs(v - values[0]) < 1e-9 for v in values)
+    return Solution(stated.group(1).replace(",", "") if stated else None, steps, right)
+
+
+def _value(expression: str) -> float | None:
+    """The value of +, -, *, / and brackets over numbers (no other Python), or None where it is not one."""
+    try:
+        return _evaluate(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in OPERATIONS:
+        return OPERATIONS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    raise ValueError("not arithmetic")

@@ -136,6 +136,7 @@ def _conclusion_section(report: dict) -> list[str]:
         "",
         f"- **English.** {_english(report)}",
         *(f"- **Math, {split} split.** {_math_trend(report, split)}" for split in MATH_TASKS),
+        f"- **Math, the worked answers.** {_worked_trend(report)}",
         f"- **Compute.** {_compute(report)}",
         f"- **What this run cannot show.** {_gsm8k_meaning(report)}",
         f"- **Scaling it up.** {_scaling(settings)}",
@@ -199,6 +200,42 @@ def _math_trend(report: dict, split: str) -> str:
     )
 
 
+def _worked(problems: list[dict], model: str, split: str | None = None) -> tuple[int, int, int, int]:
+    """A model's answers (of a split, or of all): how many, how many state an answer, steps written, steps true."""
+    mine = [p for p in problems if p["model"] == model and split in (None, p["split"])]
+    steps, right = sum(p["steps"] for p in mine), sum(p["steps_right"] for p in mine)
+    return len(mine), sum(p["stated"] is not None for p in mine), steps, right
+
+
+def _true_share(worked: tuple[int, int, int, int]) -> float:
+    """The share of the arithmetic steps written that are true."""
+    return worked[3] / max(worked[2], 1)
+
+
+def _worked_trend(report: dict) -> str:
+    """Whether deeper recurrence finishes more answers in the training layout, and writes truer arithmetic."""
+    depths = [row.steps for row in report["math"].rows]
+    worked = {r: _worked(report["math_problems"], f"r={r}") for r in depths}
+    parent = _worked(report["math_problems"], "parent")
+    first, *deeper = depths
+    more_finished = any(worked[r][1] > worked[first][1] for r in deeper)
+    truer = any(_true_share(worked[r]) > _true_share(worked[first]) for r in deeper)
+    verdict = {
+        (True, True): "More recurrence finishes more answers and gets more of their arithmetic right",
+        (True, False): "More recurrence finishes more answers, but gets no more of their arithmetic right",
+        (False, True): "More recurrence gets more of the arithmetic right without finishing more answers",
+        (False, False): "More recurrence neither finishes more answers nor gets more of their arithmetic right",
+    }[more_finished, truer]
+    finished = " / ".join(str(worked[r][1]) for r in depths)
+    true = " / ".join(f"{_true_share(worked[r]):.0%}" for r in depths)
+    return (
+        f"Of its {worked[first][0]} answers at each r (both splits), the retrofit finishes {finished} with a stated "
+        f'answer ("The answer is N.", the training layout\'s last line) at r = {" / ".join(map(str, depths))}, the '
+        f"parent {parent[1]}; of the arithmetic steps written, {true} are true, the parent's "
+        f"{_true_share(parent):.0%}. {verdict}."
+    )
+
+
 def _compute(report: dict) -> str:
     sweep = report["math"]
     deepest = sweep.rows[-1]
@@ -258,7 +295,29 @@ def _math_section(report: dict) -> list[str]:
         "![accuracy against test recurrence](figures/math_recurrence.png)",
         "![accuracy against inference FLOPs per token](figures/math_flops.png)",
         "",
+        *_worked_table(report),
     ]
+
+
+def _worked_table(report: dict) -> list[str]:
+    """How each model's answers are worked, per split: finished (an answer stated) and arithmetic steps true."""
+    problems = report["math_problems"]
+    lines = [
+        "How the answers are worked, read up to the answer each states: **finished**, answers that state one "
+        '("The answer is N.", the last line of the training layout); **steps true**, the arithmetic steps written '
+        '("a * b = c", "2 * (4 + 3) = 14") whose sides are equal.',
+        "",
+        "| model | " + " | ".join(f"{split}: finished | {split}: steps true" for split in MATH_TASKS) + " |",
+        "|---|" + "---|---|" * len(MATH_TASKS),
+    ]
+    models = [(f"r={row.steps}", f"retrofit r={row.steps}") for row in report["math"].rows]
+    for model, label in [*models, ("parent", "parent (same tokens)")]:
+        cells = []
+        for split in MATH_TASKS:
+            answers, finished, steps, right = _worked(problems, model, split)
+            cells += [f"{finished} of {answers}", f"{right} of {steps}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _gsm8k_section(report: dict) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from ..data import prepare
+from ..data.word_problems import read_solution
 from ..errors import RecurfitError
 from ..evaluate.figures import plot_flops, plot_recurrence, plot_training
 from ..evaluate.loss import load_examples, loss_sweep
@@ -132,7 +133,8 @@ def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new
 
 def per_problem(samples: dict) -> list[dict]:
     """One record per model (r=… or parent), split and problem from lm-eval's logged samples: the answer, the
-    number read from it (flexible-extract: its last number, the headline) and whether it is the right one."""
+    number read from it (flexible-extract: its last number, the headline), whether it is the right one, and how
+    the answer is worked (`read_solution`: the answer it states, its arithmetic steps and how many are true)."""
     splits = {task: split for split, task in MATH_TASKS.items()}
     return [
         {
@@ -144,6 +146,7 @@ def per_problem(samples: dict) -> list[dict]:
             "answer": sample["resps"][0][0],
             "extracted": sample["filtered_resps"][0],
             "correct": bool(sample["exact_match"]),
+            **read_solution(sample["resps"][0][0])._asdict(),
         }
         for model, tasks in samples.items()
         for task, logged in tasks.items()
