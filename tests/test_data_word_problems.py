@@ -65,3 +65,4 @@ def test_read_solution_states_the_answer_and_checks_every_arithmetic_step():
     )
     # Only arithmetic is evaluated: anything else on a side of "=" makes the step untrue, never runs.
     assert read_solution("2 ** 3 = 8. (1 + 1 = 2") == Solution(None, steps=2, steps_right=0)
+    assert read_solution("(" * 5000 + "1" + ")" * 5000 + " + 1 = 2") == Solution(None, steps=1, steps_right=0)

@@ -300,7 +300,7 @@ def _value(expression: str) -> float | None:
     """The value of +, -, *, / and brackets over numbers (no other Python), or None where it is not one."""
     try:
         return _evaluate(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError):
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):  # RecursionError: brackets nested deep
         return None
 
 
