@@ -22,6 +22,9 @@ def test_the_compiled_step_gives_eager_generates_tokens():
     model = model_with_state_for_cache("qwen3")  # QK-norm and a sliding window: the most varied layer inputs
     ids, mask = prompts_for_cache()  # a left-padded row
     assert torch.equal(greedy(model, ids, mask, 3, compile=True), greedy(model, ids, mask, 3))
+    # r left out: the model's mean recurrence, in the static cache as in the eager pass
+    mean = model.config.mean_recurrence
+    assert torch.equal(greedy(model, ids, mask, None, compile="eager"), greedy(model, ids, mask, mean))
 
 
 def test_one_trace_per_batch_size_and_depth_and_none_per_token():

@@ -118,8 +118,8 @@ def _cache(model, ids: torch.Tensor, settings: GenerationSettings):
     """The KV cache for one `generate` call: static with a compiled step (reused across calls) or dynamic."""
     if not settings.compile:
         return RecurrentCache(model.config, policy=settings.cache_policy)
-    steps = settings.recurrence or model.config.mean_recurrence
-    return decoding_cache(model, ids.shape[0], ids.shape[1] + settings.max_new_tokens, steps, settings.cache_policy)
+    length = ids.shape[1] + settings.max_new_tokens
+    return decoding_cache(model, ids.shape[0], length, settings.recurrence, settings.cache_policy)
 
 
 def _fixed_depth_refusal():

@@ -48,13 +48,14 @@ def decoding_cache(
     model,
     batch_size: int,
     length: int,
-    num_steps: int,
+    num_steps: int | None,
     policy: str = "all",
     compile: bool | str | object = True,
 ) -> StaticRecurrentCache:
     """A reset `StaticRecurrentCache` for `batch_size` rows of up to `length` tokens at up to `num_steps`
-    recurrences, with a compiled decoding step when `compile` is set; the same one (and its compiled step) as an
-    earlier call with the same model, batch size, length bucket, r and policy."""
+    recurrences (None: the model's mean recurrence), with a compiled decoding step when `compile` is set; the same
+    one (and its compiled step) as an earlier call with the same model, batch size, length bucket, r and policy."""
+    num_steps = num_steps or model.config.mean_recurrence
     bucket = max(MIN_LENGTH_BUCKET, 1 << (length - 1).bit_length())
     caches = model.__dict__.setdefault("_decoding_caches", {})  # on the model: freed with it
     key = (batch_size, bucket, num_steps, policy, compile if isinstance(compile, (bool, str)) else id(compile))

@@ -524,8 +524,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             if new_tokens
             else max(kwargs.get("max_length") or config.max_length, ids.shape[1] + 1)
         )
-        steps = kwargs.get("num_steps") or self.config.mean_recurrence
-        return decoding_cache(self, ids.shape[0], length, steps, compile=compile)
+        return decoding_cache(self, ids.shape[0], length, kwargs.get("num_steps"), compile=compile)
 
 
 # Importing the model makes saved recurfit folders loadable by transformers' Auto classes (no trust_remote_code);
