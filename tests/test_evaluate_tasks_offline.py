@@ -452,9 +452,13 @@ def test_word_problems_prompt_in_the_training_layout_and_score_the_last_number()
         right = _score(name, lambda d: " " + d["answer"])
         wrong = _score(name, lambda d: " " + d["answer"].replace(f"is {d['target']}.", f"is {int(d['target']) + 1}."))
         unstated = _score(name, lambda d: f" So it is {d['target']} in all")
+        # strict-match reads the stated answer as the demo's report does: "The answer is: N" states N, and what
+        # follows it (here a wrong number, which flexible-extract takes) is not the answer
+        colon = _score(name, lambda d: " " + d["answer"].replace("is ", "is: ") + "\nThe next one is 1")
         assert right["exact_match,flexible-extract"] == 1.0 and right["exact_match,strict-match"] == 1.0
         assert wrong["exact_match,flexible-extract"] == 0.0 and wrong["exact_match,strict-match"] == 0.0
         assert unstated["exact_match,flexible-extract"] == 1.0 and unstated["exact_match,strict-match"] == 0.0
+        assert colon["exact_match,flexible-extract"] == 0.0 and colon["exact_match,strict-match"] == 1.0
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,14 @@ def load_word_problems(split: str, count: int = 200, **_) -> datasets.DatasetDic
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
 
+def stated_answers(resps: list[list[str]], docs) -> list[list[str]]:
+    """The word problems' strict-match filter: the answer each response states (`read_solution`: "The answer is
+    N." or "The answer is: N"), or "[invalid]" where it states none, as lm-eval's regex filter marks a miss."""
+    from recurfit.data.word_problems import read_solution
+
+    return [[read_solution(response).stated or "[invalid]" for response in responses] for responses in resps]
+
+
 def last_boxed(text: str) -> str | None:
     """The contents of the last `\\boxed{…}` in `text` (braces matched), or None."""
     start = text.rfind("\\boxed{")
