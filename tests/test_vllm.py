@@ -187,6 +187,25 @@ def test_compiled_engine_gives_recurfits_tokens(tmp_path, family, r):
     assert vllm_greedy(folder, batch, compiled=True, mean_recurrence=r) == recurfit_greedy(model, batch, r)
 
 
+def test_a_random_initial_state_compiles_and_reaches_the_tokens(tmp_path):
+    """state_init_std σ > 0, as every trained model has, in vLLM's default compiled mode: the draw of s_0 compiles
+    (no data-dependent branch), it is TruncNormal(0, σ², ±3σ), and it reaches the tokens (they are not s_0 = 0's)."""
+    model = served_model("llama", mean_recurrence=4)
+    model.config.state_init_std = 0.5
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    llm = vllm_engine(folder, compiled=True)
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert llm.apply_model(compile_state) == [dict(trunk_compiles=True, trunk_compiled=True, body_compiles=False)]
+        (draw,) = llm.apply_model(lambda m: m.model.initial_state(torch.zeros(50_000, 8)))
+    finally:
+        del llm
+        gc.collect()
+    assert draw.abs().max() <= 1.5 and abs(draw.mean()) < 0.01 and abs(draw.std() - 0.5 * 0.9866) < 0.01
+    assert [list(o.outputs[0].token_ids) for o in outputs] != recurfit_greedy(model, batch, 4)
+
+
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
 def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     model = served_model(family, mean_recurrence=4)

@@ -38,6 +38,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
+from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
 
 # The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
@@ -177,13 +178,12 @@ class RecurrentModel(nn.Module):
         return hidden if residual is None else hidden + residual
 
     def initial_state(self, e: torch.Tensor) -> torch.Tensor:
-        """s_0: zeros when state_init_std is 0, else TruncNormal(0, σ², ±3σ) drawn here (vLLM's RNG stream,
-        not recurfit's: outputs then match recurfit's only in distribution)."""
-        state = torch.zeros_like(e)
-        std = self.state_init_std
-        if std > 0:
-            nn.init.trunc_normal_(state, mean=0.0, std=std, a=-3 * std, b=3 * std)
-        return state
+        """s_0: zeros when state_init_std is 0, else TruncNormal(0, σ², ±3σ) drawn here by the inverse CDF, as
+        recurfit's compiled decoding draws it (`nn.init.trunc_normal_` branches on the data, which vLLM's compiled
+        graph cannot hold); vLLM's RNG stream, not recurfit's: outputs then match recurfit's only in distribution."""
+        if self.state_init_std == 0:
+            return torch.zeros_like(e)
+        return truncated_normal_by_inverse_cdf(e, self.state_init_std)
 
     def _adapt(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         if self.adapter is None:
