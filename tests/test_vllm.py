@@ -301,6 +301,19 @@ def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
         log.close()
 
 
+def test_eval_through_vllm_reads_a_folder_without_running_its_own_code(tmp_path):
+    """A folder whose config.json names classes in its own code (auto_map) is refused in one line, as every other
+    loading call refuses it, before any engine starts (transformers would otherwise ask on a terminal)."""
+    from recurfit.evaluate.vllm_backend import ServedFolder
+    from recurfit.model.loading import NeedsOwnCode
+
+    config = dict(model_type="raven_like", auto_map={"AutoConfig": "configuration_raven.RavenConfig"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_raven.py").write_text("raise SystemExit('the folder's own code ran')\n")
+    with pytest.raises(NeedsOwnCode, match=r"names classes in the folder's own code \(auto_map\)"):
+        ServedFolder.load(str(tmp_path))
+
+
 def test_gsm8k_through_vllm_answers_and_scores_as_the_default_backend(tmp_path, capsys):
     """`eval tasks --backend vllm` on the embedded SmolLM2 retrofit, a model folder and then a run folder of
     snapshots: per problem, the same generated text, extracted answers and scores as the default backend, at r = 1

@@ -45,12 +45,10 @@ class ServedFolder:
 
     @classmethod
     def load(cls, path: str | None, **engine_args) -> ServedFolder:
-        from transformers import AutoConfig
+        from ..model.loading import load_config, meta_model, resolve  # importing the model registers its Auto classes
 
-        from ..model.loading import meta_model, resolve  # importing the model registers its Auto classes
-
-        resolved = resolve(path)
-        return cls(resolved, meta_model(AutoConfig.from_pretrained(resolved)), dict(engine_args))
+        resolved = resolve(path)  # the folder's own code (auto_map) is never run: load_config refuses it
+        return cls(resolved, meta_model(load_config(resolved)), dict(engine_args))
 
     @property
     def recurrent(self) -> bool:
