@@ -71,23 +71,28 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
-    """Prefill `prompt` tokens, then decode the rest one token at a time through the cache."""
+def teacher_forced(model, ids, prompt: int, cache=None, keep_logits: bool = False, **kwargs) -> dict:
+    """Prefill `prompt` tokens, then decode the rest one token at a time through the cache (a fresh dynamic one,
+    or `cache`: e.g. a static cache with a compiled step, `recurfit.model.compiled.decoding_cache`); with
+    `keep_logits`, also every decoded position's logits (float32, positions × batch × vocab)."""
     recurrent = isinstance(model, recurfit.RecurrentForCausalLM)
     policy = kwargs.pop("policy", "all")
     per_row = kwargs.pop("steps_per_row", False)
-    cache = RecurrentCache(model.config, policy=policy) if recurrent else None
     extra = dict(kwargs) if recurrent else {}
-    if not recurrent:
+    if cache is None and recurrent:
+        cache = RecurrentCache(model.config, policy=policy)
+    elif cache is None:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
     mask = torch.ones_like(ids)
     out = model(ids[:, :prompt], attention_mask=mask[:, :prompt], **cache_kwargs(cache), use_cache=True, **extra)
-    logits, nll, predictions, steps, seconds = out.logits[:, -1], [], [], [], []
+    logits, nll, predictions, steps, seconds, kept = out.logits[:, -1], [], [], [], [], []
     for t in range(prompt, ids.shape[1]):
         nll.append(torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="none"))
         predictions.append(logits.argmax(-1))
+        if keep_logits:
+            kept.append(logits.float().clone())  # a CUDA graph's output is overwritten by its next replay
         synchronize(ids.device)
         start = time.perf_counter()
         out = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_kwargs(cache), use_cache=True, **extra)
@@ -106,6 +111,7 @@ def teacher_forced(model, ids, prompt: int, **kwargs) -> dict:
         "memory_mib": memory / 2**20,
         "steps": torch.stack(steps).mean().item() if steps else None,
         **({"steps_per_row": torch.stack(steps)} if per_row else {}),
+        **({"logits": torch.stack(kept)} if keep_logits else {}),
     }
 
 
@@ -205,11 +211,16 @@ def models(args):
     shape = tuple(int(x) for x in args.shape.split(","))
     model = recurfit.retrofit(parent, shape) if args.model is None else load_model(args.model, dtype=torch.float32)
     if args.perturb_adapter:
-        weight = model.model.adapter.weight
-        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) / weight.shape[1] ** 0.5
-        with torch.no_grad():
-            weight += args.perturb_adapter * noise.to(weight.dtype)
+        perturb_adapter(model, args.perturb_adapter)
     return model.eval().to(args.device, dtype), parent.eval().to(args.device, dtype), tokenizer
+
+
+def perturb_adapter(model, epsilon: float) -> None:
+    """Add ε times a random matrix (entries of variance 1 / 2h, seed 0) to the adapter, so that depths differ."""
+    weight = model.model.adapter.weight
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) / weight.shape[1] ** 0.5
+    with torch.no_grad():
+        weight += epsilon * noise.to(weight.device, weight.dtype)
 
 
 def weight_floor_ms(model, bandwidth_gbs: float, r: int | None = None) -> float:
@@ -348,10 +359,39 @@ def timed_greedy(model, rows, r: int, compile: bool, tokens: int):
     return out, time.perf_counter() - start
 
 
-def compiled(model, prompts, args) -> None:
-    """Free-running greedy decoding, eager against compiled, at each batch size and r."""
+def decode_ms(model, rows, r: int, new: int, repeats: int, compile: bool | str = False) -> dict:
+    """Free-running greedy ms per new token (the prefill's time taken out) at r, eager and, when `compile` is
+    set (True, or a torch.compile backend), compiled, interleaved so that both see the same machine load: each
+    one's median, whether their tokens are the same, the graphs dynamo traced and the one-time compile seconds."""
     from torch._dynamo.utils import counters
 
+    run = functools.partial(timed_greedy, model, rows, r)
+    modes = [False, compile] if compile else [False]
+    graphs, first = counters["stats"]["unique_graphs"], None
+    if compile:
+        _, first = run(compile, new)  # traces and compiles the step
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    per_token, tokens = {mode: [] for mode in modes}, {}
+    for _ in range(repeats):
+        for mode in modes:
+            out, whole = run(mode, new)
+            _, prefill = run(mode, 1)
+            per_token[mode].append((whole - prefill) / (new - 1))
+            tokens.setdefault(mode, out)
+    result = {"eager_ms": 1e3 * statistics.median(per_token[False])}
+    if compile:
+        compiled_ms = 1e3 * statistics.median(per_token[compile])
+        result.update(
+            compiled_ms=compiled_ms,
+            same_tokens=torch.equal(tokens[False], tokens[compile]),
+            graphs=graphs,
+            compile_s=first - compiled_ms / 1e3 * new,
+        )
+    return result
+
+
+def compiled(model, prompts, args) -> None:
+    """Free-running greedy decoding, eager against compiled, at each batch size and r."""
     new = args.decode
     print(f"\n6. compiled decoding against eager: prefill {prompts.shape[1]}, {new} new tokens, greedy")
     print(
@@ -361,22 +401,11 @@ def compiled(model, prompts, args) -> None:
     for batch in (int(b) for b in args.compile_batches.split(",")):
         rows = prompts[torch.arange(batch, device=prompts.device) % prompts.shape[0]]
         for r in (int(d) for d in args.compile_depths.split(",")):
-            run = functools.partial(timed_greedy, model, rows, r)
-            graphs = counters["stats"]["unique_graphs"]
-            _, first = run(True, new)  # traces and compiles the step
-            graphs = counters["stats"]["unique_graphs"] - graphs
-            per_token = {False: [], True: []}
-            for _ in range(args.repeats):  # interleaved, so both see the same machine load
-                for compile in (False, True):
-                    out, whole = run(compile, new)
-                    _, prefill = run(compile, 1)
-                    per_token[compile].append((whole - prefill) / (new - 1))
-                    per_token.setdefault(f"tokens {compile}", out)
-            eager_ms, compiled_ms = (1e3 * statistics.median(per_token[c]) for c in (False, True))
-            same = "yes" if torch.equal(per_token["tokens False"], per_token["tokens True"]) else "no"
+            times = decode_ms(model, rows, r, new, args.repeats, compile=True)
+            eager_ms, compiled_ms = times["eager_ms"], times["compiled_ms"]
             line = (
                 f"  {batch:>6}  {r:>2}  {eager_ms:14.1f}  {compiled_ms:17.1f}  {compiled_ms / eager_ms:16.2f}  "
-                f"{same:>11}  {graphs:6}  {first - compiled_ms / 1e3 * new:11.1f}"
+                f"{'yes' if times['same_tokens'] else 'no':>11}  {times['graphs']:6}  {times['compile_s']:11.1f}"
             )
             if args.bandwidth:
                 floor = weight_floor_ms(model, args.bandwidth, r)

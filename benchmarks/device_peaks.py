@@ -53,6 +53,18 @@ def copy_bandwidth(gib: float, repeats: int, device: torch.device) -> float:
     return 2 * target.nbytes / seconds
 
 
+def measure(device: torch.device, size: int = 8192, copy_gib: float = 2.0, repeats: int = 10) -> dict:
+    """Both ceilings, with what they were measured on (what `--json` writes)."""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "bf16_flops": matmul_flops(size, repeats, device),
+        "bandwidth_bytes": copy_bandwidth(copy_gib, repeats, device),
+        "matmul_size": size,
+        "copy_gib": copy_gib,
+        "torch": torch.__version__,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -61,18 +73,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    peaks = {
-        "device": name,
-        "bf16_flops": matmul_flops(args.size, args.repeats, device),
-        "bandwidth_bytes": copy_bandwidth(args.copy_gib, args.repeats, device),
-        "matmul_size": args.size,
-        "copy_gib": args.copy_gib,
-        "torch": torch.__version__,
-    }
+    peaks = measure(torch.device(args.device), args.size, args.copy_gib, args.repeats)
     print(
-        f"{name}: bf16 matmul {args.size}³ {peaks['bf16_flops'] / 1e12:.1f} TFLOP/s; "
+        f"{peaks['device']}: bf16 matmul {args.size}³ {peaks['bf16_flops'] / 1e12:.1f} TFLOP/s; "
         f"copy of {args.copy_gib:g} GiB {peaks['bandwidth_bytes'] / 1e9:.0f} GB/s (read + write)"
     )
     if args.json:

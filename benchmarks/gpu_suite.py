@@ -46,6 +46,10 @@ TRAINING_TESTS = [f"tests/{name}.py" for name in sorted(_MODULES["TRAINING_MODUL
 PART_BUDGET = 570  # seconds: the device runs a command for 600 at most
 PYTEST_PROGRESS = re.compile(r"^[.sxXFE]+\s*(\[\s*\d+%\])?$")
 TOKENIZER_WORDS = 32000  # the synthetic tokenizer of the NCCL run: TinyLlama's vocabulary size
+# The smoke's parent (with its vocabulary and layers), and benchmarks/gpu_check.py's toy models: a tiny Llama.
+TOY_LLAMA = dict(
+    hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
+)
 
 
 # decode.py's arguments: r = 4 and 32, self-speculative at r = 32 from 4-step drafts (tinyllama: random tokens),
@@ -391,15 +395,7 @@ def prepare_train(work: Path, smoke: bool) -> None:
 
         config = LlamaConfig(**TINYLLAMA)
     else:
-        config = LlamaConfig(
-            vocab_size=words,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=16,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
+        config = LlamaConfig(vocab_size=words, num_hidden_layers=16, **TOY_LLAMA)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(work / "parent")
     tokenizer.save_pretrained(work / "parent")

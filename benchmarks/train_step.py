@@ -71,6 +71,14 @@ def training_loss(model, rows: torch.Tensor, autocast, **kwargs) -> torch.Tensor
         return head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0]
 
 
+def optimizer_step(model, ids, autocast, depth, optimizers) -> None:
+    """Forward, backward and a step of every optimizer on one batch at `depth` (n, k)."""
+    training_loss(model, ids, autocast, num_steps=depth).backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def step_seconds(model, ids, num_steps, autocast, repeats: int) -> float:
     kwargs = {} if num_steps is None else {"num_steps": num_steps}
     times = []
@@ -199,19 +207,13 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         depths = [sample_depth(32, 8, generator) for _ in range(args.throughput_steps + 2)]
 
-        def train_step(depth) -> None:
-            training_loss(model, ids, autocast, num_steps=depth).backward()
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
         for depth in depths[:2]:  # warm-up: compilation and the optimizers' states, untimed
-            train_step(depth)
+            optimizer_step(model, ids, autocast, depth, optimizers)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start, flops = time.perf_counter(), 0.0
         for depth in depths[2:]:
-            train_step(depth)
+            optimizer_step(model, ids, autocast, depth, optimizers)
             flops += tokens * training_flops_per_token(counts_model, depth)
         if device.type == "cuda":
             torch.cuda.synchronize()

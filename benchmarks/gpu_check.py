@@ -1,0 +1,632 @@
+"""The five-minute GPU check: the questions that matter most, in order, each step its own process and time limit.
+
+On a lent GPU machine (torch and transformers as installed there, no network), from the repository root:
+
+    python benchmarks/gpu_check.py --out "$OUT"        # the whole command; < 5 min on an H100
+    python benchmarks/gpu_check.py --plan              # the steps in order, each one's limit, the total
+    python benchmarks/gpu_check.py --cpu-smoke --out DIR   # CI: every step at toy sizes on the CPU
+
+Steps, most important first (`--plan` gives their limits):
+1. device: versions, the GPU, recurfit's dependencies missing there; the measured bf16 matmul peak and copy
+   bandwidth (benchmarks/device_peaks.py), which the floors and MFU below use.
+2. correctness: a TinyLlama-shaped (4, 8, 4) retrofit built on the device from random weights, its adapter
+   perturbed from [0 | I] so that depths differ, s_0 = 0 so that every run draws the same state; teacher-forced
+   on random tokens: bf16 eager and bf16 compiled decoding against the fp32 eager reference (and compiled against
+   eager): next-token agreement and the largest logit error, per r.
+3. decode: the same model in bf16, free-running greedy at r = 4 and 32, batch 1 and 32: tokens/s eager and
+   compiled, against the weight-read floor (the bytes one token reads, every layer once per call, at the measured
+   bandwidth).
+4. train: one optimizer step of the paper's TinyLlama recipe (recipes/paper/tinyllama-484-fineweb.yaml: (4, 8, 4),
+   r̄ = 32, k̄ = 8, Muon) at (n, k) = (24, 8), micro-batch × 1,024 tokens where the micro-batch is the largest the
+   memory plan fits on this device: tokens/s, MFU against the measured bf16 peak, peak memory against the plan.
+5. sweep: compiled decoding with warm starts (each token's recurrence from the previous token's final state)
+   under CUDA graphs, at two prompt lengths, against eager; then 12 (batch, r) keys compiled in one process; a
+   line each.
+6. vllm: serving the step-3 model at r = 8 through vLLM, where vLLM can be imported (a line saying so where not).
+
+Each step appends its results to OUT/results.jsonl as it measures them, one JSON object per line, each with a
+sentence under "text"; after each step the runner adds the step's status line and rewrites OUT/summary.md (the
+sentences, in order). A step killed at its limit keeps the lines it wrote; OUT/log.txt holds every step's output.
+
+The compile budget. Until decoding compiles one recurrence step and runs it r times, a compiled decoding step
+unrolls P + r·R + C decoder layers, and compile time grows with them: r = 32 of a (4, 8, 4) model is 264 layers
+and took 244-259 s on a CPU. So here the compiled keys of the TinyLlama model are at r = 4 (40 layers, ~40-60 s
+estimated); r = 32 is compiled only where the compile time measured at r = 4, scaled by the layers, fits the time
+the step has left (a line says when it does not); the 12-key sweep uses a toy model of 1 + r + 1 layers, as its
+questions (recompile limits, CUDA graphs overwriting the fed-back state) do not depend on size. Each (batch, r) is
+compiled once: the steps share inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR), so step 3's (1, 4) key, which
+step 2 compiled, costs only its trace. The limits are estimates until the first GPU run measures them.
+
+`--cpu-smoke` runs every step at toy sizes on the CPU with dynamo's "eager" backend (traced and checked as on the
+GPU, without inductor's minutes of compiling), with the packages the device lacks hidden (gpu_suite.py's
+MISSING_ON_DEVICE), so that CI fails here if a step stops running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpu_suite import MISSING_ON_DEVICE, REPO, TOY_LLAMA, importable, peaks, step_environment
+
+RECIPE = REPO / "recipes" / "paper" / "tinyllama-484-fineweb.yaml"
+# The smoke's parent, and the sweep's everywhere: a toy Llama.
+TOY_PARENT = dict(vocab_size=256, num_hidden_layers=4, max_position_embeddings=512, **TOY_LLAMA)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    seconds: int  # its time limit on an H100
+    what: str
+
+
+STEPS = (
+    Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth"),
+    Step("correctness", 85, "bf16 compiled vs eager vs fp32 decoding of a perturbed TinyLlama (4,8,4), per r"),
+    Step("decode", 85, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
+    Step("train", 40, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
+    Step("sweep", 60, "warm start + compile under CUDA graphs; 12 (batch, r) keys compiled in one process"),
+    Step("vllm", 15, "vLLM serving the decode model at r = 8, where vLLM is importable"),
+)
+SMOKE_SCALE = 3  # the smoke's limits: a shared CI machine's CPU is slow to import and trace
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each step runs: TinyLlama-shaped on the GPU, toy sizes in the CPU smoke."""
+
+    device: str
+    dtype: str  # decoding's
+    parent: dict  # LlamaConfig of the parent (random weights)
+    shape: tuple[int, int, int]
+    compile: bool | str  # generate(compile=...): True is inductor with CUDA graphs; "eager": dynamo only
+    peaks: dict  # device_peaks.measure's sizes
+    check: dict  # correctness: batch, prompt, new tokens, eager and compiled depths
+    decode: dict  # batches, depths, prompt, new tokens, repeats
+    train: dict  # seq_len, timed steps, config overrides, device memory where none is visible (bytes)
+    sweep: dict = field(default_factory=lambda: dict(batches=(1, 2, 3), depths=(1, 2, 3, 4), prompt=8, new=4))
+    sweep_shape: tuple[int, int, int] = (1, 1, 1)
+
+
+def full_sizes() -> Sizes:
+    from train_step import TINYLLAMA
+
+    return Sizes(
+        device="cuda",
+        dtype="bf16",
+        parent=TINYLLAMA,
+        shape=(4, 8, 4),
+        compile=True,
+        peaks=dict(size=8192, copy_gib=2.0, repeats=10),
+        check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(4,)),
+        decode=dict(batches=(1, 32), depths=(4, 32), prompt=128, new=32, repeats=2),
+        train=dict(seq_len=1024, steps=2, overrides=(), memory=None),
+    )
+
+
+def smoke_sizes() -> Sizes:
+    return Sizes(
+        device="cpu",
+        dtype="fp32",
+        parent=TOY_PARENT,
+        shape=(1, 2, 1),
+        compile="eager",
+        peaks=dict(size=256, copy_gib=0.01, repeats=2),
+        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(2,)),
+        decode=dict(batches=(1, 2), depths=(2, 4), prompt=8, new=4, repeats=1),
+        train=dict(
+            seq_len=32,
+            steps=1,
+            overrides=(
+                "model.shape=[1,2,1]",
+                "batch.micro=1",
+                "batch.global=2",
+                "depth.mean_recurrence=4",
+                "depth.backprop_depth=2",
+            ),
+            memory=2 * 10**9,
+        ),
+    )
+
+
+# ---------------------------------------------------------------- the runner
+
+
+def plan_lines() -> list[str]:
+    lines = [f"{i}. {step.name:<12} {step.seconds:>4} s  {step.what}" for i, step in enumerate(STEPS, 1)]
+    note = "each step may also use the seconds earlier steps left unused; the total holds"
+    return [*lines, note, f"total: {sum(step.seconds for step in STEPS)} s"]
+
+
+def run_steps(out: Path, work: Path, smoke: bool) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "peaks.json").unlink(missing_ok=True)  # a step's MFU must not use an earlier run's peak
+    results = out / "results.jsonl"
+    results.write_text("")
+    append(results, step="run", status="started", smoke=smoke, commit=commit(), date=time.strftime("%Y-%m-%d %H:%M"))
+    failed, scale, begin = [], SMOKE_SCALE if smoke else 1, time.monotonic()
+    for i, step in enumerate(STEPS):
+        # Its own limit and what the steps before it left unused: each step ends by the sum of the limits so far.
+        limit = int(sum(s.seconds for s in STEPS[: i + 1]) * scale - (time.monotonic() - begin))
+        start = time.monotonic()
+        status = run_step(step, limit, out, work, smoke)
+        seconds = time.monotonic() - start
+        append(
+            results,
+            step=step.name,
+            status=status,
+            seconds=round(seconds, 1),
+            limit=limit,
+            text=f"{step.name}: {status} in {seconds:.0f} s (limit {limit} s)",
+        )
+        print(f"{step.name:<12} {status:<30} {seconds:5.0f} s", flush=True)
+        write_summary(results, out / "summary.md")
+        if status != "ok":
+            failed.append(step.name)
+    print(f"results: {results}; failed: {', '.join(failed) or 'none'}")
+    return 1 if failed else 0
+
+
+def run_step(step: Step, limit: int, out: Path, work: Path, smoke: bool) -> str:
+    """The step in a process (and session) of its own, killed with its children at `limit` seconds."""
+    env = {**step_environment(work, smoke), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
+    argv = [sys.executable, __file__, "--step", step.name, "--out", out, "--work", work]
+    argv += ["--deadline", f"{time.time() + limit:.1f}", *(["--cpu-smoke"] if smoke else [])]
+    with open(out / "log.txt", "a") as log:
+        log.write(f"\n===== {step.name} (limit {limit} s)\n")
+        log.flush()
+        process = subprocess.Popen(
+            [str(a) for a in argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # its compile workers too
+            process.wait()
+            return f"timed out after {limit} s"
+    return "ok" if code == 0 else f"failed (exit {code})"
+
+
+def append(path: Path, **fields) -> None:
+    with open(path, "a") as file:
+        file.write(json.dumps(fields) + "\n")
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_summary(results: Path, summary: Path) -> None:
+    lines = ["# GPU check", ""]
+    for record in read_results(results):
+        if "text" in record:
+            lines.append(f"- {record['text']}")
+    summary.write_text("\n".join(lines) + "\n")
+
+
+def commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    except OSError:  # no git
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+# ---------------------------------------------------------------- the steps (each runs in its own process)
+
+
+class Context:
+    """What a step knows: its sizes, where results go, the measured peaks, and its deadline."""
+
+    def __init__(self, out: Path, work: Path, smoke: bool, deadline: float):
+        import torch
+
+        self.out, self.work, self.smoke, self.deadline = out, work, smoke, deadline
+        self.sizes = smoke_sizes() if smoke else full_sizes()
+        self.device = torch.device(self.sizes.device)
+        self.ok = True
+
+    def record(self, step: str, text: str, ok: bool = True, **figures) -> None:
+        """One result line, written at once (a step killed later keeps it)."""
+        self.ok &= ok
+        append(self.out / "results.jsonl", step=step, ok=ok, text=text, **figures)
+        print(text, flush=True)
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.time()
+
+    def peaks(self) -> dict:
+        """The device step's measurements; measured here (smaller) if it did not run."""
+        if (self.work / "peaks.json").exists():
+            return peaks(self.work)
+        from device_peaks import measure
+
+        return measure(self.device, **{**self.sizes.peaks, "size": 2048, "copy_gib": 0.25, "repeats": 3})
+
+    def synchronize(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def build_retrofit(ctx: Context, parent: dict, shape, dtype, perturb: float = 0.1):
+    """A retrofit of a random Llama `parent` built on the device, adapter perturbed, s_0 = 0, in eval mode."""
+    import torch
+    from decode import perturb_adapter
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import recurfit
+
+    torch.manual_seed(0)
+    with ctx.device:
+        model = recurfit.retrofit(AutoModelForCausalLM.from_config(LlamaConfig(**parent), dtype=torch.float32), shape)
+    if perturb:
+        perturb_adapter(model, perturb)
+    model.config.state_init_std = 0.0  # every run, eager or compiled, starts from the same state
+    return model.eval().to(dtype)
+
+
+def random_rows(ctx: Context, batch: int, length: int, vocab: int):
+    from decode import passages
+
+    return passages(None, batch, length, vocab_size=vocab).to(ctx.device)
+
+
+def step_device(ctx: Context) -> None:
+    import platform
+
+    import torch
+    import transformers
+    from device_peaks import measure
+
+    measured = measure(ctx.device, **ctx.sizes.peaks)
+    (ctx.work / "peaks.json").write_text(json.dumps(measured, indent=1))
+    memory = torch.cuda.get_device_properties(0).total_memory / 2**30 if ctx.device.type == "cuda" else None
+    missing = [name for name in MISSING_ON_DEVICE if not importable(name)]
+    versions = f"python {platform.python_version()}, torch {torch.__version__}"
+    versions += f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
+    ctx.record(
+        "device",
+        f"{measured['device']}{f', {memory:.0f} GiB' if memory else ''}; {versions}, transformers "
+        f"{transformers.__version__}; bf16 matmul {measured['bf16_flops'] / 1e12:.1f} TFLOP/s, copy "
+        f"{measured['bandwidth_bytes'] / 1e9:.0f} GB/s (read + write); recurfit dependencies missing here: "
+        f"{', '.join(missing) or 'none'}",
+        device=measured["device"],
+        memory_gib=memory,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+        bf16_tflops=measured["bf16_flops"] / 1e12,
+        bandwidth_gbs=measured["bandwidth_bytes"] / 1e9,
+        missing=missing,
+    )
+
+
+def step_correctness(ctx: Context) -> None:
+    import torch
+    from decode import teacher_forced
+
+    from recurfit.model.compiled import decoding_cache
+
+    torch.set_grad_enabled(False)
+    check, sizes = ctx.sizes.check, ctx.sizes
+    reference = build_retrofit(ctx, sizes.parent, sizes.shape, torch.float32)
+    model = copy.deepcopy(reference).to(torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
+    ids = random_rows(ctx, check["batch"], check["prompt"] + check["new"], sizes.parent["vocab_size"])
+    for r in sorted({*check["eager"], *check["compiled"]}):
+        runs = {"fp32": teacher_forced(reference, ids, check["prompt"], keep_logits=True, num_steps=r)}
+        runs["eager"] = teacher_forced(model, ids, check["prompt"], keep_logits=True, num_steps=r)
+        pairs = [("eager", "fp32")]
+        figures, compile_s = {}, None
+        if r in check["compiled"]:
+            cache = decoding_cache(model, ids.shape[0], ids.shape[1], r, compile=sizes.compile)
+            start = time.perf_counter()
+            runs["compiled"] = teacher_forced(model, ids, check["prompt"], cache=cache, keep_logits=True, num_steps=r)
+            compile_s = time.perf_counter() - start - check["new"] * runs["compiled"]["ms_per_token"] / 1e3
+            pairs += [("compiled", "eager"), ("compiled", "fp32")]
+        scale = runs["fp32"]["logits"].abs().max().item()
+        names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
+        parts = []
+        for a, b in pairs:
+            agree = (runs[a]["predictions"] == runs[b]["predictions"]).float().mean().item()
+            error = (runs[a]["logits"] - runs[b]["logits"]).abs().max().item()
+            figures[f"{a}_vs_{b}"] = {"agreement": agree, "max_logit_error": error}
+            parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree, max logit error {error:.3g}")
+        tokens = check["batch"] * check["new"]
+        compiled = f"; compile ≈ {compile_s:.0f} s" if compile_s is not None else ""
+        ctx.record(
+            "correctness",
+            f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
+            r=r,
+            tokens=tokens,
+            logit_scale=scale,
+            compile_s=compile_s,
+            **figures,
+        )
+
+
+def layers_per_token(shape, r: int) -> int:
+    prelude, core, coda = shape
+    return prelude + r * core + coda
+
+
+def step_decode(ctx: Context) -> None:
+    import torch
+    from decode import decode_ms, weight_floor_ms
+
+    torch.set_grad_enabled(False)
+    sizes, decode = ctx.sizes, ctx.sizes.decode
+    model = build_retrofit(ctx, sizes.parent, sizes.shape, torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
+    bandwidth = ctx.peaks()["bandwidth_bytes"] / 1e9
+    prompts = random_rows(ctx, max(decode["batches"]), decode["prompt"], sizes.parent["vocab_size"])
+    compiles = {}  # r -> the longest compile measured at it (a cold one)
+    for r in decode["depths"]:
+        floor_ms = weight_floor_ms(model, bandwidth, r)
+        for batch in decode["batches"]:
+            rows = prompts[:batch]
+            predicted = predicted_compile(compiles, sizes.shape, r)
+            # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
+            affordable = predicted is None or predicted < ctx.seconds_left() - 15
+            times = decode_ms(
+                model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False
+            )
+            rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
+            text = (
+                f"batch {batch}, r = {r}: eager {rate['eager']:.1f} tokens/s ({times['eager_ms']:.1f} ms/step); "
+                f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
+                f"{bandwidth:.0f} GB/s)"
+            )
+            if "compiled" in rate:
+                compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
+                text += (
+                    f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
+                    f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
+                    f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
+                    f"{times['compile_s']:.0f} s"
+                )
+            else:
+                text += (
+                    f"; compiled: not run, its compile (predicted {predicted:.0f} s from r = {max(compiles)}'s, "
+                    f"by layers) does not fit the {ctx.seconds_left():.0f} s left"
+                )
+            ctx.record(
+                "decode",
+                text,
+                batch=batch,
+                r=r,
+                floor_ms=floor_ms,
+                eager_tokens_s=rate["eager"],
+                compiled_tokens_s=rate.get("compiled"),
+                **times,
+            )
+
+
+def predicted_compile(compiles: dict, shape, r: int) -> float | None:
+    """Seconds to compile the decoding step at r, from the longest compile measured at a smaller r, scaled by the
+    layers the unrolled step holds (None: no prediction, compile). Once one recurrence step is compiled and run r
+    times, compile time no longer grows with r: then this prediction is pessimistic and should go."""
+    if r in compiles or not compiles:
+        return None
+    known = max(compiles)
+    return compiles[known] * layers_per_token(shape, r) / layers_per_token(shape, known)
+
+
+def step_train(ctx: Context) -> None:
+    from contextlib import nullcontext
+
+    import torch
+    from train_step import optimizer_step
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import recurfit
+    from recurfit.model.accounting import count_parameters, training_flops_per_token
+    from recurfit.train import load_config
+    from recurfit.train.memory import gb
+    from recurfit.train.memory_fit import fitting_micro, planner, visible_device_memory
+    from recurfit.train.optim import build_optimizers
+
+    sizes, train = ctx.sizes, ctx.sizes.train
+    overrides = ["out=unused", "data.phases=[{sources: [unused]}]", "data.validation=[unused]", *train["overrides"]]
+    config = load_config(RECIPE, overrides)
+    torch.manual_seed(0)
+    with ctx.device:
+        parent = AutoModelForCausalLM.from_config(LlamaConfig(**sizes.parent), dtype=torch.float32)
+        model = recurfit.retrofit(parent, tuple(config.model.shape), adapter_init=config.model.adapter_init)
+    del parent
+    model.train()
+    seq_len = train["seq_len"]
+    memory = visible_device_memory() or train["memory"]
+    plan_of = planner(config, model, seq_len, world=1, device=ctx.device.type)
+    micro = fitting_micro(plan_of, config, 1, memory)
+    if micro is None:
+        ctx.record("train", f"no micro-batch of the recipe fits {memory / 1e9:.0f} GB by the memory plan", ok=False)
+        return
+    plan = plan_of(micro)
+    k = config.depth.backprop_depth
+    depth = (config.depth.mean_recurrence - k, k)
+    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16) if plan.autocast else nullcontext()
+    optimizers = build_optimizers(model, config.optimizer)
+    ids = torch.randint(0, sizes.parent["vocab_size"], (micro, seq_len + 1), device=ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    optimizer_step(model, ids, autocast, depth, optimizers)  # warm-up: the optimizers' states, untimed
+    ctx.synchronize()
+    start = time.perf_counter()
+    for _ in range(train["steps"]):
+        optimizer_step(model, ids, autocast, depth, optimizers)
+    ctx.synchronize()
+    seconds = (time.perf_counter() - start) / train["steps"]
+    tokens_s = micro * seq_len / seconds
+    flops = training_flops_per_token(count_parameters(model), depth) * tokens_s
+    peak_flops = ctx.peaks()["bf16_flops"]
+    measured = torch.cuda.max_memory_allocated() if ctx.device.type == "cuda" else None
+    memory_text = (
+        f"peak memory {gb(measured)} against the plan's {gb(plan.peak)} "
+        f"(plan / measured {plan.peak / measured:.3f}; target 0.85-1.15)"
+        if measured
+        else f"the plan's peak {gb(plan.peak)} (no allocator statistics on a CPU)"
+    )
+    ctx.record(
+        "train",
+        f"{RECIPE.name} at (n, k) = {depth}, micro-batch {micro} × {seq_len} (the largest the plan fits in "
+        f"{memory / 1e9:.0f} GB), {'bf16 autocast' if plan.autocast else 'fp32'}: {seconds:.2f} s/step, "
+        f"{tokens_s:,.0f} tokens/s, MFU {flops / peak_flops:.1%} of the measured bf16 peak; {memory_text}",
+        micro=micro,
+        seq_len=seq_len,
+        depth=depth,
+        seconds_per_step=seconds,
+        tokens_s=tokens_s,
+        mfu=flops / peak_flops,
+        peak_bytes=measured,
+        plan_bytes=plan.peak,
+    )
+
+
+def step_sweep(ctx: Context) -> None:
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch.set_grad_enabled(False)
+    sweep, backend = ctx.sizes.sweep, ctx.sizes.compile
+    # fp32: compiled and eager tokens must then be equal, so a difference is a defect, not a near-tie.
+    model = build_retrofit(ctx, TOY_PARENT, ctx.sizes.sweep_shape, torch.float32, perturb=0.5)
+    prompts = random_rows(ctx, max(sweep["batches"]), sweep["prompt"] + 3, TOY_PARENT["vocab_size"])
+
+    def greedy(rows, r, compile, **kwargs):
+        settings = dict(max_new_tokens=sweep["new"], do_sample=False, pad_token_id=0, num_steps=r)
+        return model.generate(rows, compile=compile, **settings, **kwargs)
+
+    def attempt(label: str, rows, r: int, **kwargs) -> None:
+        graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        try:
+            compiled = greedy(rows, r, backend, **kwargs)
+            seconds = time.perf_counter() - start
+            same = torch.equal(compiled, greedy(rows, r, False, **kwargs))
+        except Exception as error:  # the finding itself: recorded, and the sweep goes on
+            message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error) else ''}"
+            ctx.record("sweep", f"{label}: failed, {message}", ok=False, key=label, error=message)
+            return
+        traced = counters["stats"]["unique_graphs"] - graphs
+        ctx.record(
+            "sweep",
+            f"{label}: {seconds:.1f} s (compile and decode), {traced} graph(s) traced, tokens equal to eager: "
+            f"{'yes' if same else 'no'}",
+            ok=same,
+            key=label,
+            seconds=seconds,
+            graphs=traced,
+            same_tokens=same,
+        )
+
+    for length in (sweep["prompt"], sweep["prompt"] + 3):  # a second prompt length: the same graph expected
+        attempt(f"warm start, batch 2, r = 4, prompt {length}", prompts[:2, :length], 4, warm_start=True)
+    torch._dynamo.reset()  # the sweep's keys alone against dynamo's recompile limit
+    for key, (r, batch) in enumerate(((r, b) for r in sweep["depths"] for b in sweep["batches"]), 1):
+        attempt(f"key {key} (batch {batch}, r = {r})", prompts[:batch, : sweep["prompt"]], r)
+
+
+def step_vllm(ctx: Context) -> None:
+    if not importable("vllm"):
+        ctx.record("vllm", "vLLM: not importable here, so serving is not checked", importable=False)
+        return
+    import torch
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    import recurfit.serving
+
+    # recurfit is not installed here, so vLLM's plugin entry point is not registered: register in this process and
+    # keep vLLM's engine in it too.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    recurfit.serving.register()
+    model = build_retrofit(ctx, ctx.sizes.parent, ctx.sizes.shape, torch.bfloat16)
+    folder = ctx.work / "served"
+    model.save_pretrained(folder)
+    del model
+    ctx.record("vllm", f"vLLM {vllm.__version__}: importable; serving the decode step's model at r = 8")
+    start = time.perf_counter()
+    engine = vllm.LLM(
+        str(folder),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        hf_overrides={"mean_recurrence": 8},
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        max_model_len=512,
+    )
+    load = time.perf_counter() - start
+    rows = random_rows(ctx, 32, 128, ctx.sizes.parent["vocab_size"]).tolist()
+    settings = vllm.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=row) for row in rows], settings)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    ctx.record(
+        "vllm",
+        f"vLLM (eager) at r = 8: 32 prompts of 128 tokens, {tokens} new tokens in {seconds:.1f} s = "
+        f"{tokens / seconds:.0f} tokens/s (engine start {load:.0f} s)",
+        tokens_s=tokens / seconds,
+        load_s=load,
+    )
+
+
+STEP_FUNCTIONS = {
+    "device": step_device,
+    "correctness": step_correctness,
+    "decode": step_decode,
+    "train": step_train,
+    "sweep": step_sweep,
+    "vllm": step_vllm,
+}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="results folder ($OUT on the device machine)")
+    parser.add_argument("--plan", action="store_true", help="print the steps, their time limits and the total")
+    parser.add_argument("--cpu-smoke", action="store_true", help="every step at toy sizes on the CPU (CI)")
+    parser.add_argument(
+        "--work", type=Path, help="scratch folder (default: recurfit-gpu-check in the temporary directory)"
+    )
+    parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plan:
+        print("\n".join(plan_lines()))
+        return 0
+    if args.out is None:
+        parser.error("--out is required: the folder the results go to ($OUT on the device machine)")
+    work = args.work or Path(tempfile.gettempdir()) / "recurfit-gpu-check"
+    if args.step:
+        ctx = Context(args.out, work, args.cpu_smoke, args.deadline or float("inf"))
+        STEP_FUNCTIONS[args.step](ctx)
+        return 0 if ctx.ok else 1
+    if not args.cpu_smoke and not cuda_visible():
+        parser.error("no CUDA device is visible; on a CPU, --cpu-smoke runs the steps at toy sizes")
+    return run_steps(args.out, work, args.cpu_smoke)
+
+
+def cuda_visible() -> bool:
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True)
+    return done.stdout.strip() == b"True"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
