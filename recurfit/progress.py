@@ -16,7 +16,6 @@ import os
 import time
 from datetime import timedelta
 
-from rich import get_console
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -48,7 +47,7 @@ def progress_bar(*extra_columns, disable: bool = False) -> Progress:
         TimeRemainingColumn(),
         *extra_columns,
     )
-    console = get_console()  # rich's own, as a bar without a console uses
+    console = Console(stderr=True)  # progress goes to stderr: a command's results alone go to stdout
     if disable or console.is_terminal or console.is_jupyter:
         return Progress(*columns, console=console, disable=disable, transient=False)
     return PlainLines(

@@ -731,7 +731,7 @@ def run_in_terminal(tmp_path, *argv) -> subprocess.CompletedProcess:
 
 
 def error_lines(result) -> list[str]:
-    return [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    return [line for line in result.stderr.splitlines() if line.startswith("error:")]  # errors: stderr
 
 
 def assert_never_asked(folders, result) -> None:

@@ -92,8 +92,8 @@ def test_commands_are_quiet_unless_verbose(workspace, capsys):
 def test_piped_output_is_not_wrapped(tmp_path):
     missing = tmp_path / ("a-long-folder-name-" * 5) / "model"
     done = recurfit_command("inspect", missing)
-    assert done.returncode == 2
-    assert done.stdout.strip() == f"error: No such model folder: {missing}.", done.stdout
+    assert done.returncode == 2 and done.stdout == ""  # an error goes to stderr
+    assert done.stderr.strip() == f"error: No such model folder: {missing}.", done.stderr
 
 
 def test_help_lines_give_their_defaults_and_distinct_examples(capsys):

@@ -95,7 +95,7 @@ def test_console_script_reports_an_unreachable_hub_id_without_a_traceback(tmp_pa
     )
     assert result.returncode == 2
     assert (
-        "Cannot load 'someone/not-a-local-model'" in result.stdout and "Traceback" not in result.stdout + result.stderr
+        "Cannot load 'someone/not-a-local-model'" in result.stderr and "Traceback" not in result.stdout + result.stderr
     )
 
 

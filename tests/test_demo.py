@@ -101,7 +101,7 @@ def test_demo_writes_a_report_with_tables_figures_and_samples(workspace, tmp_pat
             expected += [f"{finished} of {len(mine)}", f"{right} of {steps}"]
         assert f"| {label} | " + " | ".join(expected) + " |" in worked
     # The parent's progress lines show no recurrence; the retrofit's do.
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().err.splitlines()
     progress = [line for line in lines if line.startswith("training: ")]
     assert all("r̄" in line for line in progress[:4]) and not any("r̄" in line for line in progress[4:])
     # The stores hold the documents and one EOS each: no padding left by the parity check's padded batch.

@@ -86,7 +86,7 @@ def test_lm_eval_requests_advance_recurfits_bar_and_lm_evals_bars_stay_off(lm_pa
         lm.loglikelihood(_requests("loglikelihood", pairs))
         lm.generate_until(_requests("generate_until", prompts))
     said = capsys.readouterr()
-    lines = [line.split("  ")[0] for line in said.out.splitlines()]
+    lines = [line.split("  ")[0] for line in said.err.splitlines()]
     assert lines == [
         *(f"model at r=3: log-likelihood requests: {i}/4 ({i / 4:.0%})" for i in range(1, 5)),
         *(f"model at r=3: generation requests: {i}/2 ({i / 2:.0%})" for i in range(1, 3)),

@@ -81,8 +81,8 @@ def test_a_second_train_on_a_live_run_names_the_first_ones_pid(tmp_path, workspa
                 timeout=300,
                 check=False,
             )
-            said = " ".join(second.stdout.split())
-            assert second.returncode == 2 and f"is in use by process {first.pid}" in said, said + second.stderr[-2000:]
+            said = " ".join(second.stderr.split())  # an error: stderr
+            assert second.returncode == 2 and f"is in use by process {first.pid}" in said, said[-2000:]
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

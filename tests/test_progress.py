@@ -60,7 +60,7 @@ def test_plain_lines_every_n_items_and_at_the_end(monkeypatch, capsys):
         task = bar.add_task("training", total=5, status="")
         for step in range(5):
             bar.update(task, advance=1, status=f"loss {5 - step:.4f}  {100:,} tok/s")
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().err.splitlines()
     assert [line.split("  ")[0] for line in lines] == [
         "training: 2/5 (40%)",
         "training: 4/5 (80%)",
@@ -77,7 +77,7 @@ def test_plain_lines_every_few_seconds_and_a_last_one_without_a_total(monkeypatc
         task = bar.add_task("tokenising", total=None)
         bar.advance(task, 512)
         bar.advance(task, 100)
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().err.splitlines()
     assert [line.split("  ")[0] for line in lines] == ["tokenising: 512", "tokenising: 612"]
 
 
@@ -87,10 +87,10 @@ def test_the_default_is_a_line_every_5_percent_and_a_disabled_bar_prints_nothing
         task = bar.add_task("loss", total=100)
         for _ in range(100):
             bar.advance(task)
-    assert len(capsys.readouterr().out.splitlines()) == 20
+    assert len(capsys.readouterr().err.splitlines()) == 20
     with progress_bar(disable=True) as bar:  # another rank than the main one
         bar.advance(bar.add_task("training", total=3), 3)
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
 
 
 def test_a_bad_interval_is_named(monkeypatch):
@@ -134,5 +134,5 @@ def test_only_the_main_process_prints_progress(workspace, tmp_path, monkeypatch,
     trainer = loop.Trainer(config)
     monkeypatch.setattr(Processes, "is_main", property(lambda processes: main))  # as rank 1 would be
     trainer.run()
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training: ")]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training: ")]
     assert len(lines) == (2 if main else 0)

@@ -121,7 +121,7 @@ def test_snapshot_disk_use_is_said_at_start(workspace, tmp_path, capsys):
     train(load_config(None, overrides, base=tiny_config(workspace, tmp_path / "run")))
     weights = load_file(tmp_path / "run" / "snapshots" / "step-000000" / "model.safetensors")
     size = sum(t.numel() * t.element_size() for t in weights.values())
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     # Steps 0 and 1 (step 2 is final/).
     assert f"Snapshots: every 1 steps, 2 × {size / 1e3:.1f} kB = {2 * size / 1e6:.1f} MB" in said
 
@@ -209,7 +209,7 @@ def test_a_failing_final_validation_loses_neither_the_checkpoint_nor_the_final_m
         train(config)
     out = tmp_path / "run"
     assert f"the final model is saved: `recurfit eval loss {out / 'final'}`" in " ".join(
-        capsys.readouterr().out.split()
+        capsys.readouterr().err.split()
     )
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")] == ["step-000003"]
     expected, got = (load_file(folder / "final" / "model.safetensors") for folder in (whole.out, out))
@@ -227,7 +227,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, wo
     name = damage(out / "checkpoints" / "step-000004")
     resumed = Trainer(config, resume=True)
     assert resumed.counters.step == 2 and resumed.stream.position == 16
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     assert f"Skipping a damaged checkpoint: {out / 'checkpoints' / 'step-000004' / name}" in said
     assert "Resuming from step-000002 instead" in said
     resumed.close()
@@ -244,7 +244,7 @@ def test_a_checkpoint_from_before_checksums_resumes_unverified_and_says_so(tmp_p
     (out / "checkpoints" / "step-000004" / "sha256sums.txt").unlink()  # as an earlier recurfit wrote it
     resumed = Trainer(config, resume=True)
     assert resumed.counters.step == 4
-    assert "has no sha256sums.txt (written by an earlier recurfit)" in " ".join(capsys.readouterr().out.split())
+    assert "has no sha256sums.txt (written by an earlier recurfit)" in " ".join(capsys.readouterr().err.split())
     resumed.close()
 
 

@@ -217,7 +217,7 @@ def test_saves_are_timed_and_snapshots_can_be_bf16(tmp_path, workspace, capsys):
     assert {t.dtype for t in final.values() if t.is_floating_point()} == {torch.float32}
     # the disk estimate follows the dtype: 2 snapshots of bf16 weights
     size = sum(t.numel() * 2 for t in weights.values())
-    assert f"2 × {size / 1e3:.1f} kB" in capsys.readouterr().out
+    assert f"2 × {size / 1e3:.1f} kB" in capsys.readouterr().err
 
 
 def test_bf16_autocast_keeps_the_cores_gradient_after_steps_without_it():

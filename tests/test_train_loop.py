@@ -314,7 +314,7 @@ def test_bad_stores_are_refused_before_training(tmp_path, workspace):
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 def test_validation_stores_are_named_and_one_without_rows_is_refused(tmp_path, workspace, capsys):
     train(config_for(workspace, tmp_path / "run", "steps=2"))
-    said = " ".join(capsys.readouterr().out.split())
+    said = " ".join(capsys.readouterr().err.split())
     assert f"Validation: {workspace / 'prose'} (4 rows), {workspace / 'math'} (4 rows)." in said
     write_documents(tmp_path / "docs.jsonl", 60)
     prepare(

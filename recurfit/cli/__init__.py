@@ -1,7 +1,8 @@
 """`recurfit …`: the command line. Each subcommand is a thin layer over the Python API.
 
-User errors (bad specs, missing files, offline Hub ids) print one message and exit with status 2;
-set RECURFIT_DEBUG=1 to see the traceback instead.
+User errors (bad specs, missing files, offline Hub ids) print one message on stderr and exit with status 2;
+set RECURFIT_DEBUG=1 to see the traceback instead. Results go to stdout, progress and statistics to stderr
+(common.console and common.status).
 
 Here: main(), the top parser, error reporting and the checks made before the heavy imports. Each command's
 options and implementation live in its own module (surgery, data, train, generate, evaluate, external, demo);
@@ -17,10 +18,10 @@ from pathlib import Path
 
 from ..errors import RecurfitError
 from . import data, demo, evaluate, external, generate, surgery, train
-from .common import Parser, console
+from .common import Parser, console, status
 from .external import cmd_lm_eval
 
-__all__ = ["build_parser", "console", "main"]
+__all__ = ["build_parser", "console", "main", "status"]
 
 DESCRIPTION = "Retrofit depth-recurrence into pretrained language models: surgery, training, evaluation, serving."
 # In the order `recurfit --help` lists their commands
@@ -61,7 +62,7 @@ def _library_output(verbose: bool) -> None:
 
 
 def _report_error(error: Exception) -> int:
-    console.print(f"[bold red]error:[/] {error}", highlight=False)
+    status.print(f"[bold red]error:[/] {error}", highlight=False)
     return 2
 
 

@@ -1,6 +1,6 @@
-"""What every command module uses: the console, argument types, shared options (recurrences, calibration text,
-placement), the model a command runs when --model is a saved one or left out, the help formatter and the parser
-class."""
+"""What every command module uses: the two consoles (results on stdout, progress on stderr), argument types,
+shared options (recurrences, calibration text, placement), the model a command runs when --model is a saved one or
+left out, the help formatter and the parser class."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from rich.console import Console
 
 from .. import defaults
 
-# Piped or redirected output is not wrapped at all (a terminal's width is unknown there, and a wrap at 80 columns
-# splits paths and numbers); in a terminal, rich wraps at word boundaries.
+# Every command writes its results on stdout (`console`: generated text, tables, what it wrote) and its progress,
+# statistics, notices, warnings and errors on stderr (`status`), so that `recurfit generate … > out.txt` holds the
+# text alone. Piped or redirected output is not wrapped at all (a terminal's width is unknown there, and a wrap at
+# 80 columns splits paths and numbers); in a terminal, rich wraps at word boundaries.
 console = Console(soft_wrap=not sys.stdout.isatty())
+status = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 
 
 # ---------------------------------------------------------------- argument types

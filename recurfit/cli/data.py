@@ -6,7 +6,7 @@ import argparse
 import os
 
 from .. import defaults
-from .common import console
+from .common import console, status
 
 
 def add_parsers(commands) -> None:
@@ -103,7 +103,7 @@ def cmd_data_prepare(args) -> None:
     row_filter = make_filter(args.filter, args.generator_field, args.exclude_generator)
     tokenizer = load_tokenizer(args.tokenizer)
     if args.tokenizer is None:  # the store only suits models with this tokenizer: say so before the work
-        console.print(
+        status.print(
             f"Tokenising with the tokenizer of the {EMBEDDED_TOKENIZER} (no --tokenizer): the store suits models with "
             "this tokenizer only; pass --tokenizer PARENT for another parent."
         )
@@ -124,7 +124,7 @@ def cmd_data_prepare(args) -> None:
         packing=args.packing,
         layout=Layout(args.shard_documents, min(args.shard_documents, defaults.BLOCK_DOCUMENTS)),
         decontaminate=args.decontaminate,
-        say=lambda line: console.print(line, markup=False, highlight=False),
+        say=lambda line: status.print(line, markup=False, highlight=False),  # progress: stderr
     )
     meta = result.meta
     if meta is None:
@@ -142,7 +142,7 @@ def cmd_data_prepare(args) -> None:
     if "decontamination" in meta:
         console.print(decontamination_summary(meta["decontamination"]), markup=False, highlight=False)
     if meta.get("packing") == "bos-eos" and meta.get("bos_token_id") is None:
-        console.print("The tokenizer adds no BOS token: each document is packed as its text and EOS.")
+        status.print("The tokenizer adds no BOS token: each document is packed as its text and EOS.")
     console.print(
         f"[bold]{args.out}[/]: {meta['documents']:,} documents → {meta['rows']['train']:,} training rows and "
         f"{meta['rows']['val']:,} validation rows of {meta['seq_len'] + 1} tokens ({meta['tokens']['train']:,} "

@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from ..demo.settings import DemoSettings
-from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg
+from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg, status
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(DemoSettings) if f.default is not dataclasses.MISSING}
 RECIPE = "default: the demo's recipe, recipes/demo.yaml"  # the formatter adds the others' defaults
@@ -66,4 +66,6 @@ def cmd_demo(args) -> None:
     given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings = DemoSettings(out=Path(args.out), **given)
     _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
-    run.run_demo(settings, console)
+    report = run.run_demo(settings, status)  # stages, progress and times: stderr
+    if report is not None:
+        console.print(f"Wrote {report}.", highlight=False)  # the result: stdout

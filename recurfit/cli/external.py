@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import console
+from .common import console, status
 
 
 def add_parsers(commands) -> None:
@@ -24,7 +24,7 @@ def cmd_push(args) -> None:
     from ..model.card import files_to_upload, push
 
     files = files_to_upload(args.folder)
-    console.print(f"Uploading {len(files)} files of {args.folder} to {args.repo_id}: {', '.join(files)}")
+    status.print(f"Uploading {len(files)} files of {args.folder} to {args.repo_id}: {', '.join(files)}")
     console.print(f"Done: {push(args.folder, args.repo_id, private=args.private)}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import defaults
-from .common import _placement, add_placement_arguments, console, positive_int
+from .common import _placement, add_placement_arguments, console, positive_int, status
 
 
 def add_parsers(commands) -> None:
@@ -66,7 +66,7 @@ def _generation_model(args):
     from .common import load_recurrent_model
 
     if args.model is None:
-        console.print(
+        status.print(
             f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {defaults.DEFAULT_SHAPE} and not trained (its "
             "outputs are rough). Pass a trained model folder (e.g. runs/NAME/final).[/]"
         )
@@ -94,6 +94,7 @@ def _settings(args):
 
 
 def _report(generation) -> None:
+    """The statistics line, on stderr: stdout holds the text alone (`recurfit generate … > out.txt`)."""
     rate = generation.tokens / generation.seconds if generation.seconds else 0.0
     depth = ""
     if generation.steps_per_token:
@@ -101,7 +102,7 @@ def _report(generation) -> None:
         depth = f", recurrences per token: mean {sum(steps) / len(steps):.1f} (min {min(steps)}, max {max(steps)})"
     if generation.acceptance_rate is not None:
         depth = f", {generation.acceptance_rate:.0%} of drafted tokens accepted"
-    console.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
+    status.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
 
 
 def cmd_generate(args) -> None:
@@ -124,7 +125,7 @@ def cmd_chat(args) -> None:
     settings = _settings(args)
     model, tokenizer = _generation_model(args)
     messages: list[dict] = []
-    console.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
+    status.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
     while True:
         try:
             line = console.input("[bold]you>[/] ").strip()
@@ -141,7 +142,8 @@ def cmd_chat(args) -> None:
             generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
         except KeyboardInterrupt:
             messages.pop()
-            console.print("\n[dim](stopped; this question is left out of the conversation)[/]")
+            console.print()
+            status.print("[dim](stopped; this question is left out of the conversation)[/]")
             continue
         messages.append({"role": "assistant", "content": generation.text})
         _report(generation)

@@ -16,6 +16,7 @@ from .common import (
     console,
     int_list,
     shape_arg,
+    status,
 )
 
 
@@ -138,7 +139,7 @@ def cmd_retrofit(args) -> None:
         backprop_depth=args.backprop_depth,
     )
     if tokenizer is None:
-        console.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
+        status.print("[yellow]No tokenizer found with the parent: checking parity on random tokens, saving none.[/]")
     _print_model(model, defaults.SUMMARY_RECURRENCES)
     if args.adapter == "linear" and args.adapter_init == "identity":
         check = check_parity(parent.to(placement.device), model.to(placement.device), tokenizer)
@@ -231,7 +232,7 @@ def cmd_import_raven(args) -> None:
     model = import_raven(args.path, family=args.family)
     _print_model(model, defaults.SUMMARY_RECURRENCES)
     _save(model, tokenizer, args.out, args.force)
-    console.print(said, highlight=False)
+    (console if tokenizer is not None else status).print(said, highlight=False)
 
 
 def _raven_tokenizer(args):
@@ -278,6 +279,5 @@ def _save(model, tokenizer, out, force) -> None:
             save_tokenizer(tokenizer, staging)
         write_model_card(staging, model, Path(out).name)
     console.print(
-        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after "
-        "`import recurfit.model.modeling`."
+        f"Saved to [bold]{out}[/] — load it with AutoModelForCausalLM.from_pretrained after `import recurfit`."
     )

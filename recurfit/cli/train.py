@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .common import console
+from .common import console, status
 
 
 def add_parsers(commands) -> None:
@@ -47,7 +47,9 @@ def add_parsers(commands) -> None:
 
 
 def cmd_train(args) -> None:
-    """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs."""
+    """The resolved config, the model's size and cost, warnings; the run; the final validation and the outputs.
+    A dry run's plan is its result (stdout); a run's config, tables, warnings and progress go to stderr, its final
+    validation and what it wrote to stdout."""
     from ..errors import RecurfitError
     from ..model.tables import flops_table, parts_table
     from ..train import Trainer, already_finished, load_config
@@ -57,7 +59,8 @@ def cmd_train(args) -> None:
 
     config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
     main_process = int(os.environ.get("RANK", "0")) == 0
-    say = console.print if main_process else (lambda *a, **k: None)
+    say = console.print if main_process else (lambda *a, **k: None)  # results
+    note = status.print if main_process else (lambda *a, **k: None)  # progress, warnings
     finished = None if args.dry_run else already_finished(config, args.resume, args.force)
     if finished is not None:
         say(
@@ -68,22 +71,22 @@ def cmd_train(args) -> None:
     memory = _device_memory(args)
     if args.dry_run:
         model = check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
-        _print_train_config(config, say, "not run: --dry-run")
+        _print_train_config(config, say, note, "not run: --dry-run")
         say(schedule_table(config))
         fits, line = _memory_plan(config, model, args, memory, say)
         if not fits:
             raise RecurfitError(line)
         return
     if main_process:
-        _warn_memory(config, args, memory, say)
+        _warn_memory(config, args, memory, note)
     trainer = Trainer(config, resume=args.resume, force=args.force)  # checks everything, then saves config.yaml
     try:
-        _print_train_config(config, say, f"saved as {config.out}/config.yaml")
-        say(parts_table(trainer.model))
-        say(flops_table(trainer.model, [config.depth.mean_recurrence]))
+        _print_train_config(config, note, note, f"saved as {config.out}/config.yaml")
+        note(parts_table(trainer.model))
+        note(flops_table(trainer.model, [config.depth.mean_recurrence]))
         result = trainer.run()
     except KeyboardInterrupt:
-        say(
+        note(
             f"Stopped by Ctrl-C at step {trainer.counters.step}: {RunFolder(config.out).resume_hint()}", highlight=False
         )
         raise
@@ -101,13 +104,13 @@ def cmd_train(args) -> None:
     )
 
 
-def _print_train_config(config, say, status: str) -> None:
+def _print_train_config(config, say, warn, state: str) -> None:
     from ..train.report import phase_warnings, tokens_per_row
 
-    say(f"[bold]Config[/] ({status}):")
+    say(f"[bold]Config[/] ({state}):")
     say(config.to_yaml(), markup=False, highlight=False)
     for warning in phase_warnings(config, tokens_per_row(config)):
-        say(f"[yellow]warning:[/] {warning}", highlight=False)
+        warn(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 def _device_memory(args) -> int | None:

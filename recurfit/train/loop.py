@@ -17,6 +17,7 @@ global batch split over any number of processes, therefore computes the same los
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -206,7 +207,7 @@ class Trainer(Saving):
             self.stream.check_ids(store[: self.config.eval.rows], store.folder, "val")
         if self.processes.is_main:
             used = ", ".join(f"{s.folder} ({min(len(s), self.config.eval.rows)} rows)" for s in self.validation)
-            print(f"Validation: {used}." if used else "Validation: none (data.validation is empty).")
+            print(f"Validation: {used}." if used else "Validation: none (data.validation is empty).", file=sys.stderr)
 
     # ------------------------------------------------------------ one step
 
@@ -302,7 +303,10 @@ class Trainer(Saving):
                 )
         if not finite and self.processes.is_main:
             done = "update skipped" if config.nonfinite == "skip" else "update applied (nonfinite: apply)"
-            print(f"step {counters.step + 1}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)")
+            print(
+                f"step {counters.step + 1}: non-finite loss or gradient, {done} ({counters.skipped} skipped so far)",
+                file=sys.stderr,
+            )
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
@@ -361,7 +365,7 @@ class Trainer(Saving):
 
     def _say(self, message: str | None) -> None:
         if message is not None and self.processes.is_main:
-            print(message)
+            print(message, file=sys.stderr)  # progress: stderr (a command's results go to stdout)
 
     # ------------------------------------------------------------ the run
 
