@@ -60,8 +60,15 @@ from pathlib import Path
 from gpu_suite import MISSING_ON_DEVICE, REPO, TOY_LLAMA, importable, peaks, step_environment
 
 RECIPE = REPO / "recipes" / "paper" / "tinyllama-484-fineweb.yaml"
-# The smoke's parent, and the sweep's everywhere: a toy Llama.
-TOY_PARENT = dict(vocab_size=256, num_hidden_layers=4, max_position_embeddings=512, **TOY_LLAMA)
+# The smoke's parent, and the sweep's everywhere: a toy Llama, with heads of 32 (vLLM's CPU attention takes no 16).
+TOY_PARENT = dict(
+    TOY_LLAMA,
+    vocab_size=256,
+    num_hidden_layers=4,
+    max_position_embeddings=512,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,9 @@ class Step:
 STEPS = (
     Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth"),
     Step("correctness", 85, "bf16 compiled vs eager vs fp32 decoding of a perturbed TinyLlama (4,8,4), per r"),
-    Step("decode", 85, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
-    Step("train", 40, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
-    Step("sweep", 60, "warm start + compile under CUDA graphs; 12 (batch, r) keys compiled in one process"),
+    Step("decode", 80, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
+    Step("train", 35, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
+    Step("sweep", 70, "warm start + compile under CUDA graphs; 12 (batch, r) keys compiled in one process"),
     Step("vllm", 15, "vLLM serving the decode model at r = 8, where vLLM is importable"),
 )
 SMOKE_SCALE = 3  # the smoke's limits: a shared CI machine's CPU is slow to import and trace
@@ -93,7 +100,7 @@ class Sizes:
     compile: bool | str  # generate(compile=...): True is inductor with CUDA graphs; "eager": dynamo only
     peaks: dict  # device_peaks.measure's sizes
     check: dict  # correctness: batch, prompt, new tokens, eager and compiled depths
-    decode: dict  # batches, depths, prompt, new tokens, repeats
+    decode: dict  # (batch, r) keys in order, prompt, new tokens, repeats
     train: dict  # seq_len, timed steps, config overrides, device memory where none is visible (bytes)
     sweep: dict = field(default_factory=lambda: dict(batches=(1, 2, 3), depths=(1, 2, 3, 4), prompt=8, new=4))
     sweep_shape: tuple[int, int, int] = (1, 1, 1)
@@ -110,7 +117,9 @@ def full_sizes() -> Sizes:
         compile=True,
         peaks=dict(size=8192, copy_gib=2.0, repeats=10),
         check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(4,)),
-        decode=dict(batches=(1, 32), depths=(4, 32), prompt=128, new=32, repeats=2),
+        # The keys that need no new compile first: (1, 4) was compiled by the correctness step, r = 32 is timed
+        # eagerly unless its compile fits, and (32, 4)'s compile comes last.
+        decode=dict(keys=((1, 4), (1, 32), (32, 32), (32, 4)), prompt=128, new=16, repeats=2),
         train=dict(seq_len=1024, steps=2, overrides=(), memory=None),
     )
 
@@ -124,7 +133,7 @@ def smoke_sizes() -> Sizes:
         compile="eager",
         peaks=dict(size=256, copy_gib=0.01, repeats=2),
         check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(2,)),
-        decode=dict(batches=(1, 2), depths=(2, 4), prompt=8, new=4, repeats=1),
+        decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=4, repeats=1),
         train=dict(
             seq_len=32,
             steps=1,
@@ -244,6 +253,10 @@ class Context:
         self.ok &= ok
         append(self.out / "results.jsonl", step=step, ok=ok, text=text, **figures)
         print(text, flush=True)
+
+    def results(self, step: str) -> list[dict]:
+        """The result lines an earlier step wrote."""
+        return [r for r in read_results(self.out / "results.jsonl") if r["step"] == step and "status" not in r]
 
     def seconds_left(self) -> float:
         return self.deadline - time.time()
@@ -372,54 +385,57 @@ def step_decode(ctx: Context) -> None:
     sizes, decode = ctx.sizes, ctx.sizes.decode
     model = build_retrofit(ctx, sizes.parent, sizes.shape, torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
     bandwidth = ctx.peaks()["bandwidth_bytes"] / 1e9
-    prompts = random_rows(ctx, max(decode["batches"]), decode["prompt"], sizes.parent["vocab_size"])
-    compiles = {}  # r -> the longest compile measured at it (a cold one)
-    for r in decode["depths"]:
+    prompts = random_rows(ctx, max(b for b, _ in decode["keys"]), decode["prompt"], sizes.parent["vocab_size"])
+    # r -> the longest compile measured at it (a cold one): the correctness step's, of the same model, to begin with
+    compiles = {r["r"]: r["compile_s"] for r in ctx.results("correctness") if r.get("compile_s") is not None}
+    for batch, r in decode["keys"]:
         floor_ms = weight_floor_ms(model, bandwidth, r)
-        for batch in decode["batches"]:
-            rows = prompts[:batch]
-            predicted = predicted_compile(compiles, sizes.shape, r)
-            # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
-            affordable = predicted is None or predicted < ctx.seconds_left() - 15
-            times = decode_ms(
-                model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False
+        rows = prompts[:batch]
+        predicted = predicted_compile(compiles, sizes.shape, r)
+        # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
+        affordable = predicted is None or predicted < ctx.seconds_left() - 15
+        times = decode_ms(
+            model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False
+        )
+        rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
+        text = (
+            f"batch {batch}, r = {r}: eager {rate['eager']:.1f} tokens/s ({times['eager_ms']:.1f} ms/step); "
+            f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
+            f"{bandwidth:.0f} GB/s)"
+        )
+        if "compiled" in rate:
+            compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
+            text += (
+                f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
+                f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
+                f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
+                f"{times['compile_s']:.0f} s"
             )
-            rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
-            text = (
-                f"batch {batch}, r = {r}: eager {rate['eager']:.1f} tokens/s ({times['eager_ms']:.1f} ms/step); "
-                f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
-                f"{bandwidth:.0f} GB/s)"
+        else:
+            text += (
+                f"; compiled: not run, its compile (predicted {predicted:.0f} s from the compiles measured before) "
+                f"does not fit the {ctx.seconds_left():.0f} s left"
             )
-            if "compiled" in rate:
-                compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
-                text += (
-                    f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
-                    f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
-                    f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
-                    f"{times['compile_s']:.0f} s"
-                )
-            else:
-                text += (
-                    f"; compiled: not run, its compile (predicted {predicted:.0f} s from r = {max(compiles)}'s, "
-                    f"by layers) does not fit the {ctx.seconds_left():.0f} s left"
-                )
-            ctx.record(
-                "decode",
-                text,
-                batch=batch,
-                r=r,
-                floor_ms=floor_ms,
-                eager_tokens_s=rate["eager"],
-                compiled_tokens_s=rate.get("compiled"),
-                **times,
-            )
+        ctx.record(
+            "decode",
+            text,
+            batch=batch,
+            r=r,
+            floor_ms=floor_ms,
+            eager_tokens_s=rate["eager"],
+            compiled_tokens_s=rate.get("compiled"),
+            predicted_compile_s=predicted,
+            **times,
+        )
 
 
 def predicted_compile(compiles: dict, shape, r: int) -> float | None:
-    """Seconds to compile the decoding step at r, from the longest compile measured at a smaller r, scaled by the
-    layers the unrolled step holds (None: no prediction, compile). Once one recurrence step is compiled and run r
-    times, compile time no longer grows with r: then this prediction is pessimistic and should go."""
-    if r in compiles or not compiles:
+    """Seconds to compile the decoding step at r: as long as at r at another batch size, else the longest compile
+    at the deepest r so far, scaled by the layers the unrolled step holds (None: nothing to go by). Once one
+    recurrence step is compiled and run r times, compile time no longer grows with r: then the scaling should go."""
+    if r in compiles:  # at another batch size
+        return compiles[r]
+    if not compiles:
         return None
     known = max(compiles)
     return compiles[known] * layers_per_token(shape, r) / layers_per_token(shape, known)
@@ -543,17 +559,18 @@ def step_vllm(ctx: Context) -> None:
     if not importable("vllm"):
         ctx.record("vllm", "vLLM: not importable here, so serving is not checked", importable=False)
         return
+    # recurfit need not be installed, and then vLLM's plugin entry point is not registered: it is registered in this
+    # process, and vLLM's engine kept in it.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     import vllm
     from vllm.inputs import TokensPrompt
 
     import recurfit.serving
 
-    # recurfit is not installed here, so vLLM's plugin entry point is not registered: register in this process and
-    # keep vLLM's engine in it too.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     recurfit.serving.register()
-    model = build_retrofit(ctx, ctx.sizes.parent, ctx.sizes.shape, torch.bfloat16)
+    dtype = torch.bfloat16 if ctx.sizes.dtype == "bf16" else torch.float32
+    model = build_retrofit(ctx, ctx.sizes.parent, ctx.sizes.shape, dtype)
     folder = ctx.work / "served"
     model.save_pretrained(folder)
     del model
@@ -562,7 +579,7 @@ def step_vllm(ctx: Context) -> None:
     engine = vllm.LLM(
         str(folder),
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=str(dtype).removeprefix("torch."),
         hf_overrides={"mean_recurrence": 8},
         enforce_eager=True,
         gpu_memory_utilization=0.5,

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,24 @@ def test_a_step_past_its_limit_is_killed_and_said_so(tmp_path):
     assert "===== device (limit 0 s)" in (tmp_path / "out" / "log.txt").read_text()
 
 
+def test_decode_times_eagerly_the_keys_whose_predicted_compile_does_not_fit_the_time_left(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    # The correctness step compiled r = 2 of the same model in 1 s; 5 s are left, less than the margin decoding needs.
+    (out / "results.jsonl").write_text(json.dumps({"step": "correctness", "r": 2, "compile_s": 1.0}) + "\n")
+    deadline = f"{time.time() + 5:.1f}"
+    done = gpu_check(
+        "--step", "decode", "--cpu-smoke", "--out", str(out), "--work", str(tmp_path), "--deadline", deadline
+    )
+    assert done.returncode == 0, done.stderr
+    decode = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()][1:]
+    assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (1, 4), (2, 4), (2, 2)]
+    # r = 2 as measured; r = 4 scaled by the layers of the (1, 2, 1) step: (1 + 4·2 + 1) / (1 + 2·2 + 1)
+    assert [r["predicted_compile_s"] for r in decode] == pytest.approx([1.0, 10 / 6, 10 / 6, 1.0])
+    assert all(r["compiled_tokens_s"] is None and "compiled: not run" in r["text"] for r in decode)
+    assert all(r["eager_tokens_s"] > 0 for r in decode)
+
+
 @pytest.mark.timeout(600)  # ~1 min on 2 idle cores; the steps' own limits are 3 × the GPU's
 def test_cpu_smoke_runs_every_step_and_writes_a_line_for_each_result(tmp_path):
     out = tmp_path / "out"
@@ -90,7 +109,7 @@ def test_cpu_smoke_runs_every_step_and_writes_a_line_for_each_result(tmp_path):
     assert correctness[2]["compiled_vs_eager"]["agreement"] == 1.0
     assert correctness[2]["compiled_vs_fp32"]["max_logit_error"] < 1e-4
     decode = lines["decode"]
-    assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (2, 2), (1, 4), (2, 4)]
+    assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (1, 4), (2, 4), (2, 2)]
     assert all(r["same_tokens"] and r["compiled_tokens_s"] > 0 and r["floor_ms"] > 0 for r in decode)
     (train,) = lines["train"]
     assert train["micro"] == 2 and train["tokens_s"] > 0 and train["plan_bytes"] > 0 and train["peak_bytes"] is None
