@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def smoke_sizes() -> Sizes:
         compile="eager",
         peaks=dict(size=256, copy_gib=0.01, repeats=2),
         check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(2,)),
-        decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=4, repeats=1),
+        decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=6, repeats=1),
         train=dict(
             seq_len=32,
             steps=1,
@@ -254,6 +255,16 @@ class Context:
         append(self.out / "results.jsonl", step=step, ok=ok, text=text, **figures)
         print(text, flush=True)
 
+    def attempt(self, step: str, label: str, measure, *args, **kwargs) -> None:
+        """`measure(*args, **kwargs)`, which records its own lines; an error is recorded as its result (the whole
+        traceback goes to the log), and the step goes on to its next measurement."""
+        try:
+            measure(*args, **kwargs)
+        except Exception as error:
+            message = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+            traceback.print_exc()
+            self.record(step, f"{label}: failed, {message}", ok=False, key=label, error=message)
+
     def results(self, step: str) -> list[dict]:
         """The result lines an earlier step wrote."""
         return [r for r in read_results(self.out / "results.jsonl") if r["step"] == step and "status" not in r]
@@ -331,9 +342,6 @@ def step_device(ctx: Context) -> None:
 
 def step_correctness(ctx: Context) -> None:
     import torch
-    from decode import teacher_forced
-
-    from recurfit.model.compiled import decoding_cache
 
     torch.set_grad_enabled(False)
     check, sizes = ctx.sizes.check, ctx.sizes
@@ -341,35 +349,45 @@ def step_correctness(ctx: Context) -> None:
     model = copy.deepcopy(reference).to(torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
     ids = random_rows(ctx, check["batch"], check["prompt"] + check["new"], sizes.parent["vocab_size"])
     for r in sorted({*check["eager"], *check["compiled"]}):
-        runs = {"fp32": teacher_forced(reference, ids, check["prompt"], keep_logits=True, num_steps=r)}
-        runs["eager"] = teacher_forced(model, ids, check["prompt"], keep_logits=True, num_steps=r)
-        pairs = [("eager", "fp32")]
-        figures, compile_s = {}, None
-        if r in check["compiled"]:
-            cache = decoding_cache(model, ids.shape[0], ids.shape[1], r, compile=sizes.compile)
-            start = time.perf_counter()
-            runs["compiled"] = teacher_forced(model, ids, check["prompt"], cache=cache, keep_logits=True, num_steps=r)
-            compile_s = time.perf_counter() - start - check["new"] * runs["compiled"]["ms_per_token"] / 1e3
-            pairs += [("compiled", "eager"), ("compiled", "fp32")]
-        scale = runs["fp32"]["logits"].abs().max().item()
-        names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
-        parts = []
-        for a, b in pairs:
-            agree = (runs[a]["predictions"] == runs[b]["predictions"]).float().mean().item()
-            error = (runs[a]["logits"] - runs[b]["logits"]).abs().max().item()
-            figures[f"{a}_vs_{b}"] = {"agreement": agree, "max_logit_error": error}
-            parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree, max logit error {error:.3g}")
-        tokens = check["batch"] * check["new"]
-        compiled = f"; compile ≈ {compile_s:.0f} s" if compile_s is not None else ""
-        ctx.record(
-            "correctness",
-            f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
-            r=r,
-            tokens=tokens,
-            logit_scale=scale,
-            compile_s=compile_s,
-            **figures,
-        )
+        ctx.attempt("correctness", f"r = {r}", check_depth, ctx, reference, model, ids, r)
+
+
+def check_depth(ctx: Context, reference, model, ids, r: int) -> None:
+    """Teacher-forced decoding at r: the bf16 model eager (and compiled) against the fp32 reference."""
+    from decode import teacher_forced
+
+    from recurfit.model.compiled import decoding_cache
+
+    check, sizes = ctx.sizes.check, ctx.sizes
+    runs = {"fp32": teacher_forced(reference, ids, check["prompt"], keep_logits=True, num_steps=r)}
+    runs["eager"] = teacher_forced(model, ids, check["prompt"], keep_logits=True, num_steps=r)
+    pairs = [("eager", "fp32")]
+    figures, compile_s = {}, None
+    if r in check["compiled"]:
+        cache = decoding_cache(model, ids.shape[0], ids.shape[1], r, compile=sizes.compile)
+        start = time.perf_counter()
+        runs["compiled"] = teacher_forced(model, ids, check["prompt"], cache=cache, keep_logits=True, num_steps=r)
+        compile_s = time.perf_counter() - start - check["new"] * runs["compiled"]["ms_per_token"] / 1e3
+        pairs += [("compiled", "eager"), ("compiled", "fp32")]
+    scale = runs["fp32"]["logits"].abs().max().item()
+    names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
+    parts = []
+    for a, b in pairs:
+        agree = (runs[a]["predictions"] == runs[b]["predictions"]).float().mean().item()
+        error = (runs[a]["logits"] - runs[b]["logits"]).abs().max().item()
+        figures[f"{a}_vs_{b}"] = {"agreement": agree, "max_logit_error": error}
+        parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree, max logit error {error:.3g}")
+    tokens = check["batch"] * check["new"]
+    compiled = f"; compile ≈ {compile_s:.0f} s" if compile_s is not None else ""
+    ctx.record(
+        "correctness",
+        f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
+        r=r,
+        tokens=tokens,
+        logit_scale=scale,
+        compile_s=compile_s,
+        **figures,
+    )
 
 
 def layers_per_token(shape, r: int) -> int:
@@ -379,7 +397,6 @@ def layers_per_token(shape, r: int) -> int:
 
 def step_decode(ctx: Context) -> None:
     import torch
-    from decode import decode_ms, weight_floor_ms
 
     torch.set_grad_enabled(False)
     sizes, decode = ctx.sizes, ctx.sizes.decode
@@ -389,44 +406,51 @@ def step_decode(ctx: Context) -> None:
     # r -> the longest compile measured at it (a cold one): the correctness step's, of the same model, to begin with
     compiles = {r["r"]: r["compile_s"] for r in ctx.results("correctness") if r.get("compile_s") is not None}
     for batch, r in decode["keys"]:
-        floor_ms = weight_floor_ms(model, bandwidth, r)
-        rows = prompts[:batch]
-        predicted = predicted_compile(compiles, sizes.shape, r)
-        # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
-        affordable = predicted is None or predicted < ctx.seconds_left() - 15
-        times = decode_ms(
-            model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False
+        ctx.attempt(
+            "decode", f"batch {batch}, r = {r}", decode_key, ctx, model, prompts[:batch], r, bandwidth, compiles
         )
-        rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
-        text = (
-            f"batch {batch}, r = {r}: eager {rate['eager']:.1f} tokens/s ({times['eager_ms']:.1f} ms/step); "
-            f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
-            f"{bandwidth:.0f} GB/s)"
+
+
+def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: dict) -> None:
+    """Free-running greedy tokens/s at (batch, r), eager and (when its compile fits the time left) compiled."""
+    from decode import decode_ms, weight_floor_ms
+
+    sizes, decode, batch = ctx.sizes, ctx.sizes.decode, rows.shape[0]
+    floor_ms = weight_floor_ms(model, bandwidth, r)
+    predicted = predicted_compile(compiles, sizes.shape, r)
+    # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
+    affordable = predicted is None or predicted < ctx.seconds_left() - 15
+    times = decode_ms(model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False)
+    rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
+    text = (
+        f"batch {batch}, r = {r}: eager {rate['eager']:.1f} tokens/s ({times['eager_ms']:.1f} ms/step); "
+        f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
+        f"{bandwidth:.0f} GB/s)"
+    )
+    if "compiled" in rate:
+        compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
+        text += (
+            f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
+            f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
+            f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
+            f"{times['compile_s']:.0f} s"
         )
-        if "compiled" in rate:
-            compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
-            text += (
-                f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
-                f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
-                f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
-                f"{times['compile_s']:.0f} s"
-            )
-        else:
-            text += (
-                f"; compiled: not run, its compile (predicted {predicted:.0f} s from the compiles measured before) "
-                f"does not fit the {ctx.seconds_left():.0f} s left"
-            )
-        ctx.record(
-            "decode",
-            text,
-            batch=batch,
-            r=r,
-            floor_ms=floor_ms,
-            eager_tokens_s=rate["eager"],
-            compiled_tokens_s=rate.get("compiled"),
-            predicted_compile_s=predicted,
-            **times,
+    else:
+        text += (
+            f"; compiled: not run, its compile (predicted {predicted:.0f} s from the compiles measured before) "
+            f"does not fit the {ctx.seconds_left():.0f} s left"
         )
+    ctx.record(
+        "decode",
+        text,
+        batch=batch,
+        r=r,
+        floor_ms=floor_ms,
+        eager_tokens_s=rate["eager"],
+        compiled_tokens_s=rate.get("compiled"),
+        predicted_compile_s=predicted,
+        **times,
+    )
 
 
 def predicted_compile(compiles: dict, shape, r: int) -> float | None:
@@ -526,16 +550,11 @@ def step_sweep(ctx: Context) -> None:
         settings = dict(max_new_tokens=sweep["new"], do_sample=False, pad_token_id=0, num_steps=r)
         return model.generate(rows, compile=compile, **settings, **kwargs)
 
-    def attempt(label: str, rows, r: int, **kwargs) -> None:
+    def compiled_key(label: str, rows, r: int, **kwargs) -> None:
         graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
-        try:
-            compiled = greedy(rows, r, backend, **kwargs)
-            seconds = time.perf_counter() - start
-            same = torch.equal(compiled, greedy(rows, r, False, **kwargs))
-        except Exception as error:  # the finding itself: recorded, and the sweep goes on
-            message = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error) else ''}"
-            ctx.record("sweep", f"{label}: failed, {message}", ok=False, key=label, error=message)
-            return
+        compiled = greedy(rows, r, backend, **kwargs)
+        seconds = time.perf_counter() - start
+        same = torch.equal(compiled, greedy(rows, r, False, **kwargs))
         traced = counters["stats"]["unique_graphs"] - graphs
         ctx.record(
             "sweep",
@@ -547,6 +566,9 @@ def step_sweep(ctx: Context) -> None:
             graphs=traced,
             same_tokens=same,
         )
+
+    def attempt(label: str, rows, r: int, **kwargs) -> None:  # an error is the finding: recorded, the sweep goes on
+        ctx.attempt("sweep", label, compiled_key, label, rows, r, **kwargs)
 
     for length in (sweep["prompt"], sweep["prompt"] + 3):  # a second prompt length: the same graph expected
         attempt(f"warm start, batch 2, r = 4, prompt {length}", prompts[:2, :length], 4, warm_start=True)
