@@ -163,3 +163,76 @@ def test_readme_is_short_and_holds_the_command_ci_runs():
     ci = "./scripts/setup.sh" + (REPO / ".ci" / "run").read_text().split("\n./scripts/setup.sh", 1)[1].rstrip()
     assert ci in readme
     assert "./scripts/setup.sh && .venv/bin/recurfit demo" in readme
+
+
+def by_hand_steps(page: Path) -> list[str]:
+    """The lines of the page's step-by-step block (the bash block that writes runs/by-hand), continuations joined."""
+    (block,) = [block for block in code_blocks(page, "bash") if "runs/by-hand" in block]
+    return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def on_the_tiny_model(argv: list[str], parent: Path, texts: dict[str, Path]) -> list[str] | None:
+    """A tutorial command as it runs on the tiny llama in seconds: the same folders and order, smaller settings.
+    None for `eval tasks`: GSM8K's prompts are longer than the tiny model's 128 positions."""
+    small = {"--shape": "2,2,2", "--seq-len": "16", "--recurrence": "1,2"}  # a single r stays as it is
+    argv = [texts.get(word, word) for word in argv]  # embedded sources → small text files
+    argv = [
+        small[before] if before in small and (before != "--recurrence" or "," in word) else word
+        for before, word in zip(["", *argv], argv)
+    ]
+    command = " ".join(argv[:2])
+    if command == "eval tasks":
+        return None
+    if argv[0] == "inspect":
+        return [argv[0], str(parent), *argv[1:]]
+    if argv[0] == "retrofit":
+        return [*argv, "--model", str(parent)]
+    if command == "data prepare":
+        return [*argv, "--tokenizer", str(parent), "--decontaminate", "none", "--val-fraction", "0.1"]
+    if argv[0] == "train":  # the page's own overrides come last and win (the parent's model.shape=null)
+        tiny = [f"model.path={parent}", "model.shape=[2,2,2]", "steps=4", "data.phases.0.tokens=136", "eval.every=2"]
+        return [argv[0], argv[1], *tiny, "eval.rows=2", "log.progress=false", *argv[2:]]
+    if command == "eval loss":
+        return [*argv, "--limit", "4"]
+    if argv[0] == "plot":
+        return [word for word in argv if "eval-tasks" not in word]
+    if argv[0] == "generate":
+        return [*argv, "--max-new-tokens", "3"]
+    return argv
+
+
+def test_the_cpu_tutorials_steps_run_from_the_root_into_their_own_folder(workspace, tmp_path, monkeypatch):
+    """docs/tutorials/cpu-demo.md's step-by-step block, in order, from a copy of the repository root where the demo
+    has already run (its run folder is finished), on the tiny llama: every command succeeds and writes under the
+    block's own folder, and training uses the data the block prepared."""
+    import subprocess
+
+    from conftest import write_documents
+
+    from recurfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "demo.yaml").write_text((REPO / "recipes" / "demo.yaml").read_text())
+    (tmp_path / "runs" / "demo" / "recurrent" / "final").mkdir(parents=True)  # a finished demo
+    texts = {}
+    for name, seed in (("embedded:prose", 0), ("embedded:math:4000", 1)):
+        texts[name] = str(tmp_path / f"{seed}.jsonl")
+        write_documents(Path(texts[name]), 120, seed)
+    ran = []
+    for line in by_hand_steps(REPO / "docs" / "tutorials" / "cpu-demo.md"):
+        words = shlex.split(line, comments=True)
+        if words[0] == "source":
+            continue
+        if words[0] != "recurfit":
+            subprocess.run(line, shell=True, check=True, cwd=tmp_path)  # noqa: S602 (the page's own shell line)
+            continue
+        argv = on_the_tiny_model(words[1:], workspace / "parent", texts)
+        if argv is not None:
+            assert main(argv) == 0, f"failed: recurfit {' '.join(argv)}"
+            ran.append(" ".join(words[1:3]))
+    assert {"retrofit --shape", "train runs/by-hand/recipe.yaml", "generate runs/by-hand/recurrent/final"} <= set(ran)
+    for folder in ("recurrent/final", "parent/final", "eval-loss", "figures", "data/prose", "data/math"):
+        assert (tmp_path / "runs" / "by-hand" / folder).is_dir(), folder
+    trained = yaml.safe_load((tmp_path / "runs" / "by-hand" / "recurrent" / "config.yaml").read_text())
+    assert trained["data"]["validation"] == ["runs/by-hand/data/prose", "runs/by-hand/data/math"]
