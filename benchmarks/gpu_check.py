@@ -477,6 +477,7 @@ def step_train(ctx: Context) -> None:
     from recurfit.train import load_config
     from recurfit.train.memory import gb
     from recurfit.train.memory_fit import fitting_micro, planner, visible_device_memory
+    from recurfit.train.metrics import PEAK_FLOPS
     from recurfit.train.optim import build_optimizers
 
     sizes, train = ctx.sizes, ctx.sizes.train
@@ -503,16 +504,20 @@ def step_train(ctx: Context) -> None:
     ids = torch.randint(0, sizes.parent["vocab_size"], (micro, seq_len + 1), device=ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    optimizer_step(model, ids, autocast, depth, optimizers)  # warm-up: the optimizers' states, untimed
+    clip = config.optimizer.grad_clip
+    optimizer_step(model, ids, autocast, depth, optimizers, clip)  # warm-up: the optimizers' states, untimed
     ctx.synchronize()
     start = time.perf_counter()
     for _ in range(train["steps"]):
-        optimizer_step(model, ids, autocast, depth, optimizers)
+        optimizer_step(model, ids, autocast, depth, optimizers, clip)
     ctx.synchronize()
     seconds = (time.perf_counter() - start) / train["steps"]
     tokens_s = micro * seq_len / seconds
-    flops = training_flops_per_token(count_parameters(model), depth) * tokens_s
-    peak_flops = ctx.peaks()["bf16_flops"]
+    flops = training_flops_per_token(count_parameters(model), depth) * tokens_s  # as recurfit train's log counts
+    peaks = ctx.peaks()
+    peak_flops = peaks["bf16_flops"]
+    spec = next((peak for name, peak in PEAK_FLOPS.items() if name in peaks["device"]), None)
+    spec_text = f" ({flops / spec:.1%} of the spec sheet's {spec / 1e12:.0f} TFLOP/s)" if spec else ""
     measured = torch.cuda.max_memory_allocated() if ctx.device.type == "cuda" else None
     memory_text = (
         f"peak memory {gb(measured)} against the plan's {gb(plan.peak)} "
@@ -524,13 +529,14 @@ def step_train(ctx: Context) -> None:
         "train",
         f"{RECIPE.name} at (n, k) = {depth}, micro-batch {micro} × {seq_len} (the largest the plan fits in "
         f"{memory / 1e9:.0f} GB), {'bf16 autocast' if plan.autocast else 'fp32'}: {seconds:.2f} s/step, "
-        f"{tokens_s:,.0f} tokens/s, MFU {flops / peak_flops:.1%} of the measured bf16 peak; {memory_text}",
+        f"{tokens_s:,.0f} tokens/s, MFU {flops / peak_flops:.1%} of the measured bf16 peak{spec_text}; {memory_text}",
         micro=micro,
         seq_len=seq_len,
         depth=depth,
         seconds_per_step=seconds,
         tokens_s=tokens_s,
         mfu=flops / peak_flops,
+        mfu_spec=flops / spec if spec else None,
         peak_bytes=measured,
         plan_bytes=plan.peak,
     )

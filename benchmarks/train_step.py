@@ -41,7 +41,13 @@ from recurfit.train import optim
 from recurfit.train.config import OptimizerConfig
 from recurfit.train.head import final_hidden_states, head_losses, head_weight
 from recurfit.train.metrics import peak_flops
-from recurfit.train.optim import BatchedMuon, build_optimizers, cpu_has_native_bf16, newton_schulz_flops
+from recurfit.train.optim import (
+    BatchedMuon,
+    build_optimizers,
+    cpu_has_native_bf16,
+    global_grad_norm,
+    newton_schulz_flops,
+)
 
 TINYLLAMA = dict(  # TinyLlama-1.1B's public config; random weights, no download
     vocab_size=32000,
@@ -71,9 +77,12 @@ def training_loss(model, rows: torch.Tensor, autocast, **kwargs) -> torch.Tensor
         return head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0]
 
 
-def optimizer_step(model, ids, autocast, depth, optimizers) -> None:
-    """Forward, backward and a step of every optimizer on one batch at `depth` (n, k)."""
+def optimizer_step(model, ids, autocast, depth, optimizers, clip: float | None = None) -> None:
+    """Forward, backward (gradients clipped to a global norm of `clip`, as training does) and a step of every
+    optimizer on one batch at `depth` (n, k)."""
     training_loss(model, ids, autocast, num_steps=depth).backward()
+    if clip:
+        global_grad_norm(model.parameters(), clip)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
