@@ -15,10 +15,11 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
    measured acceptance pays for (adaptive, the default), and whether the outputs are identical.
 5. Adaptive depth in a batch of `--batch` sequences: time per token against fixed r, as a ratio to the
    compute the rows' own depths predict (the core runs only on rows still recurring).
-6. Compiled decoding (`generate(compile=True)`: static cache, one graph per batch size and r) against eager
-   `generate` (dynamic cache): free-running greedy time per token at batches `--compile-batches` and r ∈
-   `--compile-depths`, the tokens compared, graphs traced, the one-time compile cost, and the weights-read
-   floor (at `--bandwidth`, or the bandwidth measured here with `--bandwidth measure`).
+6. Compiled decoding (`generate(compile=True)`: static cache; prelude, one recurrence step and coda compiled once
+   per batch size) against eager `generate` (dynamic cache): free-running greedy time per token at batches
+   `--compile-batches` and r ∈ `--compile-depths`, the tokens compared, graphs traced, the one-time compile cost
+   (each row from a cold start: no graph kept from the row before), and the weights-read floor (at
+   `--bandwidth`, or the bandwidth measured here with `--bandwidth measure`).
 `--parent tinyllama` retrofits TinyLlama-1.1B's shape with random weights (no download) and decodes random
 tokens: its times are real, its NLL and agreement are not. `--perturb-adapter ε` adds ε times a random matrix
 (entries of variance 1 / 2h) to the retrofit's identity adapter [0 | I], so that the depths compute different
@@ -390,6 +391,13 @@ def decode_ms(model, rows, r: int, new: int, repeats: int, compile: bool | str =
     return result
 
 
+def forget_compiled(model) -> None:
+    """Drop every compiled graph and static cache, so that the next compiled `generate` compiles from scratch."""
+    torch._dynamo.reset()
+    for kept in ("_compiled_decoders", "_decoding_caches"):
+        model.__dict__.pop(kept, None)
+
+
 def compiled(model, prompts, args) -> None:
     """Free-running greedy decoding, eager against compiled, at each batch size and r."""
     new = args.decode
@@ -401,6 +409,7 @@ def compiled(model, prompts, args) -> None:
     for batch in (int(b) for b in args.compile_batches.split(",")):
         rows = prompts[torch.arange(batch, device=prompts.device) % prompts.shape[0]]
         for r in (int(d) for d in args.compile_depths.split(",")):
+            forget_compiled(model)  # each row's compile from cold: its r's own cost
             times = decode_ms(model, rows, r, new, args.repeats, compile=True)
             eager_ms, compiled_ms = times["eager_ms"], times["compiled_ms"]
             line = (

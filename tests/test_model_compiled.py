@@ -27,7 +27,7 @@ def test_the_compiled_step_gives_eager_generates_tokens():
     assert torch.equal(greedy(model, ids, mask, None, compile="eager"), greedy(model, ids, mask, mean))
 
 
-def test_one_trace_per_batch_size_and_depth_and_none_per_token():
+def test_three_graphs_per_batch_size_whatever_the_depth_and_none_per_token():
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
@@ -35,13 +35,76 @@ def test_one_trace_per_batch_size_and_depth_and_none_per_token():
     model = model_with_state_for_cache("llama")
     ids, mask = prompts_for_cache()
     first = greedy(model, ids, mask, 2, new=10, compile=counter)
-    assert counter.frame_count == 1  # nine one-token steps, one trace
+    assert counter.frame_count == 3  # prelude, one recurrence step, coda: nine one-token steps, three traces
     assert torch.equal(first, greedy(model, ids, mask, 2, new=10))
     assert torch.equal(greedy(model, ids, mask, 2, new=10, compile=counter), first)
     greedy(model, ids[:, 2:], mask[:, 2:], 2, new=6, compile=counter)  # another prompt length: the same buffers
-    assert counter.frame_count == 1
-    greedy(model, ids, mask, 3, new=6, compile=counter)
-    assert counter.frame_count == 2  # a new r is a new graph, traced once
+    assert counter.frame_count == 3
+    # a new r runs the same step graph more often: no new trace, and eager's tokens at that r
+    assert torch.equal(greedy(model, ids, mask, 5, new=6, compile=counter), greedy(model, ids, mask, 5, new=6))
+    assert counter.frame_count == 3
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_a_sweep_of_twelve_batch_sizes_and_depths_compiles_each_shape_once():
+    """lm-eval sweeps r with uneven last batches. Dynamo's recompile budget (8 graphs per code object, a hard
+    error under fullgraph) must not be shared by all shapes: each batch size compiles its own three graphs."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    for batch in range(1, 13):
+        rows, rows_mask = ids.repeat(6, 1)[:batch], mask.repeat(6, 1)[:batch]
+        r = 1 + batch % 4
+        got = greedy(model, rows, rows_mask, r, new=3, compile=counter)
+        assert torch.equal(got, greedy(model, rows, rows_mask, r, new=3)), (batch, r)
+    assert counter.frame_count == 3 * 12
+
+
+class OverwrittenOutputs:
+    """A compile backend standing in for CUDA graph trees on the CPU: graphs run eagerly, and when a token's first
+    graph (the decoder's prelude, compiled first) runs again, every tensor the graphs handed out for the previous
+    token is overwritten with NaN, as replaying a CUDA graph tree from its root reuses its outputs' memory. Outputs
+    that alias an input (a cache buffer) are not the graphs' own and stay."""
+
+    def __init__(self):
+        self.graphs, self.handed_out = 0, []
+
+    def __call__(self, graph, example_inputs):
+        index, self.graphs = self.graphs, self.graphs + 1
+
+        def run(*inputs):
+            if index == 0:
+                for tensor in self.handed_out:
+                    tensor.fill_(float("nan"))
+                self.handed_out.clear()
+            outputs = graph(*inputs)
+            owned = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            self.handed_out += [
+                t
+                for t in outputs
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.untyped_storage().data_ptr() not in owned
+            ]
+            return outputs
+
+        return run
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_warm_start_survives_graphs_whose_outputs_are_overwritten():
+    """Warm start reads the previous token's s_r. Kept as a graph's output, it would be overwritten by the next
+    replay (CUDA graph trees: "accessing tensor output of CUDAGraphs that has been overwritten"); the cache keeps it
+    in a buffer of its own, written in place. Prompts of other lengths reuse the graphs (fixed strides)."""
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    backend = OverwrittenOutputs()
+    for cut in (0, 3):
+        eager = greedy(model, ids[:, cut:], mask[:, cut:], 2, warm_start=True)
+        assert torch.equal(greedy(model, ids[:, cut:], mask[:, cut:], 2, warm_start=True, compile=backend), eager)
+    assert backend.graphs == 3
+    assert not torch.equal(eager, greedy(model, ids[:, 3:], mask[:, 3:], 2))  # the warm start changes the tokens
 
 
 @pytest.mark.float32_only(GREEDY_TOKENS)
@@ -84,7 +147,7 @@ def test_a_random_initial_state_compiles_into_the_step():
     ids, mask = prompts_for_cache()
     counter = CompileCounter()
     out = greedy(model, ids, mask, 2, new=5, compile=counter)  # fullgraph: a graph break would raise here
-    assert counter.frame_count == 1 and out.shape == (2, ids.shape[1] + 5)
+    assert counter.frame_count == 3 and out.shape == (2, ids.shape[1] + 5)
     draws = _truncated_normal_by_inverse_cdf(torch.zeros(4096), 0.5)
     assert draws.abs().max() <= 1.5 and abs(draws.std().item() - 0.5 * 0.9866) < 0.02  # TruncNormal(±3σ)'s std
 

@@ -132,6 +132,10 @@ class RecurrentCache(Cache):
     def end_forward(self) -> None:
         """After the forward (the static cache advances its device-side length here; this one has grown already)."""
 
+    def keep_final_state(self, state: torch.Tensor) -> None:
+        """Keep the last position's s_r (batch, 1, hidden) for the next token's warm start."""
+        self.final_state = state[:, -1:]
+
     @contextmanager
     def probe(self, rows: torch.LongTensor | None = None):
         """Run the coda on `rows` of the batch (None: all) for a look at intermediate logits (adaptive exit),

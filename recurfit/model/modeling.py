@@ -213,7 +213,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             if step in readout_steps:
                 hidden_at_readout_steps.append(self._coda(state, layer_kwargs))
         if cache is not None:
-            cache.final_state = state[:, -1:]
+            cache.keep_final_state(state)
             cache.end_forward()
         steps = tracker.steps if tracker is not None else torch.full(state.shape[:1], n + k, device=state.device)
         return RecurrentModelOutput(
@@ -452,7 +452,7 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             n, k = self.model.resolve_num_steps(num_steps)
             # Fresh contiguous inputs: a column of a growing mask has a stride that changes every token (a retrace).
             token, new_real = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, new_real))
-            logits = step(token, new_real, n + k, warm_start)
+            logits = step(self, cache, token, new_real, n + k, warm_start)
             steps = torch.full(input_ids.shape[:1], n + k, device=input_ids.device)
             if steps_log is not None:
                 steps_log.append(steps)

@@ -61,14 +61,22 @@ class StaticRecurrentCache(Cache):
         slots = self.prelude + core_slots + self.coda
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(slots)]
+        # What a forward's layers write to, by part. The core's are the current step's slots, chosen by `begin_step`
+        # on the host: a compiled recurrence step reads them from here, so one graph serves every step and every r.
+        coda = slice(len(self.keys) - self.coda, len(self.keys))
+        self.prelude_keys, self.prelude_values = self.keys[: self.prelude], self.values[: self.prelude]
+        self.coda_keys, self.coda_values = self.keys[coda], self.values[coda]
+        self.step_keys, self.step_values = self._core_slots(1)
         self.real = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # non-padding positions
         self.length = torch.zeros((), dtype=torch.long, device=device)  # tokens stored (the same for every row)
-        self.step = 0  # 1-based core step while the core runs; 0 in the prelude and coda
+        # The last position's s_r after each forward (warm starts): a buffer of its own, written in place, because a
+        # CUDA graph's outputs are overwritten by its next replay and the next token reads this one's state.
+        self.state = torch.zeros(batch_size, 1, text.hidden_size, dtype=dtype, device=device)
+        self.state_kept = False
         self.steps_stored = 1
-        self.final_state: torch.Tensor | None = None  # the last position's s_r after each forward (warm starts)
         self._new_positions: torch.Tensor | None = None
-        self.compiled_step = None  # a recurfit.model.compiled.CompiledStep, which the model calls for one-token steps
-        for buffer in (*self.keys, *self.values, self.real, self.length):
+        self.compiled_step = None  # a recurfit.model.compiled.CompiledDecoder: the model's one-token calls go there
+        for buffer in (*self.keys, *self.values, self.real, self.length, self.state):
             torch._dynamo.mark_static_address(buffer)  # fixed addresses: CUDA graphs replay without copies
 
     # ------------------------------------------------------------ slots
@@ -101,7 +109,6 @@ class StaticRecurrentCache(Cache):
         self.real.index_copy_(1, positions, new_real)
         # Position ids count each row's real tokens, so left padding does not shift RoPE (as positions_from_mask).
         position_ids = (real_before + new_real.long().cumsum(-1) - 1).clamp(min=0)
-        self.step = 0
         masks = {kind: self._mask(positions, kind, mask_format) for kind in set(layer_attention)}
         return position_ids, masks
 
@@ -125,18 +132,29 @@ class StaticRecurrentCache(Cache):
             raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
         if step > self.max_steps:
             raise ValueError(f"this StaticRecurrentCache holds {self.max_steps} steps; the forward runs step {step}.")
-        self.step = step
+        self.step_keys, self.step_values = self._core_slots(step)
+
+    def _core_slots(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        indices = [self.slot(layer_idx, step) for layer_idx in range(self.prelude, self.prelude + self.core)]
+        return [self.keys[i] for i in indices], [self.values[i] for i in indices]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        index = self.slot(layer_idx, self.step)
-        keys, values = self.keys[index], self.values[index]
+        # By part, through lists whose lengths do not depend on max_steps: no compiled graph specialises on r.
+        if layer_idx < self.prelude:
+            keys, values = self.prelude_keys[layer_idx], self.prelude_values[layer_idx]
+        elif layer_idx < self.prelude + self.core:
+            keys, values = self.step_keys[layer_idx - self.prelude], self.step_values[layer_idx - self.prelude]
+        else:
+            keys, values = (
+                self.coda_keys[layer_idx - self.prelude - self.core],
+                self.coda_values[layer_idx - self.prelude - self.core],
+            )
         keys.index_copy_(2, self._new_positions, key_states.to(keys.dtype))
         values.index_copy_(2, self._new_positions, value_states.to(values.dtype))
         return keys, values
 
     def end_core(self, steps_run: int) -> None:
         """After the core loop: slots of deeper steps receive the new tokens' latest step (the latest-step rule)."""
-        self.step = 0
         if self.policy == "latest":
             return
         for layer_idx in range(self.prelude, self.prelude + self.core):
@@ -152,6 +170,15 @@ class StaticRecurrentCache(Cache):
     def end_forward(self) -> None:
         self.length.add_(self._new_positions.numel())
 
+    def keep_final_state(self, state: torch.Tensor) -> None:
+        """Keep the last position's s_r (batch, 1, hidden), where the next token's warm start reads it."""
+        self.state.copy_(state[:, -1:])
+        self.state_kept = True
+
+    @property
+    def final_state(self) -> torch.Tensor | None:
+        return self.state if self.state_kept else None
+
     def probe(self, rows=None):
         raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
 
@@ -165,7 +192,7 @@ class StaticRecurrentCache(Cache):
     def reset(self) -> None:
         self.real.zero_()
         self.length.zero_()
-        self.steps_stored, self.final_state = 1, None
+        self.steps_stored, self.state_kept = 1, False
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.length)
