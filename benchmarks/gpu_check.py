@@ -28,14 +28,16 @@ Each step appends its results to OUT/results.jsonl as it measures them, one JSON
 sentence under "text"; after each step the runner adds the step's status line and rewrites OUT/summary.md (the
 sentences, in order). A step killed at its limit keeps the lines it wrote; OUT/log.txt holds every step's output.
 
-The compile budget. Until decoding compiles one recurrence step and runs it r times, a compiled decoding step
-unrolls P + r·R + C decoder layers, and compile time grows with them: r = 32 of a (4, 8, 4) model is 264 layers
-and took 244-259 s on a CPU. So here the compiled keys of the TinyLlama model are at r = 4 (40 layers, ~40-60 s
-estimated); r = 32 is compiled only where the compile time measured at r = 4, scaled by the layers, fits the time
-the step has left (a line says when it does not); the 12-key sweep uses a toy model of 1 + r + 1 layers, as its
-questions (recompile limits, CUDA graphs overwriting the fed-back state) do not depend on size. Each (batch, r) is
-compiled once: the steps share inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR), so step 3's (1, 4) key, which
-step 2 compiled, costs only its trace. The limits are estimates until the first GPU run measures them.
+The compile budget. Where a compiled decoding step unrolls P + r·R + C decoder layers, compile time grows with
+them: on a CPU a (4, 8, 4) model compiled in 39-44 s at r = 4 (40 layers) and 244-259 s at r = 32 (264 layers).
+So the correctness step compiles the TinyLlama model at r = 1 and 4 (16 and 40 layers, ~15 and ~40 s estimated),
+whose compile times show how compile time grows with r; the decode step compiles a key only where the compile
+predicted from them fits the time it has left (a line says when it does not): r = 32 where compile time grows
+with r, every key where decoding compiles one recurrence step and runs it r times. The 12-key sweep uses a toy
+model, as its questions (recompile limits, CUDA graphs overwriting the fed-back state) do not depend on size.
+Each (batch, r) is compiled once: the steps share inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR), so the
+decode step's (1, 4) key, which the correctness step compiled, costs only its trace. The limits are estimates
+until the first GPU run measures them.
 
 `--cpu-smoke` runs every step at toy sizes on the CPU with dynamo's "eager" backend (traced and checked as on the
 GPU, without inductor's minutes of compiling), with the packages the device lacks hidden (gpu_suite.py's
@@ -81,11 +83,11 @@ class Step:
 
 STEPS = (
     Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth"),
-    Step("correctness", 85, "bf16 compiled vs eager vs fp32 decoding of a perturbed TinyLlama (4,8,4), per r"),
-    Step("decode", 80, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
+    Step("correctness", 95, "bf16 compiled vs eager vs fp32 decoding of a perturbed TinyLlama (4,8,4), per r"),
+    Step("decode", 75, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
     Step("train", 35, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
     Step("sweep", 70, "warm start + compile under CUDA graphs; 12 (batch, r) keys compiled in one process"),
-    Step("vllm", 15, "vLLM serving the decode model at r = 8, where vLLM is importable"),
+    Step("vllm", 10, "vLLM serving the decode model at r = 8, where vLLM is importable"),
 )
 SMOKE_SCALE = 3  # the smoke's limits: a shared CI machine's CPU is slow to import and trace
 
@@ -117,7 +119,8 @@ def full_sizes() -> Sizes:
         shape=(4, 8, 4),
         compile=True,
         peaks=dict(size=8192, copy_gib=2.0, repeats=10),
-        check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(4,)),
+        # Compiled at two depths: their compile times tell the decode step how compile time grows with r.
+        check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(1, 4)),
         # The keys that need no new compile first: (1, 4) was compiled by the correctness step, r = 32 is timed
         # eagerly unless its compile fits, and (32, 4)'s compile comes last.
         decode=dict(keys=((1, 4), (1, 32), (32, 32), (32, 4)), prompt=128, new=16, repeats=2),
@@ -133,7 +136,7 @@ def smoke_sizes() -> Sizes:
         shape=(1, 2, 1),
         compile="eager",
         peaks=dict(size=256, copy_gib=0.01, repeats=2),
-        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(2,)),
+        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(1, 2)),
         decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=6, repeats=1),
         train=dict(
             seq_len=32,
@@ -454,15 +457,19 @@ def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: di
 
 
 def predicted_compile(compiles: dict, shape, r: int) -> float | None:
-    """Seconds to compile the decoding step at r: as long as at r at another batch size, else the longest compile
-    at the deepest r so far, scaled by the layers the unrolled step holds (None: nothing to go by). Once one
-    recurrence step is compiled and run r times, compile time no longer grows with r: then the scaling should go."""
-    if r in compiles:  # at another batch size
+    """Seconds to compile the decoding step at r (None: nothing to go by), from the compiles measured so far
+    (r -> seconds): as long as at r at another batch size; else, from two depths, the longest compile plus the
+    seconds per unrolled layer between the shallowest and the deepest (none where compile time does not grow with
+    r: decoding that compiles one recurrence step and runs it r times); from one depth, scaled by the layers."""
+    if r in compiles:
         return compiles[r]
     if not compiles:
         return None
-    known = max(compiles)
-    return compiles[known] * layers_per_token(shape, r) / layers_per_token(shape, known)
+    low, high = min(compiles), max(compiles)
+    if low == high:
+        return compiles[high] * layers_per_token(shape, r) / layers_per_token(shape, high)
+    per_layer = (compiles[high] - compiles[low]) / (layers_per_token(shape, high) - layers_per_token(shape, low))
+    return max(compiles.values()) + max(0.0, per_layer) * (layers_per_token(shape, r) - layers_per_token(shape, high))
 
 
 def step_train(ctx: Context) -> None:

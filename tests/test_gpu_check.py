@@ -57,6 +57,21 @@ def test_a_step_past_its_limit_is_killed_and_said_so(tmp_path):
     assert "===== device (limit 0 s)" in (tmp_path / "out" / "log.txt").read_text()
 
 
+def test_compile_time_at_a_new_depth_is_predicted_from_how_it_grew_between_two_depths():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from gpu_check import predicted_compile
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    shape = (4, 8, 4)  # 16, 40 and 264 layers at r = 1, 4, 32
+    assert predicted_compile({}, shape, 32) is None
+    assert predicted_compile({4: 40.0}, shape, 4) == 40.0  # another batch size at the same r
+    assert predicted_compile({4: 40.0}, shape, 32) == pytest.approx(40.0 * 264 / 40)  # by the layers
+    assert predicted_compile({1: 16.0, 4: 40.0}, shape, 32) == pytest.approx(40.0 + 1.0 * (264 - 40))  # 1 s a layer
+    # One recurrence step compiled and reused: r = 4 compiled nothing new, so r = 32 costs at most the first compile.
+    assert predicted_compile({1: 30.0, 4: 0.5}, shape, 32) == 30.0
+
+
 def test_decode_times_eagerly_the_keys_whose_predicted_compile_does_not_fit_the_time_left(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -106,9 +121,10 @@ def test_cpu_smoke_runs_every_step_and_writes_a_line_for_each_result(tmp_path):
     assert sorted(correctness) == [1, 2, 4]
     for r, record in correctness.items():  # the smoke runs in fp32: eager and compiled match the reference
         assert record["eager_vs_fp32"]["agreement"] == 1.0 and record["eager_vs_fp32"]["max_logit_error"] == 0
-        assert ("compiled_vs_eager" in record) == (r == 2)
-    assert correctness[2]["compiled_vs_eager"]["agreement"] == 1.0
-    assert correctness[2]["compiled_vs_fp32"]["max_logit_error"] < 1e-4
+        assert ("compiled_vs_eager" in record) == (r in (1, 2))
+    for r in (1, 2):
+        assert correctness[r]["compiled_vs_eager"]["agreement"] == 1.0
+        assert correctness[r]["compiled_vs_fp32"]["max_logit_error"] < 1e-4
     decode = lines["decode"]
     assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (1, 4), (2, 4), (2, 2)]
     assert all(r["same_tokens"] and math.isfinite(r["compiled_tokens_s"]) and r["floor_ms"] > 0 for r in decode)
