@@ -329,7 +329,7 @@ def step_device(ctx: Context) -> None:
     ctx.record(
         "device",
         f"{measured['device']}{f', {memory:.0f} GiB' if memory else ''}; {versions}, transformers "
-        f"{transformers.__version__}; bf16 matmul {measured['bf16_flops'] / 1e12:.1f} TFLOP/s, copy "
+        f"{transformers.__version__}; bf16 matmul {measured['bf16_flops'] / 1e12:.3g} TFLOP/s, copy "
         f"{measured['bandwidth_bytes'] / 1e9:.0f} GB/s (read + write); recurfit dependencies missing here: "
         f"{', '.join(missing) or 'none'}",
         device=measured["device"],
@@ -585,7 +585,10 @@ def step_sweep(ctx: Context) -> None:
 
     for length in (sweep["prompt"], sweep["prompt"] + 3):  # a second prompt length: the same graph expected
         attempt(f"warm start, batch 2, r = 4, prompt {length}", prompts[:2, :length], 4, warm_start=True)
-    torch._dynamo.reset()  # the sweep's keys alone against dynamo's recompile limit
+    # The keys alone against dynamo's recompile limit, on a model of their own: none of its compiled steps or
+    # caches were made before the reset.
+    torch._dynamo.reset()
+    model = build_retrofit(ctx, TOY_PARENT, ctx.sizes.sweep_shape, torch.float32, perturb=0.5)
     for key, (r, batch) in enumerate(((r, b) for r in sweep["depths"] for b in sweep["batches"]), 1):
         attempt(f"key {key} (batch {batch}, r = {r})", prompts[:batch, : sweep["prompt"]], r)
 
