@@ -28,16 +28,15 @@ Each step appends its results to OUT/results.jsonl as it measures them, one JSON
 sentence under "text"; after each step the runner adds the step's status line and rewrites OUT/summary.md (the
 sentences, in order). A step killed at its limit keeps the lines it wrote; OUT/log.txt holds every step's output.
 
-The compile budget. Where a compiled decoding step unrolls P + r·R + C decoder layers, compile time grows with
-them: on a CPU a (4, 8, 4) model compiled in 39-44 s at r = 4 (40 layers) and 244-259 s at r = 32 (264 layers).
-So the correctness step compiles the TinyLlama model at r = 1 and 4 (16 and 40 layers, ~15 and ~40 s estimated),
-whose compile times show how compile time grows with r; the decode step compiles a key only where the compile
-predicted from them fits the time it has left (a line says when it does not): r = 32 where compile time grows
-with r, every key where decoding compiles one recurrence step and runs it r times. The 12-key sweep uses a toy
-model, as its questions (recompile limits, CUDA graphs overwriting the fed-back state) do not depend on size.
-Each (batch, r) is compiled once: the steps share inductor's on-disk caches (TORCHINDUCTOR_CACHE_DIR), so the
-decode step's (1, 4) key, which the correctness step compiled, costs only its trace. The limits are estimates
-until the first GPU run measures them.
+The compile budget. Decoding compiles per batch size: a token's prelude, one recurrence step and its coda + head
+(recurfit/model/compiled.py), so a new r compiles nothing. The correctness step compiles the TinyLlama model at
+r = 1 and 4, and the decode step predicts each key's compile from theirs (the seconds per unrolled layer between
+them: none where a new r compiles nothing; a step that unrolled all P + r·R + C layers took 244-259 s at r = 32 of
+a (4, 8, 4) model on a CPU) and compiles a key only where its prediction fits the time it has left (a line says
+when it does not). The 12-key sweep uses a toy model, as its questions (recompile limits, CUDA graphs overwriting
+the fed-back state) do not depend on size. Each (batch, r) is compiled once: the steps share inductor's on-disk
+caches (TORCHINDUCTOR_CACHE_DIR), so the decode step's batch-1 graphs, which the correctness step compiled, cost
+only their trace. The limits are estimates until the first GPU run measures them.
 
 `--cpu-smoke` runs every step at toy sizes on the CPU with dynamo's "eager" backend (traced and checked as on the
 GPU, without inductor's minutes of compiling), with the packages the device lacks hidden (gpu_suite.py's
@@ -119,10 +118,11 @@ def full_sizes() -> Sizes:
         shape=(4, 8, 4),
         compile=True,
         peaks=dict(size=8192, copy_gib=2.0, repeats=10),
-        # Compiled at two depths: their compile times tell the decode step how compile time grows with r.
-        check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(1, 4)),
-        # The keys that need no new compile first: (1, 4) was compiled by the correctness step, r = 32 is timed
-        # eagerly unless its compile fits, and (32, 4)'s compile comes last.
+        # Compiled at r = 1 and 4 first: their compile times tell how compile time grows with r, for r = 32 here
+        # and the decode step's keys.
+        check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(1, 4, 32)),
+        # The keys that need no new compile first: batch 1 was compiled by the correctness step; batch 32's
+        # compile comes last.
         decode=dict(keys=((1, 4), (1, 32), (32, 32), (32, 4)), prompt=128, new=16, repeats=2),
         train=dict(seq_len=1024, steps=2, overrides=(), memory=None),
     )
@@ -136,7 +136,7 @@ def smoke_sizes() -> Sizes:
         shape=(1, 2, 1),
         compile="eager",
         peaks=dict(size=256, copy_gib=0.01, repeats=2),
-        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(1, 2)),
+        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(1, 2, 4)),
         decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=6, repeats=1),
         train=dict(
             seq_len=32,
@@ -351,12 +351,14 @@ def step_correctness(ctx: Context) -> None:
     reference = build_retrofit(ctx, sizes.parent, sizes.shape, torch.float32)
     model = copy.deepcopy(reference).to(torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
     ids = random_rows(ctx, check["batch"], check["prompt"] + check["new"], sizes.parent["vocab_size"])
+    compiles = {}  # r -> seconds, for the predictions of the deeper compiles
     for r in sorted({*check["eager"], *check["compiled"]}):
-        ctx.attempt("correctness", f"r = {r}", check_depth, ctx, reference, model, ids, r)
+        ctx.attempt("correctness", f"r = {r}", check_depth, ctx, reference, model, ids, r, compiles)
 
 
-def check_depth(ctx: Context, reference, model, ids, r: int) -> None:
-    """Teacher-forced decoding at r: the bf16 model eager (and compiled) against the fp32 reference."""
+def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> None:
+    """Teacher-forced decoding at r: the bf16 model eager (and compiled, where its predicted compile fits the time
+    left) against the fp32 reference."""
     from decode import teacher_forced
 
     from recurfit.model.compiled import decoding_cache
@@ -365,12 +367,16 @@ def check_depth(ctx: Context, reference, model, ids, r: int) -> None:
     runs = {"fp32": teacher_forced(reference, ids, check["prompt"], keep_logits=True, num_steps=r)}
     runs["eager"] = teacher_forced(model, ids, check["prompt"], keep_logits=True, num_steps=r)
     pairs = [("eager", "fp32")]
-    figures, compile_s = {}, None
-    if r in check["compiled"]:
+    figures, compile_s, skipped = {}, None, ""
+    predicted = predicted_compile(compiles, sizes.shape, r)
+    if r in check["compiled"] and predicted is not None and predicted > ctx.seconds_left() - 15:
+        skipped = f"; compiled: not run, its compile (predicted {predicted:.0f} s) does not fit the time left"
+    elif r in check["compiled"]:
         cache = decoding_cache(model, ids.shape[0], ids.shape[1], r, compile=sizes.compile)
         start = time.perf_counter()
         runs["compiled"] = teacher_forced(model, ids, check["prompt"], cache=cache, keep_logits=True, num_steps=r)
         compile_s = time.perf_counter() - start - check["new"] * runs["compiled"]["ms_per_token"] / 1e3
+        compiles[r] = compile_s
         pairs += [("compiled", "eager"), ("compiled", "fp32")]
     scale = runs["fp32"]["logits"].abs().max().item()
     names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
@@ -384,7 +390,7 @@ def check_depth(ctx: Context, reference, model, ids, r: int) -> None:
     compiled = f"; compile ≈ {compile_s:.0f} s" if compile_s is not None else ""
     ctx.record(
         "correctness",
-        f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
+        f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}{skipped}",
         r=r,
         tokens=tokens,
         logit_scale=scale,

@@ -119,12 +119,10 @@ def test_cpu_smoke_runs_every_step_and_writes_a_line_for_each_result(tmp_path):
     assert device["bf16_tflops"] > 0 and device["bandwidth_gbs"] > 0
     correctness = {r["r"]: r for r in lines["correctness"]}
     assert sorted(correctness) == [1, 2, 4]
-    for r, record in correctness.items():  # the smoke runs in fp32: eager and compiled match the reference
+    for record in correctness.values():  # the smoke runs in fp32: eager and compiled match the reference
         assert record["eager_vs_fp32"]["agreement"] == 1.0 and record["eager_vs_fp32"]["max_logit_error"] == 0
-        assert ("compiled_vs_eager" in record) == (r in (1, 2))
-    for r in (1, 2):
-        assert correctness[r]["compiled_vs_eager"]["agreement"] == 1.0
-        assert correctness[r]["compiled_vs_fp32"]["max_logit_error"] < 1e-4
+        assert record["compile_s"] is not None and record["compiled_vs_eager"]["agreement"] == 1.0
+        assert record["compiled_vs_fp32"]["max_logit_error"] < 1e-4
     decode = lines["decode"]
     assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (1, 4), (2, 4), (2, 2)]
     assert all(r["same_tokens"] and math.isfinite(r["compiled_tokens_s"]) and r["floor_ms"] > 0 for r in decode)
