@@ -43,6 +43,9 @@ def test_three_graphs_per_batch_size_whatever_the_depth_and_none_per_token():
     # a new r runs the same step graph more often: no new trace, and eager's tokens at that r
     assert torch.equal(greedy(model, ids, mask, 5, new=6, compile=counter), greedy(model, ids, mask, 5, new=6))
     assert counter.frame_count == 3
+    torch._dynamo.reset()  # the graphs dropped under the kept decoder: traced again (guards were skipped)
+    assert torch.equal(greedy(model, ids, mask, 2, new=10, compile=counter), first)
+    assert counter.frame_count == 6
 
 
 @pytest.mark.float32_only(GREEDY_TOKENS)

@@ -35,12 +35,17 @@ MIN_LENGTH_BUCKET = 256  # cache lengths are powers of two from here: prompts of
 KEPT_CACHES = 2  # static caches kept allocated per model, least recently used freed first
 
 
-def _prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor, warm_start: bool):
+def _prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor):
     """e, s_0 and the layers' inputs (masks, rotary embeddings, positions) of one token per row."""
     embedded, layer_kwargs = body._prepare(token, None, new_real, None, cache, {})
     e = body._apply_layers(body.prelude, 0, embedded, **layer_kwargs)
-    state = cache.final_state if warm_start and cache.final_state is not None else body.initial_state(e)
-    return e, state, {name: value for name, value in layer_kwargs.items() if name != CACHE_ARG}
+    return e, body.initial_state(e), {name: value for name, value in layer_kwargs.items() if name != CACHE_ARG}
+
+
+def _warm_prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor):
+    """As `_prelude`, with s_0 the previous token's s_r (warm start)."""
+    e, _, layer_kwargs = _prelude(body, cache, token, new_real)
+    return e, cache.state, layer_kwargs
 
 
 def _step(body, cache, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
@@ -60,28 +65,48 @@ def _own_code(function: types.FunctionType) -> types.FunctionType:
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
 
+def _graphs_of(code: types.CodeType) -> list:
+    """The graphs dynamo holds for `code` (its cache entries)."""
+    return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+
+
 class CompiledDecoder:
-    """One decoding step of one token per row, compiled in three pieces; called by the model's forward."""
+    """One decoding step of one token per row, compiled in pieces; called by the model's forward.
+
+    Each piece is called with inputs of one shape, dtype and device only (the decoder's batch size, length bucket
+    and policy; caches of any r), so it compiles one graph, and while that graph is its only one its guards are
+    not evaluated (`skip_guard_eval_unsafe`): they would only re-check what cannot change, at r + 2 calls a token
+    (measured on the CPU: a sixth of a tiny model's decoding time at r = 16). A warm start has a prelude of its own
+    rather than a branch on a flag, which would be a second graph that skipped guards could not choose between.
+    After `torch._dynamo.reset()` a piece has no graph, and is traced again with its guards."""
 
     def __init__(self, model, compile: bool | str | object = True):
         # CUDA graphs replay each piece without a launch per kernel. `compile` may name another torch.compile backend.
         mode = "reduce-overhead" if model.device.type == "cuda" and compile is True else None
         backend = "inductor" if compile is True else compile
         options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
-        self._prelude, self._step, self._coda = (
-            torch.compile(_own_code(piece), **options) for piece in (_prelude, _step, _coda)
-        )
+        self._code, self._pieces = {}, {}
+        for piece in (_prelude, _warm_prelude, _step, _coda):
+            own = _own_code(piece)
+            self._code[piece.__name__], self._pieces[piece.__name__] = own.__code__, torch.compile(own, **options)
+
+    def _run(self, name: str, *args):
+        if len(_graphs_of(self._code[name])) == 1:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._pieces[name](*args)
+        return self._pieces[name](*args)
 
     def __call__(self, model, cache: StaticRecurrentCache, token, new_real, num_steps: int, warm_start: bool):
         """Next-token logits (batch, 1, vocab) after `num_steps` recurrences."""
         if num_steps > cache.max_steps:
             raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
-        e, state, layer_kwargs = self._prelude(model.model, cache, token, new_real, warm_start)
+        prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
+        e, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
         for step in range(1, num_steps + 1):
             cache.begin_step(step)
-            state = self._step(model.model, cache, state, e, layer_kwargs)
+            state = self._run("_step", model.model, cache, state, e, layer_kwargs)
         cache.end_core(num_steps)
-        return self._coda(model, cache, state, layer_kwargs)
+        return self._run("_coda", model, cache, state, layer_kwargs)
 
 
 def decoding_cache(
