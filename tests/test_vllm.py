@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ except Exception as error:  # not installed, or installed with wheels that fail 
         allow_module_level=True,
     )
 
+
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("vLLM runs here on its own device selection, not --device")
 
@@ -83,7 +86,9 @@ def prompts() -> list[list[int]]:
     return [[2, *torch.randint(4, VOCAB, (n - 1,), generator=generator).tolist()] for n in PROMPT_LENGTHS]
 
 
-def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") -> list[list[int]]:
+def recurfit_greedy(
+    model, batch: list[list[int]], r: int, policy: str = "all", new_tokens: int = NEW_TOKENS
+) -> list[list[int]]:
     """recurfit's batched `generate` (left padding) with a `policy` cache: the new tokens of each prompt."""
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
@@ -91,7 +96,7 @@ def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") 
     out = model.generate(
         ids,
         attention_mask=mask,
-        max_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
         do_sample=False,
         num_steps=r,
         eos_token_id=None,
@@ -101,17 +106,10 @@ def recurfit_greedy(model, batch: list[list[int]], r: int, policy: str = "all") 
     return out[:, width:].tolist()
 
 
-def vllm_engine(folder, compiled: bool = False, **overrides):
+def vllm_engine(folder, compiled: bool = False, engine_args: dict | None = None, **overrides):
     """`vllm.LLM` on `folder`: eager (`enforce_eager=True`), or in vLLM's default compiled mode."""
-    return vllm.LLM(
-        str(folder),
-        dtype="float32",
-        enforce_eager=not compiled,
-        max_model_len=128,
-        kv_cache_memory_bytes=64 << 20,
-        hf_overrides=overrides,
-        seed=0,
-    )
+    settings = dict(max_model_len=128, kv_cache_memory_bytes=64 << 20, seed=0, **(engine_args or {}))
+    return vllm.LLM(str(folder), dtype="float32", enforce_eager=not compiled, hf_overrides=overrides, **settings)
 
 
 def compile_state(model) -> dict:
@@ -124,10 +122,12 @@ def compile_state(model) -> dict:
     )
 
 
-def vllm_greedy(folder, batch: list[list[int]], compiled: bool = False, **overrides) -> list[list[int]]:
+def vllm_greedy(
+    folder, batch: list[list[int]], compiled: bool = False, engine_args: dict | None = None, **overrides
+) -> list[list[int]]:
     """Greedy tokens from an engine on `folder`, after checking that in compiled mode the recurrent trunk (the
     whole recurrence) was compiled, and that the family body's own compiled forward is never used."""
-    llm = vllm_engine(folder, compiled, **overrides)
+    llm = vllm_engine(folder, compiled, engine_args, **overrides)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -149,12 +149,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.load(response)
 
 
 def assert_same_answers(served: dict, expected: dict) -> None:
@@ -184,7 +178,9 @@ def test_compiled_engine_gives_recurfits_tokens(tmp_path, family, r):
     embeddings, inside the graph."""
     model = served_model(family, mean_recurrence=2)
     folder, batch = saved(model, tmp_path / family), prompts()
-    assert vllm_greedy(folder, batch, compiled=True, mean_recurrence=r) == recurfit_greedy(model, batch, r)
+    assert vllm_greedy(folder, batch, compiled=True, mean_recurrence=r, max_recurrence=r) == recurfit_greedy(
+        model, batch, r
+    )
 
 
 def test_a_random_initial_state_compiles_and_reaches_the_tokens(tmp_path):
@@ -193,7 +189,7 @@ def test_a_random_initial_state_compiles_and_reaches_the_tokens(tmp_path):
     model = served_model("llama", mean_recurrence=4)
     model.config.state_init_std = 0.5
     folder, batch = saved(model, tmp_path / "llama"), prompts()
-    llm = vllm_engine(folder, compiled=True)
+    llm = vllm_engine(folder, compiled=True, max_recurrence=4)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -206,6 +202,74 @@ def test_a_random_initial_state_compiles_and_reaches_the_tokens(tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outputs] != recurfit_greedy(model, batch, 4)
 
 
+DEPTHS = (1, 2, 4, 8, 16)
+MIXED_TOKENS = 32
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Ten prompts of 3-56 tokens, the last five sharing a 36-token prefix (a full KV block of 32 and more)."""
+    generator = torch.Generator().manual_seed(2)
+    shared = [2, *torch.randint(4, VOCAB, (35,), generator=generator).tolist()]
+    own = [[2, *torch.randint(4, VOCAB, (n - 1,), generator=generator).tolist()] for n in (3, 9, 17, 25, 33)]
+    return own + [shared + torch.randint(4, VOCAB, (n,), generator=generator).tolist() for n in (1, 6, 11, 16, 20)]
+
+
+def served_by_depth(llm, batch: list[list[int]], depths: list[int], cached: list | None = None) -> list[list[int]]:
+    """One `generate` call: request i asks for depth depths[i] (SamplingParams.extra_args); `cached` gets each
+    request's number of prompt tokens read from the prefix cache."""
+    params = [
+        vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True, extra_args={"num_steps": r})
+        for r in depths
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    if cached is not None:
+        cached[:] = [o.num_cached_tokens for o in outputs]
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def expected_by_depth(model, batch: list[list[int]], depths: list[int]) -> list[list[int]]:
+    """recurfit's `generate` at each row's own depth (rows of one depth as one batch)."""
+    rows: list = [None] * len(batch)
+    for r in sorted(set(depths)):
+        chosen = [i for i, d in enumerate(depths) if d == r]
+        for i, tokens in zip(chosen, recurfit_greedy(model, [batch[i] for i in chosen], r, new_tokens=MIXED_TOKENS)):
+            rows[i] = tokens
+    return rows
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tmp_path, compiled):
+    """Requests of depths 1-16 in one continuous batch, prompts split into chunks (chunked prefill, 32 tokens a
+    step) and prefix caching on: each request gets recurfit's greedy tokens at its own depth. A second round
+    serves the same prompts at other depths after the first round's blocks are cached: a cached prefix is reused
+    only at the depth that wrote it (the same prompts at the same depths hit the cache and stay exact)."""
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
+    first = [DEPTHS[i % 5] for i in range(len(batch))]
+    second = [DEPTHS[(i + 1) % 5] for i in range(len(batch))]
+    args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
+    llm = vllm_engine(folder, compiled, args, max_recurrence=16)
+    try:
+        cached: list[list[int]] = [[], [], []]
+        rounds = [(d, served_by_depth(llm, batch, d, cached[i])) for i, d in enumerate((first, second))]
+        for bad in (0, 17, 10**6, "deep", 4.0, True):
+            with pytest.raises(
+                VLLMValidationError, match=rf"^num_steps .* must be an integer in \[1, 16\] .*got {bad!r}"
+            ):
+                served_by_depth(llm, batch[:1], [bad])
+        again = served_by_depth(llm, batch, first, cached[2])
+    finally:
+        del llm
+        gc.collect()
+    for depths, served in rounds:
+        assert served == expected_by_depth(model, batch, depths), depths
+    assert again == rounds[0][1]
+    # Blocks of 32 tokens are reused at the depth that wrote them only: the second round's shared prefixes were
+    # written at their new depths by other prompts in the first round, the prompt of 33 tokens's was not.
+    assert cached == [[0] * 10, [0] * 5 + [32] * 5, [0] * 4 + [32] * 6], cached
+    assert len({tuple(row) for row in rounds[0][1]}) == len(batch)
+
+
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
 def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     model = served_model(family, mean_recurrence=4)
@@ -215,11 +279,27 @@ def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
+    """The `latest` cache, at the server's r and in a batch of depths 1-8: a token past its depth leaves its one
+    cache entry as its last step wrote it."""
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     expected = recurfit_greedy(model, batch, 4, policy="latest")
     assert expected != recurfit_greedy(model, batch, 4)  # the policies differ on this model
-    assert vllm_greedy(folder, batch, compiled, cache_policy="latest") == expected
+    one_forward = dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    llm = vllm_engine(folder, compiled, one_forward, cache_policy="latest", max_recurrence=8)
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        mixed, depths = mixed_prompts()[:8], [1, 2, 4, 8] * 2
+        served = served_by_depth(llm, mixed, depths)
+    finally:
+        del llm
+        gc.collect()
+    for r in (1, 2, 4, 8):
+        chosen = [i for i, d in enumerate(depths) if d == r]
+        rows = recurfit_greedy(model, [mixed[i] for i in chosen], r, policy="latest", new_tokens=MIXED_TOKENS)
+        assert [served[i] for i in chosen] == rows, f"r = {r}"
 
 
 @pytest.mark.parametrize(
@@ -227,6 +307,12 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
     [
         ("olmo2", {}, "text_config.model_type 'olmo2' has no vLLM layers"),
         ("llama", {"cache_policy": "every"}, "cache_policy must be one of"),
+        (
+            "llama",
+            {"cache_policy": "latest"},
+            r"recurfit on vLLM: cache_policy 'latest' .* turn off enable_prefix_caching and enable_chunked_prefill ",
+        ),
+        ("llama", {"max_recurrence": 1, "mean_recurrence": 2}, "max_recurrence must be an integer >= mean_rec"),
     ],
 )
 def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):
@@ -266,39 +352,127 @@ def test_qwen_with_some_sliding_layers_is_refused(tmp_path):
         vllm_greedy(folder, prompts())
 
 
-def test_vllm_serve_answers_an_openai_completion_request(tmp_path):
-    model = served_model("llama", mean_recurrence=2)
-    folder, prompt = saved(model, tmp_path / "llama"), prompts()[1]
+def start_server(tmp_path, folder, *args: str) -> tuple[subprocess.Popen, str]:
+    """`vllm serve folder` on a free port of 127.0.0.1, in its own process group; its base URL once healthy."""
     port = free_port()
     command = [
-        str(Path(sys.executable).parent / "vllm"), "serve", str(folder), "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20),
-        "--hf-overrides", json.dumps({"mean_recurrence": 3}), "--served-model-name", "tiny",
+        str(Path(sys.executable).parent / "vllm"), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20), *args,
     ]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, f"vllm serve exited: {(tmp_path / 'serve.log').read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not start in 300 s"
-                time.sleep(2)
-        request = dict(model="tiny", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
-        answer = post(f"http://127.0.0.1:{port}/v1/completions", dict(request, prompt=prompt))
-        assert answer["object"] == "text_completion" and isinstance(answer["choices"][0]["text"], str)
-        assert answer["choices"][0]["token_ids"] == recurfit_greedy(model, [prompt], 3)[0]  # the server's r = 3
-        assert answer["usage"]["completion_tokens"] == NEW_TOKENS
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(f"vllm serve exited: {log.read_text()[-3000:]}")
         try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            if time.monotonic() > deadline:
+                stop_server(server)
+                raise AssertionError("vllm serve did not start in 400 s") from None
+            time.sleep(2)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
+    """`vllm serve` driven by the `openai` package: completions at the server's r (3) and per request through
+    vllm_xargs, chat (reasoning_effort through EffortToDepth), streaming, n = 2, stop sequences, 32 concurrent
+    requests of depths 1-16; then bad inputs, each a 400 naming the problem, and correct answers afterwards."""
+    import openai
+
+    model = served_model("llama", mean_recurrence=2)
+    folder = saved(model, tmp_path / "llama")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    overrides = {"mean_recurrence": 3, "max_recurrence": 16, "depth_for_effort": {"low": 1, "medium": 3, "high": 8}}
+    server, url = start_server(
+        tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
+        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        greedy = dict(model="tiny", temperature=0, max_tokens=16)
+        ids = dict(return_token_ids=True, ignore_eos=True)
+
+        def completion(prompt, depth=None, **kwargs):
+            extra = dict(ids, **({"vllm_xargs": {"num_steps": depth}} if depth is not None else {}))
+            return client.completions.create(prompt=prompt, extra_body=extra, **dict(greedy, **kwargs))
+
+        def check_answers():
+            prompt = prompts()[1]
+            answer = completion(prompt, max_tokens=NEW_TOKENS)
+            assert answer.choices[0].token_ids == recurfit_greedy(model, [prompt], 3)[0]  # the server's r = 3
+            assert answer.usage.completion_tokens == NEW_TOKENS
+            return answer
+
+        answer = check_answers()
+        text = answer.choices[0].text
+        assert len(text) > 20, text
+
+        # Streaming gives the same text in pieces.
+        pieces = [c.choices[0].text for c in completion(prompts()[1], max_tokens=NEW_TOKENS, stream=True)]
+        assert len(pieces) > 1 and "".join(pieces) == text
+
+        # A stop sequence ends the text before it.
+        stop = text[12:14]
+        stopped = completion(prompts()[1], max_tokens=NEW_TOKENS, stop=[stop]).choices[0]
+        assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+
+        # n = 2 sampled answers.
+        sampled = completion(prompts()[1], temperature=1.0, n=2, seed=3)
+        assert len(sampled.choices) == 2 and sampled.choices[0].text != sampled.choices[1].text
+
+        # Chat: the template joins the messages; reasoning_effort picks the depth through depth_for_effort.
+        def chat(**kwargs):
+            body = dict(ids, **kwargs.pop("extra_body", {}))
+            messages = [{"role": "user", "content": "The cat sat"}]
+            return client.chat.completions.create(messages=messages, extra_body=body, **dict(greedy, **kwargs))
+
+        plain = chat()
+        prompt_ids = plain.prompt_token_ids
+        assert plain.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 3, new_tokens=16)[0]
+        high = chat(reasoning_effort="high")
+        assert high.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 8, new_tokens=16)[0]
+        named = chat(reasoning_effort="high", extra_body={"vllm_xargs": {"num_steps": 2}})  # num_steps wins
+        assert named.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 2, new_tokens=16)[0]
+
+        # 32 concurrent requests of depths 1-16, each answered at its own depth.
+        batch = (mixed_prompts() * 4)[:32]
+        depths = [DEPTHS[(i * 3) % 5] for i in range(32)]
+        with ThreadPoolExecutor(32) as pool:
+            served = list(pool.map(lambda pd: completion(pd[0], pd[1]).choices[0].token_ids, zip(batch, depths)))
+        expected = {r: recurfit_greedy(model, mixed_prompts(), r, new_tokens=16) for r in DEPTHS}
+        assert served == [expected[r][i % 10] for i, r in enumerate(depths)]
+
+        # Bad inputs: a 400 each, naming the problem.
+        bad = [
+            (dict(extra_body={"vllm_xargs": {"num_steps": 0}}), r"num_steps .* integer in \[1, 16\].* got 0"),
+            (dict(extra_body={"vllm_xargs": {"num_steps": 10**6}}), r"num_steps .* got 1000000"),
+            (dict(extra_body={"vllm_xargs": {"num_steps": "deep"}}), r"num_steps .* got 'deep'"),
+            (dict(max_tokens=-1), r"max_tokens"),
+            (dict(prompt=[2] + [5] * 200), r"maximum context length|max_model_len|too long"),
+        ]
+        for kwargs, message in bad:
+            arguments = {**greedy, "prompt": prompts()[0], **kwargs}
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.completions.create(**arguments)
+        with pytest.raises(openai.BadRequestError, match=r"reasoning_effort must be one of"):
+            chat(reasoning_effort="max")
+
+        check_answers()  # the server still answers, correctly
+    finally:
+        stop_server(server)
 
 
 def test_eval_through_vllm_reads_a_folder_without_running_its_own_code(tmp_path):

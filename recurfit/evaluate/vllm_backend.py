@@ -2,11 +2,11 @@
 
 lm-eval's `VLLM` (its tokenisation, stop sequences, truncation, log-likelihoods from prompt log-probabilities) is
 pointed at the saved folder; recurfit's vLLM plugin (recurfit.serving, registered by entry point when vLLM starts)
-serves it. The test recurrence is fixed per vLLM engine (one paged KV cache per core layer and step), so each r
-gets its own engine, started with `hf_overrides={"mean_recurrence": r}` and shut down before the next one: an
-idle CPU engine's worker keeps a core busy. `state_init="zeros"` serves with `state_init_std` 0, as the default
-backend's `zeros` does; with "random" vLLM draws s_0 from its own generator (the same distribution as recurfit's,
-not the same draws).
+serves it. lm-eval builds the sampling parameters itself, so a request cannot name its depth here: each r gets
+its own engine, started with `hf_overrides={"mean_recurrence": r, "max_recurrence": r}` (no KV caches for deeper
+steps) and shut down before the next one: an idle CPU engine's worker keeps a core busy. `state_init="zeros"`
+serves with `state_init_std` 0, as the default backend's `zeros` does; with "random" vLLM draws s_0 from its own
+generator (the same distribution as recurfit's, not the same draws).
 
 Nothing here imports vLLM or torch until an engine is started: `check_installed` answers from the package index.
 """
@@ -74,8 +74,8 @@ def vllm_lm(
 
     overrides = {}
     if served.recurrent:
-        if num_steps is not None:
-            overrides["mean_recurrence"] = int(num_steps)
+        r = int(num_steps) if num_steps is not None else served.meta.config.mean_recurrence
+        overrides["mean_recurrence"] = overrides["max_recurrence"] = r  # this r only: no deeper steps' KV caches
         if state_init == "zeros":
             overrides["state_init_std"] = 0.0
     lm = VLLM(

