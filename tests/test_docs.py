@@ -236,3 +236,108 @@ def test_the_cpu_tutorials_steps_run_from_the_root_into_their_own_folder(workspa
         assert (tmp_path / "runs" / "by-hand" / folder).is_dir(), folder
     trained = yaml.safe_load((tmp_path / "runs" / "by-hand" / "recurrent" / "config.yaml").read_text())
     assert trained["data"]["validation"] == ["runs/by-hand/data/prose", "runs/by-hand/data/math"]
+
+
+# Pages that walk a user through work on some hardware open with what has and has not run there.
+GUIDES = sorted([*(REPO / "docs" / "tutorials").glob("*.md"), *(REPO / "docs" / "how-to").glob("*.md")])
+# A sentence that says a figure was measured on a GPU.
+GPU_CLAIM = re.compile(r"\bmeasured on (?:an? |one |\d+ × )?(?:NVIDIA )?(?:GPU|H100|H200|A100|CUDA)", re.IGNORECASE)
+NEGATED = re.compile(r"\b(?:not|never|no|none|nothing|untested)\b", re.IGNORECASE)
+
+
+def status_box(page: Path) -> str:
+    """The blockquote that opens the page, after its title ("" when there is none)."""
+    lines = page.read_text().splitlines()[2:]
+    box = []
+    for line in lines:
+        if not line.startswith(">"):
+            break
+        box.append(line.lstrip("> "))
+    return " ".join(box)
+
+
+def section(page: Path, anchor: str) -> str:
+    """The text under the heading with this anchor, up to the next heading of the same or a higher level."""
+    text, found, level = [], False, 0
+    for line in prose(page).splitlines():
+        heading = re.match(r"^(#{1,6}) ", line)
+        if heading and found and len(heading.group(1)) <= level:
+            break
+        if heading and slug(line) == anchor:
+            found, level = True, len(heading.group(1))
+        elif found:
+            text.append(line)
+    return "\n".join(text)
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda page: page.name)
+def test_each_guide_opens_with_what_has_run_where_and_links_its_results(page):
+    if page.name == "serving.md" and not status_box(page):
+        pytest.skip("serving.md's status box is written with its vLLM version")
+    box = status_box(page)
+    assert box.startswith("**Status.**"), f"{page.relative_to(REPO)} opens without a status box"
+    assert re.search(r"\]\((?:\.\./)+(?:docs/)?results/[a-z-]+\.md", box), f"{page.relative_to(REPO)}: no results link"
+    assert re.search(r"\b(?:not|never|no)\b", box, re.IGNORECASE), f"{page.relative_to(REPO)}: says nothing unrun"
+
+
+def test_a_gpu_figure_claimed_as_measured_links_a_gpu_result_that_exists():
+    """A sentence saying something was measured on a GPU links a section of results/gpu.md that holds a figure
+    (not one of its *not measured* cells); a sentence that says it was not (`not measured on a GPU`) needs none."""
+    gpu = REPO / "docs" / "results" / "gpu.md"
+    unbacked = []
+    for page in DOCS:
+        if page == gpu:
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(prose(page).split())):
+            if not GPU_CLAIM.search(sentence) or NEGATED.search(sentence):
+                continue
+            links = [target for target in LINK.findall(sentence) if target.split("#")[0].endswith("results/gpu.md")]
+            backed = [
+                target
+                for target in links
+                if "#" in target
+                and (body := section(gpu, target.split("#", 1)[1]))
+                and re.search(r"\d", body)
+                and "not measured" not in body
+            ]
+            if not backed:
+                unbacked.append(f"{page.relative_to(REPO)}: {sentence[:160]}")
+    assert not unbacked, "\n".join(unbacked)
+
+
+def load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_training_command_on_a_paper_recipe_fits_the_gpus_it_names():
+    """Each `recurfit train recipes/paper/….yaml OVERRIDES` of the docs (torchrun's included), with its overrides,
+    fits an 80 GB GPU of 8 by recurfit's memory plan: an example that changes depth or micro-batch must keep to
+    the memory the page promises (micro-batch 8 at r̄ = 8 would need more than 80 GB)."""
+    from recurfit.train.memory import gb
+    from recurfit.train.memory_fit import fits
+
+    budget = load_script("gpu_budget")
+    checked, too_big = 0, []
+    for page in DOCS:
+        for argv in commands(page):
+            if argv[0] != "train" or not argv[1].startswith("recipes/paper/") or "--dry-run" in argv:
+                continue
+            overrides = [word for word in argv[2:] if "=" in word and not word.startswith("-")]
+            plan = budget.memory_plan(REPO / argv[1], overrides)
+            if not fits(plan, budget.GPU_MEMORY):
+                too_big.append(f"{page.relative_to(REPO)}: {' '.join(argv)}: {gb(plan.peak)} at micro {plan.micro}")
+            checked += 1
+    assert checked >= 5 and not too_big, too_big
+
+
+@pytest.mark.slow
+def test_the_gpu_budget_page_is_what_the_script_computes():
+    budget = load_script("gpu_budget")
+    assert budget.PAGE.read_text() == budget.page(), "run .venv/bin/python scripts/gpu_budget.py"
+    for page in (REPO / "docs" / "tutorials" / "gpu-1b.md", REPO / "recipes" / "paper" / "llama-464-math.yaml"):
+        assert "gpu-budget.md" in page.read_text(), page

@@ -1,0 +1,204 @@
+"""The GPU tutorial's budget (docs/tutorials/gpu-1b.md), computed from its recipe and recurfit's memory plan:
+memory per GPU, training FLOPs, GPU-hours and disk, for each run the tutorial starts (the smoke run, the recurrent
+run at r̄ = 4, 8 and 32, the parent baseline), written as one page, docs/reference/gpu-budget.md:
+
+    .venv/bin/python scripts/gpu_budget.py            # rewrites docs/reference/gpu-budget.md
+    .venv/bin/python scripts/gpu_budget.py --check    # exit 1 if the page differs from what the code computes
+
+Nothing is downloaded: Llama-3.2-1B is built on the meta device from its public config values
+(recurfit/train/memory.py's PAPER_PARENTS). Memory is the plan `recurfit train … --dry-run` prints; FLOPs are
+what the run's log adds up (each step's drawn depth, `training_flops_per_token`); time assumes an MFU (40 %) of
+an H100's dense bf16 peak; disk counts 4 bytes per token of the store (the 128 k vocabulary needs uint32), fp32
+weights and optimizer state in a checkpoint, and snapshots in `snapshots.dtype`. tests/test_docs.py checks that
+the page is up to date and that every training command of the docs fits the memory it is planned for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "paper" / "llama-464-math.yaml"
+PAGE = REPO / "docs" / "reference" / "gpu-budget.md"
+GPUS = 8
+GPU_MEMORY = 80 * 10**9
+PEAK_FLOPS = 989e12  # an H100 SXM's dense bf16 peak
+MFU = 0.4
+STORE_TOKENS = 52.5e9  # `data prepare --max-tokens 52.5B`: the run's 52.43 B tokens and a margin
+VAL_FRACTION = 0.01
+TOKEN_BYTES = 4
+# (name, overrides, processes): the runs of the tutorial, in its order
+RUNS = (
+    ("smoke run (1 GPU, 20 steps)", ["steps=20", "checkpoint.every=10", "snapshots.every=0", "eval.every=0"], 1),
+    ("recurrent, r̄ = 4", ["snapshots.dtype=bfloat16"], GPUS),
+    ("recurrent, r̄ = 8", ["snapshots.dtype=bfloat16", "depth.mean_recurrence=8", "batch.micro=4"], GPUS),
+    ("recurrent, r̄ = 32", ["snapshots.dtype=bfloat16", "depth.mean_recurrence=32", "batch.micro=4"], GPUS),
+    ("parent baseline", ["model.shape=null", "optimizer.muon_fused=false", "snapshots.dtype=bfloat16"], GPUS),
+)
+
+
+def planned(recipe: Path, overrides: list[str]):
+    """The config and its model (meta device, frozen parts frozen) without download."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from recurfit.train import load_config
+    from recurfit.train.initial_model import _restructure, planned_parts
+    from recurfit.train.memory import PAPER_PARENTS
+
+    config = load_config(recipe, overrides)
+    settings = dict(PAPER_PARENTS[config.model.path])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    model = _restructure(parent, config.model, config.depth, "paper", None, config.seed)
+    return config, planned_parts(model, dataclasses.replace(config, model=config.model))
+
+
+def memory_plan(recipe: Path, overrides: list[str], world: int = GPUS):
+    """What `recurfit train RECIPE OVERRIDES --dry-run --world-size WORLD` plans per GPU."""
+    from recurfit.train.memory import PAPER_SEQ_LEN, plan_memory
+
+    config, model = planned(recipe, overrides)
+    return plan_memory(config, model, PAPER_SEQ_LEN, world=world, device="cuda")
+
+
+def run_flops(config, model) -> float:
+    """Training FLOPs: what the run's log adds up (each step's drawn depth (n, k) on its tokens, the body only)
+    and the LM head's 6·V·h per token."""
+    import recurfit
+    from recurfit.model.accounting import training_flops_per_token
+    from recurfit.train.memory import PAPER_SEQ_LEN
+    from recurfit.train.step_plan import depth_schedule
+
+    counts = recurfit.count_parameters(model)
+    tokens = config.batch.global_ * PAPER_SEQ_LEN
+    schedule = depth_schedule(config)
+    head = 6 * model.config.vocab_size * model.config.hidden_size
+    body = sum(tokens * training_flops_per_token(counts, schedule.at(step)) for step in range(config.steps))
+    return float(body + config.steps * tokens * head)
+
+
+def disk(config, model) -> dict[str, float]:
+    """Bytes on disk: the checkpoints kept (fp32 weights, Muon momentum, AdamW moments), the snapshots, final/."""
+    from recurfit.train.memory import _optimizer_bytes
+
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    muon, adamw = _optimizer_bytes(config, model)
+    checkpoint = 4 * numel + muon + adamw
+    every, end = config.snapshots.every, config.steps
+    snapshots = (1 + (end - 1) // every) if every else 0
+    snapshot = numel * getattr(torch, config.snapshots.dtype).itemsize
+    kept = min(config.checkpoint.keep, end // config.checkpoint.every) if config.checkpoint.every else 0
+    return {
+        "checkpoint": checkpoint,
+        "checkpoints": kept * checkpoint,
+        "snapshots_count": snapshots,
+        "snapshots": snapshots * snapshot,
+        "final": 4 * numel,
+    }
+
+
+def gb(size: float) -> str:
+    return f"{size / 1e9:,.1f} GB"
+
+
+def rows() -> list[dict]:
+    found = []
+    for name, overrides, world in RUNS:
+        config, model = planned(RECIPE, overrides)
+        plan = memory_plan(RECIPE, overrides, world)
+        flops = run_flops(config, model)
+        gpu_hours = flops / (MFU * PEAK_FLOPS) / 3600
+        found.append(
+            dict(
+                name=name,
+                overrides=overrides,
+                world=world,
+                plan=plan,
+                flops=flops,
+                gpu_hours=gpu_hours,
+                hours=gpu_hours / world,
+                disk=disk(config, model),
+                parameters=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+            )
+        )
+    return found
+
+
+def run_bytes(row: dict) -> float:
+    return row["disk"]["checkpoints"] + row["disk"]["snapshots"] + row["disk"]["final"]
+
+
+def hours(value: float) -> str:
+    return f"{value * 60:.0f} min" if value < 1 else f"{value:,.1f} h" if value < 10 else f"{value:,.0f} h"
+
+
+def page() -> str:
+    table = rows()
+    store = STORE_TOKENS * (1 + VAL_FRACTION) * TOKEN_BYTES
+    lines = [
+        "# Budget of the GPU tutorial",
+        "",
+        "Computed, not measured, by `scripts/gpu_budget.py` from",
+        "[recipes/paper/llama-464-math.yaml](../../recipes/paper/llama-464-math.yaml) and recurfit's memory plan",
+        "(the plan `recurfit train … --dry-run --device-memory 80GB --world-size 8` prints), for the runs of the",
+        "[GPU tutorial](../tutorials/gpu-1b.md) on 80 GB GPUs. Do not edit by hand: run",
+        "`.venv/bin/python scripts/gpu_budget.py`; the docs test fails when this page and the code disagree.",
+        "",
+        f"- **Time** assumes {MFU:.0%} MFU of an H100's {PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16 peak, training",
+        "  alone (loading, validation and saving add to it); `recurfit train` logs the MFU it reaches: scale the",
+        "  hours by 0.4 / yours. On A100s (312 TFLOP/s) the hours are 3.2 times as many.",
+        "- **FLOPs** are what the run's log adds up (each step's drawn depth over its 1,048,576 tokens, the body",
+        "  only) and the LM head's 6·V·h per token. The MFU `train` logs counts the body only: the hours it",
+        "  implies are a little pessimistic.",
+        f"- **Disk**: the token store is {gb(store)} ({STORE_TOKENS / 1e9:.1f} B tokens and "
+        f"{VAL_FRACTION:.0%} held out, {TOKEN_BYTES} bytes a token); the Hub source is streamed, not",
+        "  stored.",
+        "  A run adds its checkpoints (fp32 weights, Muon momentum, AdamW moments; the last 3 kept), its",
+        "  snapshots (one per 1,000 steps, in bf16 with `snapshots.dtype=bfloat16`, twice that in fp32) and",
+        "  `final/` (fp32).",
+        "- **Not in the table**: preparing the store (tokenising is CPU work: [measured",
+        "  throughput](../results/cpu.md#data-prepare-throughput), plus the download) and the evaluation steps,",
+        "  whose time depends on the generated lengths; neither has been measured on a GPU node.",
+        "",
+        "| run | processes | micro-batch | peak memory per GPU | training FLOPs | GPU-hours | hours | checkpoints "
+        "| snapshots | final | disk of the run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    total = store
+    for row in table:
+        d = row["disk"]
+        run_disk = run_bytes(row)
+        if row["world"] > 1:
+            total += run_disk
+        lines.append(
+            f"| {row['name']} | {row['world']} | {row['plan'].micro} | {gb(row['plan'].peak)} (k = {row['plan'].k}) "
+            f"| {row['flops']:.2e} | {row['gpu_hours']:,.{0 if row['gpu_hours'] >= 10 else 1}f} "
+            f"| {hours(row['hours'])} "
+            f"| {gb(d['checkpoints'])} ({gb(d['checkpoint'])} each) | {d['snapshots_count']} × "
+            f"{gb(d['snapshots'] / d['snapshots_count']) if d['snapshots_count'] else '0'} = {gb(d['snapshots'])} "
+            f"| {gb(d['final'])} | {gb(run_disk)} |"
+        )
+    path = store + sum(run_bytes(row) for row in table if row["name"] in ("recurrent, r̄ = 4", "parent baseline"))
+    lines += [
+        "",
+        "**Disk for the tutorial's path** (the store, the recurrent run at r̄ = 4 and the parent baseline, the smoke",
+        f"run's folder deleted): **{gb(path)}**; with the runs at r̄ = 8 and 32 as well: {gb(total)}.",
+        "",
+        "Overrides of each run (after the recipe):",
+        "",
+    ]
+    lines += [f"- {row['name']}: `{' '.join(row['overrides'])}`" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    text = page()
+    if "--check" in sys.argv[1:]:
+        sys.exit(0 if PAGE.read_text() == text else 1)
+    PAGE.write_text(text)
+    print(text)
