@@ -162,8 +162,8 @@ def page() -> str:
         "  snapshots (one per 1,000 steps, in bf16 with `snapshots.dtype=bfloat16`, twice that in fp32) and",
         "  `final/` (fp32).",
         "- **Not in the table**: preparing the store (tokenising is CPU work: [measured",
-        "  throughput](../results/cpu.md#data-prepare-throughput), plus the download) and the evaluation steps,",
-        "  whose time depends on the generated lengths; neither has been measured on a GPU node.",
+        "  throughput](../results/cpu-training.md#data-prepare-throughput), plus the download) and the evaluation",
+        "  steps, whose time depends on the generated lengths; neither has been measured on a GPU node.",
         "",
         "| run | processes | micro-batch | peak memory per GPU | training FLOPs | GPU-hours | hours | checkpoints "
         "| snapshots | final | disk of the run |",

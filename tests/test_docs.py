@@ -341,3 +341,13 @@ def test_the_gpu_budget_page_is_what_the_script_computes():
     assert budget.PAGE.read_text() == budget.page(), "run .venv/bin/python scripts/gpu_budget.py"
     for page in (REPO / "docs" / "tutorials" / "gpu-1b.md", REPO / "recipes" / "paper" / "llama-464-math.yaml"):
         assert "gpu-budget.md" in page.read_text(), page
+
+
+def test_user_pages_are_short_except_reference_tables():
+    """A page a user reads through stays under 300 lines; reference pages (tables to look things up in) may not."""
+    long = [
+        f"{page.relative_to(REPO)}: {len(page.read_text().splitlines())} lines"
+        for page in DOCS
+        if "reference" not in page.parts and len(page.read_text().splitlines()) > 300
+    ]
+    assert not long, long

@@ -58,7 +58,8 @@ checkpointing each layer keeps only its input (s·h per token), plus one layer's
 
 Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
 runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
-against measured peaks in benchmarks/memory_plan.py (docs/results/cpu.md, "The memory plan against measured peaks").
+against measured peaks in benchmarks/memory_plan.py (docs/results/cpu-training.md, "The memory plan against
+measured peaks").
 """
 
 from __future__ import annotations

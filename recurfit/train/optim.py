@@ -242,7 +242,7 @@ class BatchedMuon(torch.optim.Muon):
 
 
 # Newton–Schulz stacks at most this many elements per batched matmul (16 MiB in float32). Larger stacks are
-# slower on a CPU (measured in docs/results/cpu.md): each temporary of hundreds of MB
+# slower on a CPU (measured in docs/results/cpu-training.md): each temporary of hundreds of MB
 # is a fresh mapping whose pages the kernel zeroes. A GPU gains from batching small matrices (fewer launches);
 # a 1B model's large ones go one at a time either way.
 NS_BATCH_ELEMENTS = 2**22
