@@ -58,11 +58,12 @@ def planned(recipe: Path, overrides: list[str]):
     return config, planned_parts(model, dataclasses.replace(config, model=config.model))
 
 
-def memory_plan(recipe: Path, overrides: list[str], world: int = GPUS):
-    """What `recurfit train RECIPE OVERRIDES --dry-run --world-size WORLD` plans per GPU."""
+def memory_plan(recipe: Path, overrides: list[str], world: int = GPUS, built=None):
+    """What `recurfit train RECIPE OVERRIDES --dry-run --world-size WORLD` plans per GPU (`built`: the config and
+    model `planned` returned for them, when already made)."""
     from recurfit.train.memory import PAPER_SEQ_LEN, plan_memory
 
-    config, model = planned(recipe, overrides)
+    config, model = built or planned(recipe, overrides)
     return plan_memory(config, model, PAPER_SEQ_LEN, world=world, device="cuda")
 
 
@@ -110,7 +111,7 @@ def rows() -> list[dict]:
     found = []
     for name, overrides, world in RUNS:
         config, model = planned(RECIPE, overrides)
-        plan = memory_plan(RECIPE, overrides, world)
+        plan = memory_plan(RECIPE, overrides, world, built=(config, model))
         flops = run_flops(config, model)
         gpu_hours = flops / (MFU * PEAK_FLOPS) / 3600
         found.append(
@@ -123,7 +124,6 @@ def rows() -> list[dict]:
                 gpu_hours=gpu_hours,
                 hours=gpu_hours / world,
                 disk=disk(config, model),
-                parameters=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
             )
         )
     return found
