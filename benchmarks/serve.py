@@ -18,6 +18,14 @@ compiled by inductor; on a GPU: compiled, with CUDA graphs), and schedules them 
 tokens/s of each, recurfit's time over each vLLM mode's time (the ratio; > 1: vLLM is faster), each engine's load
 and compile time (not counted), and how many rows came out identical to recurfit's.
 
+With `--depth-mix N` (default 64; 0 leaves it out) it also serves a mixed-depth workload: N requests drawn as in
+the mixed-traffic case (without the stop, so that every run makes the same tokens), each asking for its own
+recurrence, drawn from `--mix-depths` (2, 4, 8, 16), through one engine (`max_recurrence` = the deepest) with
+depth per request, against (a) the same engine serving every request at the deepest r, and (b) the FLOPs-ideal
+ratio: Σ over requests of tokens × (P + R·r + C) layers at their own r, over the same sum with every r at the
+deepest. Eager only (`--enforce-eager`): there the core runs each step on the tokens still short of their depth;
+vLLM's compiled graph runs every step for every token.
+
 The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
 engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
 busy), and the summary takes each side's fastest round. Without MODEL the untrained retrofit has s_0 = 0
@@ -102,11 +110,12 @@ def mixed_workload(tokenizer, count: int, stop: list[str], seed: int = 0) -> Wor
 
 
 def model_folder(args, root: str) -> str:
-    """MODEL, or the embedded SmolLM2 retrofitted to --shape with s_0 = 0, saved with its tokenizer."""
+    """MODEL, or the embedded SmolLM2 retrofitted to --shape with s_0 = 0 (or σ = --state-init-std), saved with its
+    tokenizer."""
     if args.model:
         return args.model
     shape = tuple(int(x) for x in args.shape.split(","))
-    model = recurfit.retrofit(load_model(None, dtype=torch.float32), shape, state_init_std=0.0)
+    model = recurfit.retrofit(load_model(None, dtype=torch.float32), shape, state_init_std=args.state_init_std)
     model.save_pretrained(root)
     save_tokenizer(load_tokenizer(None), root)
     return root
@@ -160,7 +169,7 @@ def recurfit_run(model, tokenizer, work: Workload, r: int, device) -> tuple[floa
     return seconds, [trimmed(row, n, bool(work.stop), tokenizer, work.stop) for row, n in zip(rows, work.budgets)]
 
 
-def vllm_engine(folder, r: int, mode: str, max_length: int, args):
+def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence: int | None = None):
     import vllm
 
     start = time.perf_counter()
@@ -170,19 +179,26 @@ def vllm_engine(folder, r: int, mode: str, max_length: int, args):
         dtype=DTYPES[args.dtype][0],
         enforce_eager=mode == "eager",
         max_model_len=max_length,
-        hf_overrides={"mean_recurrence": r},
+        hf_overrides={"mean_recurrence": r, "max_recurrence": max_recurrence or r},
         seed=0,
         **extra,
     )
     return llm, time.perf_counter() - start
 
 
-def vllm_run(llm, work: Workload) -> tuple[float, list[list[int]]]:
+def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[float, list[list[int]]]:
+    """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args)."""
     import vllm
 
     params = [
-        vllm.SamplingParams(temperature=0.0, max_tokens=n, stop=work.stop or None, ignore_eos=True)
-        for n in work.budgets
+        vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=n,
+            stop=work.stop or None,
+            ignore_eos=True,
+            extra_args=None if depths is None else {"num_steps": depths[i]},
+        )
+        for i, n in enumerate(work.budgets)
     ]
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
@@ -204,6 +220,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="vLLM's KV cache on a CPU, per engine")
     parser.add_argument("--repeats", type=int, default=1, help="rounds alternating vLLM and recurfit")
+    parser.add_argument("--state-init-std", type=float, default=0.0, help="the embedded retrofit's σ (0: s_0 = 0)")
+    parser.add_argument("--depth-mix", type=int, default=64, help="mixed-depth workload: requests (0: leave it out)")
+    parser.add_argument("--mix-depths", default="2,4,8,16", help="mixed-depth workload: the depths drawn from")
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     modes = args.modes.split(",")
@@ -219,7 +238,7 @@ def main() -> None:
         if args.mixed:
             workloads.append(mixed_workload(tokenizer, args.mixed, args.stop or ["\n\n"]))
         model = load_model(folder, dtype=DTYPES[args.dtype][1], device=device)
-        max_length = max(work.max_length for work in workloads)
+        max_length = max((work.max_length for work in workloads), default=0)
         print(f"{folder}: {args.dtype} on {device}, torch threads {torch.get_num_threads()}")
         for work in workloads:
             prompt_tokens = sum(map(len, work.prompts))
@@ -245,9 +264,9 @@ def main() -> None:
                 rows.setdefault((work.name, r), produced)
                 record(work, "recurfit", r, seconds, produced)
 
-        for r in depths:
+        for r in depths if workloads else []:
             recurfit_round(r)
-        for _ in range(args.repeats):
+        for _ in range(args.repeats if workloads else 0):
             for r in depths:
                 for mode in modes:
                     llm, loaded = vllm_engine(folder, r, mode, max_length, args)
@@ -257,6 +276,8 @@ def main() -> None:
                     llm.llm_engine.engine_core.shutdown()  # an idle engine's worker still takes a core
                     del llm
                 recurfit_round(r)
+        if args.depth_mix:
+            depth_mix(folder, tokenizer, args)
         for work in workloads:
             for r in depths:
                 ours = min(times[work.name, "recurfit", r])
@@ -267,6 +288,38 @@ def main() -> None:
                 )
                 print(f"summary {work.name} r={r}: recurfit {ours:.1f} s, {ratios} "
                       f"(fastest of {len(times[work.name, 'recurfit', r])} rounds)")  # fmt: skip
+
+
+def depth_mix(folder, tokenizer, args) -> None:
+    """One eager engine: the mixed-depth workload with depth per request, and the same requests all at the deepest
+    depth, alternating for --repeats rounds; the throughput ratio beside the FLOPs-ideal one."""
+    from recurfit.model.loading import load_config
+
+    choices = [int(x) for x in args.mix_depths.split(",")]
+    work = mixed_workload(tokenizer, args.depth_mix, [], seed=1)  # no stop: both runs make the same tokens
+    work.name = "depth-mix"
+    draw = random.Random(1)
+    own = [draw.choice(choices) for _ in work.prompts]
+    deepest = max(choices)
+    P, R, C = load_config(folder).shape
+    print(f"depth-mix: {len(own)} requests, depths {dict(sorted((r, own.count(r)) for r in set(own)))}")
+    llm, loaded = vllm_engine(folder, deepest, "eager", work.max_length, args, max_recurrence=deepest)
+    print(f"depth-mix: vLLM eager engine (max_recurrence {deepest}) loaded in {loaded:.1f} s", flush=True)
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for name, depths in (("own depths", own), (f"all at r={deepest}", [deepest] * len(own))):
+            seconds, produced = vllm_run(llm, work, depths)
+            tokens = sum(map(len, produced))
+            best[name] = min(best.get(name, seconds), seconds)
+            cost = sum((len(p) + len(row)) * (P + R * r + C) for p, row, r in zip(work.prompts, produced, depths))
+            best[name + " cost"] = cost
+            print(f"depth-mix {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens in {seconds:.1f} s)", flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    measured = best[f"all at r={deepest}"] / best["own depths"]
+    ideal = best[f"all at r={deepest} cost"] / best["own depths cost"]
+    print(f"summary depth-mix: own depths {best['own depths']:.1f} s, all at r={deepest} "
+          f"{best[f'all at r={deepest}']:.1f} s: {measured:.2f}x faster (FLOPs-ideal {ideal:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
