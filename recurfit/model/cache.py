@@ -10,7 +10,7 @@ Policies:
   exactly what a forward over the whole sequence computes, so cached and uncached generation agree.
 - `"latest"`: one slot per core layer, whatever r. A new token's core steps overwrite each other, and
   earlier tokens are seen at their last computed step. Memory is that of a (P + R + C)-layer model, and
-  the result is an approximation (its cost is measured in docs/results/cpu.md).
+  the result is an approximation (its cost is measured in docs/results/cpu-archive.md, "The decoding modes").
 
 The latest-step rule: when a token did not run step s (r changed between calls, or the token exited
 early), later tokens that attend at step s read that token's latest computed step. Slots for steps that

@@ -150,6 +150,9 @@ def _loading(recurrent: bool) -> str:
         [
             "## Use",
             "",
+            'recurfit is not on PyPI: install it from its repository, `pip install "recurfit @ git+URL"` (URL: the '
+            "repository's git address), or `pip install ./recurfit` from a clone.",
+            "",
             "```python",
             "import recurfit  # registers the model type with transformers' Auto classes",
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
