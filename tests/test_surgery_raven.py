@@ -135,7 +135,7 @@ def test_import_raven_says_so_when_the_tokenizer_needs_its_code(folders, tmp_pat
     result = run_in_terminal(tmp_path, "import-raven", raven, "--out", out)
     assert_never_asked(folders, result)
     assert result.returncode == 0, result.stdout + result.stderr
-    said = " ".join(result.stdout.split())
+    said = " ".join(result.stderr.split())  # a notice: stderr, with progress and statistics
     assert "No tokenizer saved" in said and f"{raven}/tokenizer_config.json" in said and "--tokenizer" in said, said
     assert (out / "config.json").is_file() and not (out / "tokenizer_config.json").exists()
     # what it suggests works: a tokenizer from a folder that has one readable without code
