@@ -110,6 +110,21 @@ def test_warm_start_survives_graphs_whose_outputs_are_overwritten():
     assert not torch.equal(eager, greedy(model, ids[:, 3:], mask[:, 3:], 2))  # the warm start changes the tokens
 
 
+def test_bf16_weights_decode_compiled_with_a_float32_state():
+    """A bf16 model's compiled pieces run under autocast with a float32 stream, and a warm start carries the float32
+    state from token to token in the cache's buffer: the tokens of eager decoding (the same ops, run by dynamo)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = model_with_state_for_cache("llama").to(torch.bfloat16)
+    ids, mask = prompts_for_cache()
+    counter = CompileCounter()
+    compiled = greedy(model, ids, mask, 3, new=10, warm_start=True, compile=counter)
+    assert torch.equal(compiled, greedy(model, ids, mask, 3, new=10, warm_start=True))
+    assert counter.frame_count == 3
+    (cache,) = (c for c in model._decoding_caches.values() if c.compiled_step is not None)
+    assert cache.state.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16
+
+
 @pytest.mark.float32_only(GREEDY_TOKENS)
 def test_compiled_decoding_stops_rows_at_eos_and_samples_like_eager():
     from torch._dynamo.testing import CompileCounter

@@ -97,6 +97,10 @@ class RecurrentCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         index = self.slot(layer_idx, self.step)
+        if torch.is_autocast_enabled(key_states.device.type):
+            # Attention reads keys and values in autocast's dtype: storing them in it is exact and halves the cache.
+            dtype = torch.get_autocast_dtype(key_states.device.type)
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
         if self._is_core(layer_idx) and self.step > 1:
             if self.rows is not None:
                 # Rows that stopped recurring keep their latest computed step here too (the latest-step rule):

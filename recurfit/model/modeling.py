@@ -8,10 +8,17 @@
 The decoder layers are the parent family's classes from transformers (LlamaDecoderLayer, Olmo2DecoderLayer,
 …), so attention backends, RoPE variants, QK-norm and post-norm behave exactly as in the parent. The
 attention masks and rotary embeddings are computed once per forward and shared by every layer and step.
+
+With bf16 (or fp16) weights the residual stream, e and the state stay in float32 and the layers' matrix products
+run in the weights' dtype under autocast, as in training (float32 weights under bf16 autocast); the state is
+rounded only at the adapter's output, once per step. A pure bf16 stream would round it at each of the P + r·R + C
+residual adds (264 at r = 32 for a (4, 8, 4) shape), losing updates smaller than bf16's resolution. The body's
+final hidden states come back in the weights' dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -143,9 +150,25 @@ class RecurrentModel(RecurrentPreTrainedModel):
         self, layers: nn.ModuleList, first: int, hidden: torch.Tensor, inputs: dict, **kwargs
     ) -> torch.Tensor:
         """Apply `layers` (the first has index `first` in execution order), each with its attention kind's inputs."""
-        for index, layer in enumerate(layers, start=first):
-            hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
+        with self.low_precision_products():
+            for index, layer in enumerate(layers, start=first):
+                hidden = layer(hidden, **inputs[self.layer_attention[index]], **kwargs)
         return hidden
+
+    def _autocasts_itself(self) -> bool:
+        """bf16 or fp16 weights with no autocast on (a low-precision model at inference): the model enters autocast
+        itself and keeps its stream in float32. Under an outer autocast (training; FSDP2's bf16-gathered weights) the
+        numbers are training's."""
+        weights = self.embed_tokens.weight
+        return weights.dtype != torch.float32 and not torch.is_autocast_enabled(weights.device.type)
+
+    def low_precision_products(self) -> contextlib.AbstractContextManager:
+        """Autocast to the weights' dtype where the model autocasts itself: matrix products in that dtype, the float32
+        stream kept (entered per layer block, never around a `yield`: autocast is thread state)."""
+        if not self._autocasts_itself():
+            return contextlib.nullcontext()
+        weights = self.embed_tokens.weight
+        return torch.autocast(weights.device.type, dtype=weights.dtype)
 
     def attention_inputs(self, embedded, attention_mask, position_ids, cache=None, masks=None) -> dict[str, dict]:
         """Mask and rotary embeddings for each attention kind present, computed once per forward (`masks`: the
@@ -284,7 +307,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
         """The embedded tokens, and what every layer receives: masks, rotary embeddings, positions, the cache."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
-        embedded = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        # The stream in float32 from the start, so rotary embeddings and masks are built as in training.
+        embedded = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds).float()
         if isinstance(cache, StaticRecurrentCache):
             # Positions and masks come from the cache's device-side bookkeeping: nothing here waits on the host.
             static_positions, masks = cache.begin_forward(
@@ -318,11 +342,21 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if rows is not None:
             running = self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state)))
             return state.index_copy(0, rows, running)
-        return self._apply_layers(self.core, self.config.num_prelude_layers, self.adapter(state, e), **layer_kwargs)
+        upcast = self._autocasts_itself()
+        with self.low_precision_products():
+            mixed = self.adapter(state, e)
+        if upcast:
+            # Keep the core's stream in float32. (Training's autocast leaves it in bf16 after a linear adapter, as the
+            # memory plan counts; a model at inference saves no activations.)
+            mixed = mixed.float()
+        return self._apply_layers(self.core, self.config.num_prelude_layers, mixed, **layer_kwargs)
 
     def _coda(self, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+        """The final hidden states from s_r, in the weights' dtype (what the head multiplies)."""
         P, R, _ = self.config.shape
-        return self.norm(self._apply_layers(self.coda, P + R, state, **layer_kwargs))
+        with self.low_precision_products():
+            hidden = self.norm(self._apply_layers(self.coda, P + R, state, **layer_kwargs))
+        return hidden.to(self.embed_tokens.weight.dtype)
 
     def _coda_probe(self, state, cache, layer_kwargs, rows, batch: int):
         """The final hidden states of `rows` of the batch (None: all) if the recurrence stopped at `state`, which

@@ -70,8 +70,9 @@ class StaticRecurrentCache(Cache):
         self.real = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # non-padding positions
         self.length = torch.zeros((), dtype=torch.long, device=device)  # tokens stored (the same for every row)
         # The last position's s_r after each forward (warm starts): a buffer of its own, written in place, because a
-        # CUDA graph's outputs are overwritten by its next replay and the next token reads this one's state.
-        self.state = torch.zeros(batch_size, 1, text.hidden_size, dtype=dtype, device=device)
+        # CUDA graph's outputs are overwritten by its next replay and the next token reads this one's state. float32
+        # whatever the weights' dtype: the model keeps its state in float32.
+        self.state = torch.zeros(batch_size, 1, text.hidden_size, dtype=torch.float32, device=device)
         self.state_kept = False
         self.steps_stored = 1
         self._new_positions: torch.Tensor | None = None
