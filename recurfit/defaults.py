@@ -70,6 +70,20 @@ EXIT_CRITERIA = get_args(ExitCriterion)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES = get_args(Dtype)
 
+# Serving (recurfit.serving): the deepest recurrence a request may ask for when a server is given none
+# (`max_recurrence`), as a multiple of r̄; and a chat request's `reasoning_effort` → its recurrence.
+MAX_RECURRENCE_FACTOR = 2
+
+
+def depth_for_effort(mean_recurrence: int, max_recurrence: int | None = None) -> dict[str, int]:
+    """The default `depth_for_effort` table of a model of mean recurrence r̄ served up to `max_recurrence`
+    (default MAX_RECURRENCE_FACTOR × r̄): low r̄ // 2 (at least 1), medium r̄, high max_recurrence. What
+    `recurfit train` writes into a model's config, and what a server uses for a config without one."""
+    if max_recurrence is None:
+        max_recurrence = MAX_RECURRENCE_FACTOR * mean_recurrence
+    return {"low": max(1, mean_recurrence // 2), "medium": mean_recurrence, "high": max_recurrence}
+
+
 # Data preparation (`data prepare`; recurfit/data/packing.py and shards.py say more)
 # The tokenizer's special tokens (its BOS) + document + EOS, as the authors; or + EOS
 Packing = Literal["bos-eos", "eos"]

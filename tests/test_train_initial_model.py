@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import (
@@ -10,8 +12,9 @@ from conftest import (
     tiny_parent,
 )
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from recurfit.defaults import depth_for_effort
 from recurfit.errors import RecurfitError
 from recurfit.surgery.layer_scores import (
     measure,
@@ -71,6 +74,22 @@ def test_a_chained_run_starts_from_the_previous_runs_final_weights(tmp_path, wor
     assert result.counters.step == 3 and (tmp_path / "phase2" / "final" / "config.json").is_file()
     # The second phase runs its own schedule from its step 0.
     assert trainer.schedulers[0].last_epoch == 3
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_the_final_config_holds_the_served_depth_for_effort_of_the_runs_mean_recurrence(tmp_path, workspace):
+    """A run's final config.json maps reasoning_effort to depths for vLLM (recurfit.serving.depth): r̄ // 2, r̄ and
+    2 r̄, as the server's defaults; a chained run at another r̄ writes its own table, not its parent run's."""
+    train(load_config(None, [], base=small_run(workspace, tmp_path / "phase1")))  # r̄ = 4
+    chained = ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / 'phase1'}"]
+    train(load_config(None, [*chained, "depth.mean_recurrence=6"], base=small_run(workspace, tmp_path / "phase2")))
+    tables = [json.loads((tmp_path / run / "final" / "config.json").read_text()) for run in ("phase1", "phase2")]
+    assert [(t["mean_recurrence"], t["depth_for_effort"]) for t in tables] == [
+        (4, {"low": 2, "medium": 4, "high": 8}),
+        (6, {"low": 3, "medium": 6, "high": 12}),
+    ]
+    assert tables[1]["depth_for_effort"] == depth_for_effort(6)  # the one rule the server also uses
+    assert AutoConfig.from_pretrained(tmp_path / "phase2" / "final").depth_for_effort == depth_for_effort(6)
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")

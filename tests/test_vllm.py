@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, char_tokenizer, run_cli, tiny_parent
+from conftest import VOCAB, char_tokenizer, run_cli, small_run, tiny_parent
 
 import recurfit
 from recurfit.evaluate.results import Sweep
@@ -473,6 +473,35 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         check_answers()  # the server still answers, correctly
     finally:
         stop_server(server)
+
+
+def test_a_trained_folder_carries_depth_for_effort_and_the_server_reads_it(tmp_path, workspace):
+    """`recurfit train` writes reasoning_effort's table into the final config.json (r̄ = 4: 2, 4, 8), and the
+    server's mapping (what EffortToDepth reads, made by the engine's config hook) is that table, or the folder's
+    edited one; --hf-overrides that change the depths and give no table get the defaults of the served depths."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from recurfit.serving import depth
+    from recurfit.train import load_config, train
+
+    train(load_config(None, [], base=small_run(workspace, tmp_path / "run")))
+    final = tmp_path / "run" / "final"
+    settings = json.loads((final / "config.json").read_text())
+
+    def served_effort(**overrides) -> dict:
+        args = EngineArgs(str(final), hf_overrides=overrides, dtype="float32", enforce_eager=True, max_model_len=64)
+        args.create_engine_config()  # runs the config hook, which sets the server's limits; starts no engine
+        return depth._frontend.effort
+
+    assert settings["mean_recurrence"] == 4 and settings["depth_for_effort"] == {"low": 2, "medium": 4, "high": 8}
+    assert served_effort() == {"low": 2, "medium": 4, "high": 8}
+    assert served_effort(max_recurrence=16) == {"low": 2, "medium": 4, "high": 16}
+    assert served_effort(mean_recurrence=2, max_recurrence=2) == {"low": 1, "medium": 2, "high": 2}
+    given = {"low": 1, "medium": 3, "high": 12}
+    assert served_effort(mean_recurrence=3, max_recurrence=16, depth_for_effort=given) == given
+    edited = {"low": 1, "medium": 4, "high": 6, "max": 8}
+    (final / "config.json").write_text(json.dumps({**settings, "depth_for_effort": edited}))
+    assert served_effort() == edited
 
 
 def test_eval_through_vllm_reads_a_folder_without_running_its_own_code(tmp_path):

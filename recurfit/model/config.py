@@ -23,6 +23,10 @@ class RecurrentConfig(PreTrainedConfig):
     Recurrence: `s_0 ~ TruncNormal(0, state_init_std², ±3σ)` (zeros when 0), `s_i = core(adapter([s_{i-1}; e]))`.
     `mean_recurrence` (r̄) is the default test-time r and the training sampler's mean; `backprop_depth` (k̄)
     is the number of final steps that receive gradient in training.
+
+    `depth_for_effort` maps a chat request's `reasoning_effort` (low, medium, high) to a recurrence when the model
+    is served with vLLM (recurfit.serving.depth); `recurfit train` writes the defaults of its r̄
+    (`defaults.depth_for_effort`), and None leaves them to the server.
     """
 
     model_type = "recurfit"
@@ -40,6 +44,7 @@ class RecurrentConfig(PreTrainedConfig):
     mean_recurrence: int = MEAN_RECURRENCE
     backprop_depth: int = BACKPROP_DEPTH
     embedding_scale: float | None = None  # token embeddings × this; None: the family's own (Gemma: sqrt(h))
+    depth_for_effort: dict | None = None  # reasoning_effort → recurrence when served; None: the server's defaults
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -72,6 +77,12 @@ class RecurrentConfig(PreTrainedConfig):
                 "mean_recurrence and backprop_depth must be >= 1, "
                 f"got {self.mean_recurrence} and {self.backprop_depth}."
             )
+        effort = self.depth_for_effort
+        if effort is not None and not (
+            isinstance(effort, dict)
+            and all(isinstance(k, str) and type(v) is int and v >= 1 for k, v in effort.items())
+        ):
+            raise ValueError(f"depth_for_effort must map effort names to integers >= 1 (or be None), got {effort!r}.")
 
     @property
     def shape(self) -> tuple[int, int, int]:

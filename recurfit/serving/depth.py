@@ -23,7 +23,10 @@ vLLM hands a model no per-request values, so the depth travels through vLLM's ow
 
 `EffortToDepth` (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`) maps a chat request's
 `reasoning_effort` to a depth through `depth_for_effort` in config.json: vLLM passes `reasoning_effort` only to the
-chat template, never to the sampling parameters, so without the middleware it cannot reach the model.
+chat template, never to the sampling parameters, so without the middleware it cannot reach the model. A folder
+without the table (`recurfit train` writes one) gets `recurfit.defaults.depth_for_effort` of the served depths, and
+so does a folder whose table `--hf-overrides` leaves while changing `mean_recurrence` or `max_recurrence`: the
+folder's table was made for its own depths.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
+
 NUM_STEPS = "num_steps"  # the key in SamplingParams.extra_args (vllm_xargs on the server)
-MAX_RECURRENCE_FACTOR = 2  # max_recurrence, when config.json and --hf-overrides do not give it: 2 × r̄
 PROCESSOR = "recurfit.serving.depth:RequestDepth"
 
 
@@ -62,7 +66,7 @@ class Limits:
             )
         effort = getattr(config, "depth_for_effort", None)
         if effort is None:
-            effort = {"low": max(1, default // 2), "medium": default, "high": maximum}
+            effort = depth_for_effort(default, maximum)
         bad = {k: v for k, v in dict(effort).items() if not (type(v) is int and 1 <= v <= maximum)}
         if bad:
             raise ValueError(f"recurfit on vLLM: depth_for_effort must map to integers in [1, {maximum}], got {bad}.")
@@ -95,6 +99,9 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
         global _frontend
         model_config = vllm_config.model_config
         config = model_config.hf_config
+        overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
+        if "depth_for_effort" not in overrides and {"mean_recurrence", "max_recurrence"} & overrides.keys():
+            config.depth_for_effort = None  # the folder's table is for its own depths: the defaults of these
         limits = Limits.of(config)
         if getattr(config, "cache_policy", "all") == "latest":
             on = [

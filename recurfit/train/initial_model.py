@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..data import TokenStore
+from ..defaults import depth_for_effort
 from ..errors import RecurfitError
 from ..model.compat import enable_activation_checkpointing
 from ..model.families import family_of, supported_families
@@ -30,6 +31,7 @@ def build_model(config: ModelConfig, depth: DepthConfig, seed: int) -> nn.Module
     model = _restructure(model, config, depth, config.select, calibration, seed)
     if isinstance(model, RecurrentForCausalLM):
         model.config.mean_recurrence = depth.mean_recurrence
+        model.config.depth_for_effort = depth_for_effort(depth.mean_recurrence)  # saved: the served defaults
         model.config.backprop_depth = depth.backprop_depth
         if config.state_init_std is not None:
             model.config.state_init_std = config.state_init_std
