@@ -27,6 +27,62 @@ def test_the_compiled_step_gives_eager_generates_tokens():
     assert torch.equal(greedy(model, ids, mask, None, compile="eager"), greedy(model, ids, mask, mean))
 
 
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_grouped_query_attention_decodes_compiled_without_copies_of_keys_and_values(monkeypatch):
+    """transformers' SDPA packs a single query token's heads onto the key/value heads only when not compiling, and
+    under torch.compile copies K and V (`repeat_kv`) heads / kv heads times over the whole static buffer at every
+    layer call. The compiled step attends over the kv heads themselves, with eager decoding's tokens, and leaves
+    the model's backend as it was."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    traced_repeats = []
+    repeat_kv = sdpa.repeat_kv
+
+    def counted(hidden_states, n_rep):
+        if torch.compiler.is_compiling():
+            traced_repeats.append(n_rep)
+        return repeat_kv(hidden_states, n_rep)
+
+    monkeypatch.setattr(sdpa, "repeat_kv", counted)
+    torch._dynamo.reset()  # the pieces are traced here, through the counting repeat_kv
+    model = model_with_state_for_cache("llama")
+    text = model.config.text_config
+    assert text.num_key_value_heads < text.num_attention_heads and text._attn_implementation == "sdpa"
+    ids, mask = prompts_for_cache()  # a left-padded row
+    compiled = greedy(model, ids, mask, 3, compile=True)
+    assert traced_repeats == []
+    assert text._attn_implementation == "sdpa"
+    assert torch.equal(compiled, greedy(model, ids, mask, 3))
+
+
+def test_packed_attention_equals_transformers_sdpa():
+    """One query token with a mask shared by the heads: the packed heads give SDPA's output with repeated K and V
+    (float32, to rounding); anything else is transformers' own function."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from recurfit.model.attention import packed_sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    key, value = torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    mask = torch.rand(2, 1, 1, 10) > 0.3
+    mask[..., 0] = True
+    for query, attention_mask in ((torch.randn(2, 6, 1, 8), mask), (torch.randn(2, 6, 4, 8), mask.expand(2, 1, 4, 10))):
+        packed, _ = packed_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.3)
+        repeated, _ = sdpa_attention_forward(
+            SimpleNamespace(num_key_value_groups=1, is_causal=True),
+            query,
+            key.repeat_interleave(3, dim=1),
+            value.repeat_interleave(3, dim=1),
+            attention_mask,
+            scaling=0.3,
+        )
+        assert packed.shape == repeated.shape == (2, query.shape[2], 6, 8)
+        torch.testing.assert_close(packed, repeated)
+
+
 def test_three_graphs_per_batch_size_whatever_the_depth_and_none_per_token():
     from torch._dynamo.testing import CompileCounter
 

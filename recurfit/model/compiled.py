@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from .attention import packed_sdpa
 from .compat import CACHE_ARG, cache_kwargs
 from .static_cache import StaticRecurrentCache
 
@@ -101,12 +102,13 @@ class CompiledDecoder:
         if num_steps > cache.max_steps:
             raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
         prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
-        e, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
-        for step in range(1, num_steps + 1):
-            cache.begin_step(step)
-            state = self._run("_step", model.model, cache, state, e, layer_kwargs)
-        cache.end_core(num_steps)
-        return self._run("_coda", model, cache, state, layer_kwargs)
+        with packed_sdpa(model):  # grouped-query attention without copies of K and V (recurfit.model.attention)
+            e, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
+            for step in range(1, num_steps + 1):
+                cache.begin_step(step)
+                state = self._run("_step", model.model, cache, state, e, layer_kwargs)
+            cache.end_core(num_steps)
+            return self._run("_coda", model, cache, state, layer_kwargs)
 
 
 def decoding_cache(

@@ -30,6 +30,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .adapter import AddAdapter, LinearAdapter
+from .attention import PACKED_SDPA
 from .cache import RecurrentCache
 from .compat import CACHE_ARG, cache_kwargs, take_cache
 from .compiled import decoding_cache
@@ -330,6 +331,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
     def _static_mask_format(self, dtype: torch.dtype) -> torch.dtype:
         """The 4-D mask a static cache builds: booleans for SDPA, additive floats for eager attention."""
         backend = self.config.text_config._attn_implementation
+        if backend == PACKED_SDPA:  # SDPA as compiled decoding runs it (recurfit.model.attention)
+            backend = "sdpa"
         if backend not in ("sdpa", "eager"):
             raise ValueError(
                 f"StaticRecurrentCache builds masks for sdpa and eager attention, not {backend!r}; load the model "
