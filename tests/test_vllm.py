@@ -517,18 +517,24 @@ def test_eval_through_vllm_reads_a_folder_without_running_its_own_code(tmp_path)
         ServedFolder.load(str(tmp_path))
 
 
+def state_reading_smollm(folder: Path) -> Path:
+    """The embedded SmolLM2 retrofitted to (4, 8, 4), its adapter reading the state too (so that r changes the
+    answers), saved with its tokenizer to `folder`."""
+    torch.manual_seed(0)
+    model = recurfit.retrofit(load_model(None, dtype=torch.float32), (4, 8, 4), state_init_std=0.02).eval()
+    with torch.no_grad():
+        hidden = model.config.text_config.hidden_size
+        model.model.adapter.weight[:, :hidden] += 0.1 * torch.eye(hidden)
+    model.save_pretrained(folder)
+    save_tokenizer(load_tokenizer(None), folder)
+    return folder
+
+
 def test_gsm8k_through_vllm_answers_and_scores_as_the_default_backend(tmp_path, capsys):
     """`eval tasks --backend vllm` on the embedded SmolLM2 retrofit, a model folder and then a run folder of
     snapshots: per problem, the same generated text, extracted answers and scores as the default backend, at r = 1
     and 4 (greedy, s_0 = 0 by --state-init zeros though the model's own state_init_std is not 0)."""
-    torch.manual_seed(0)
-    model = recurfit.retrofit(load_model(None, dtype=torch.float32), (4, 8, 4), state_init_std=0.02).eval()
-    with torch.no_grad():  # the adapter reads the state too, so that r changes the answers
-        hidden = model.config.text_config.hidden_size
-        model.model.adapter.weight[:, :hidden] += 0.1 * torch.eye(hidden)
-    folder = tmp_path / "model"
-    model.save_pretrained(folder)
-    save_tokenizer(load_tokenizer(None), folder)
+    folder = state_reading_smollm(tmp_path / "model")
     common = ["--tasks", "gsm8k_cot", "--limit", "3", "--max-new-tokens", "32", "--state-init", "zeros"]
     common += ["--log-samples", "--kv-cache-gib", "0.5"]
     code, text = run_cli(capsys, "eval", "tasks", folder, "-r", "1,4", *common, "--out", tmp_path / "hf")
@@ -565,3 +571,74 @@ def test_gsm8k_through_vllm_answers_and_scores_as_the_default_backend(tmp_path, 
     for r in ("r=1", "r=4"):
         assert_same_answers(final[r], expected[r])
     assert json.loads((run / "eval" / "evaluation.json").read_text())["settings"]["backend"] == "vllm"
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["bars", "TQDM_DISABLE"])
+def test_lm_evals_requests_get_the_sweeps_depth_and_no_bar_that_tqdm_disabled(monkeypatch, quiet):
+    """lm-eval's VLLM hands `generate` the SamplingParams it built (one object repeated for a batch): each request
+    goes to the engine with `num_steps`, on copies (lm-eval's own are left as they were). Under TQDM_DISABLE (the
+    CLI without --verbose) no bar is asked for: vLLM divides by a disabled bar's elapsed time, which is 0."""
+    from recurfit.evaluate.vllm_backend import AtDepth
+
+    class Engine:
+        def generate(self, prompts, sampling_params=None, **kwargs):
+            self.sent = (prompts, sampling_params, kwargs)
+            return "answers"
+
+    if quiet:
+        monkeypatch.setenv("TQDM_DISABLE", "1")
+    else:
+        monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    params = vllm.SamplingParams(temperature=0, max_tokens=1, extra_args={"theirs": 1})
+    llm = AtDepth(Engine(), num_steps=4)
+    assert llm.generate(["a", "b"], sampling_params=[params, params], use_tqdm=True) == "answers"
+    prompts, sent, kwargs = llm.llm.sent
+    assert prompts == ["a", "b"] and kwargs == {"use_tqdm": not quiet}
+    assert [p.extra_args for p in sent] == [{"theirs": 1, "num_steps": 4}] * 2 and sent[0] is sent[1]
+    assert params.extra_args == {"theirs": 1} and sent[0].max_tokens == 1
+    llm.num_steps = None  # a fixed-depth model: its requests as lm-eval built them
+    llm.generate(["a"], sampling_params=params)
+    assert llm.llm.sent[1] is params and llm.sent == llm.llm.sent  # everything else is the engine's
+
+
+def test_one_eager_engine_serves_a_sweep_with_the_scores_of_one_engine_per_r(tmp_path, monkeypatch):
+    """`eval tasks --backend vllm` with eager engines: one engine per group of tasks serves every r of the sweep
+    (each request names its depth), and gives, per document, the answers and log-likelihoods of an engine started
+    for that r alone: GSM8K (generation, its group at max_length 1024) and ARC-Easy (log-likelihoods, its own
+    group). The sweep runs r = 1 before r = 4 on the same prompts, so prefix caching would hand r = 4 the blocks
+    r = 1 wrote unless they are kept apart by depth."""
+    from recurfit.evaluate import vllm_backend
+    from recurfit.evaluate.suite import task_sweep
+
+    started = []
+    engine = vllm_backend.vllm_lm
+
+    def counted(served, **kwargs):
+        started.append((tuple(kwargs["depths"]), kwargs["max_length"]))
+        return engine(served, **kwargs)
+
+    monkeypatch.setattr(vllm_backend, "vllm_lm", counted)
+    served = vllm_backend.ServedFolder.load(
+        str(state_reading_smollm(tmp_path / "model")),
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 29,
+    )
+    settings = dict(tasks=["gsm8k_cot", "arc_easy"], limit=3, max_new_tokens=32, state_init="zeros", backend="vllm")
+
+    def sweep(depths):
+        return task_sweep(served, None, recurrences=depths, log_samples=True, **settings)
+
+    shared, shared_raw = sweep([1, 4])
+    assert started == [((1, 4), 1024), ((1, 4), None)]  # one engine per group, serving both depths
+    alone = {r: sweep([r]) for r in (1, 4)}
+    assert started[2:] == [((1,), 1024), ((1,), None), ((4,), 1024), ((4,), None)]
+    for row, r in zip(shared.rows, (1, 4)):
+        assert row.metrics == alone[r][0].rows[0].metrics, r
+    for r in ("r=1", "r=4"):
+        ours, theirs = shared_raw["samples"][r], alone[int(r[2:])][1]["samples"][r]
+        assert_same_answers(ours, theirs)
+        arc = [(s["doc_id"], s["resps"], s["acc"]) for s in ours["arc_easy_offline"]]
+        assert arc == [(s["doc_id"], s["resps"], s["acc"]) for s in theirs["arc_easy_offline"]] and len(arc) == 3
+    generated = {r: [s["resps"] for s in shared_raw["samples"][r]["gsm8k_cot_offline"]] for r in ("r=1", "r=4")}
+    assert generated["r=1"] != generated["r=4"]  # each request ran at its own depth

@@ -100,7 +100,8 @@ def _add_tasks_arguments(p) -> None:
         choices=["hf", "vllm"],
         default="hf",
         help="hf: lm-eval's HFLM on recurfit's model; vllm: lm-eval's vllm model on the saved folder, served by "
-        "recurfit's vLLM plugin, one engine per r (needs ./scripts/setup-vllm.sh; run .venv-vllm/bin/recurfit)",
+        "recurfit's vLLM plugin, one eager engine for every r (needs ./scripts/setup-vllm.sh; run "
+        ".venv-vllm/bin/recurfit)",
     )
     p.add_argument(
         "--kv-cache-gib",

@@ -16,7 +16,7 @@ import difflib
 import functools
 import logging
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -268,9 +268,10 @@ def task_sweep(
     run. `tasks`: lm-eval names, `paper` for the paper's suite; `limit`: documents per task (or subject).
 
     `backend` "hf": lm-eval's HFLM on the loaded `model` (RecurfitLM), one model for every r. "vllm": `model` and
-    `baseline` are `vllm_backend.ServedFolder`s, run through lm-eval's `vllm` model type, one engine per r and
-    settings (`tokenizer` is then a folder or Hub id, or None for the model's own). `log_samples`: lm-eval's
-    per-document records (prompt, answer, score) in the second result under "samples", by run and task."""
+    `baseline` are `vllm_backend.ServedFolder`s, run through lm-eval's `vllm` model type, one engine per group of
+    tasks serving every r where vLLM runs eagerly, else one per r and group (`tokenizer` is then a folder or Hub
+    id, or None for the model's own). `log_samples`: lm-eval's per-document records (prompt, answer, score) in the
+    second result under "samples", by run and task."""
     if backend not in BACKENDS:
         raise RecurfitError(f"backend must be one of {BACKENDS}, not {backend!r}.")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # lm-eval's per-task notices drown the progress bars
@@ -284,18 +285,21 @@ def task_sweep(
     samples: dict = {}
     module = model.meta if backend == "vllm" else model  # what the rows count (parameters, FLOPs)
     recurrent = isinstance(module, RecurrentForCausalLM)
-    models = runner.models(model, state_init=state_init)
+    depths = list(recurrences) if recurrent else [None]
+    by_depth: dict = {}
+    with runner.models(model, depths, state_init=state_init) as lm_at:
+        results = runner.run(lm_at, name, depths, by_depth)
     rows = []
-    for r in list(recurrences) if recurrent else [None]:
+    for r in depths:
         key = f"r={r}" if r else "model"
-        raw[key] = results = runner.run(models, f"{name} at r={r}" if r else name, r, samples.setdefault(key, {}))
-        rows.append(Row.measured(module, r, runner.metrics(results)))
+        raw[key], samples[key] = results[r], by_depth.get(r, {})
+        rows.append(Row.measured(module, r, runner.metrics(results[r])))
     parent_row = None
     if baseline is not None:
-        parent_models = runner.models(baseline)
-        raw["parent"] = results = runner.run(
-            parent_models, f"parent {baseline_name}", None, samples.setdefault("parent", {})
-        )
+        parent_samples: dict = {}
+        with runner.models(baseline, [None]) as lm_at:
+            results = runner.run(lm_at, f"parent {baseline_name}", [None], parent_samples)[None]
+        raw["parent"], samples["parent"] = results, parent_samples.get(None, {})
         parent = baseline.meta if backend == "vllm" else baseline
         parent_row = Row.measured(parent, None, runner.metrics(results), label=f"parent ({baseline_name})")
     chance, details = runner.chance_and_details(raw[next(iter(raw))], data, state_init)
@@ -320,20 +324,22 @@ class _TaskRunner:
     backend: str = "hf"
     log_samples: bool = False
 
-    def models(self, pretrained, **kwargs):
-        """`lm_at(max_length, r)`: a context manager giving the lm-eval model for one run. "hf": one RecurfitLM per
-        max_length the runs need, all wrapping the same module, re-pointed at r; "vllm": a new engine each time."""
+    @contextmanager
+    def models(self, pretrained, depths: Sequence[int | None], **kwargs) -> Iterator[Callable]:
+        """`lm_at(max_length, r)`: a context manager giving the lm-eval model for one run, for runs at the
+        recurrences `depths`. "hf": one RecurfitLM per max_length the runs need, all wrapping the same module,
+        re-pointed at r; "vllm": engines that serve r, one for all `depths` where vLLM runs eagerly
+        (`vllm_backend.sweep_engines`), shut down on leaving."""
         if self.backend == "vllm":
-            from .vllm_backend import vllm_lm
+            from .vllm_backend import sweep_engines
 
             tokenizer = {"tokenizer": self.tokenizer} if self.tokenizer else {}
             batch = {"batch_size": "auto"}  # vLLM's scheduler batches the requests itself
-
-            def lm_at(length, r):
-                return vllm_lm(pretrained, num_steps=r, max_length=length, seed=self.seed, **MODEL_ARGS,
-                               **tokenizer, **batch, **kwargs)  # fmt: skip
-
-            return lm_at
+            with sweep_engines(
+                pretrained, depths, seed=self.seed, **MODEL_ARGS, **tokenizer, **batch, **kwargs
+            ) as lm_at:
+                yield lm_at
+            return
         from .lm import RecurfitLM
 
         lengths = dict.fromkeys(settings.max_length for settings in self.runs)
@@ -354,36 +360,40 @@ class _TaskRunner:
             lms[length].num_steps = r
             yield lms[length]
 
-        return lm_at
+        yield lm_at
 
-    def run(self, lm_at, label: str, r: int | None = None, samples: dict | None = None) -> dict:
-        """lm-eval's results per task at recurrence `r`, each group of tasks run with its own settings, behind a
-        progress bar; lm-eval's per-document records into `samples` when the runner logs them."""
+    def run(self, lm_at, label: str, depths: Sequence[int | None], samples: dict | None = None) -> dict:
+        """lm-eval's results per task at each recurrence of `depths` ({r: results}), each group of tasks run with
+        its own settings, behind a progress bar; lm-eval's per-document records into `samples` ({r: records})
+        when the runner logs them. The groups come first, then the depths: an engine that serves every depth
+        (vllm_backend.sweep_engines) serves a group at all of them before the next group's starts."""
         from lm_eval import simple_evaluate
 
         first = f" (first {self.limit} documents each)" if self.limit else ""
-        Console(stderr=True).print(f"[bold]{label}[/]: {', '.join(self.names)}" + first)
-        results: dict = {}
+        results: dict = {r: {} for r in depths}
         for settings, group in self.runs.items():
-            with lm_at(settings.max_length, r) as lm, quiet_git_hash(), progress_bar() as bar:
-                lm.progress = (bar, label)
-                output = simple_evaluate(
-                    model=lm,
-                    tasks=group,
-                    task_manager=self.manager,
-                    num_fewshot=settings.num_fewshot,
-                    limit=self.limit,
-                    bootstrap_iters=0,
-                    log_samples=self.log_samples,
-                    gen_kwargs={"max_gen_toks": self.max_new_tokens} if self.max_new_tokens else None,
-                    random_seed=self.seed,
-                    numpy_random_seed=self.seed,
-                    torch_random_seed=self.seed,
-                    fewshot_random_seed=self.seed,
-                )
-            results.update(output["results"])
-            if samples is not None and self.log_samples:
-                samples.update(output["samples"])
+            for r in depths:
+                at = f"{label} at r={r}" if r else label
+                Console(stderr=True).print(f"[bold]{at}[/]: {', '.join(group)}" + first)
+                with lm_at(settings.max_length, r) as lm, quiet_git_hash(), progress_bar() as bar:
+                    lm.progress = (bar, at)
+                    output = simple_evaluate(
+                        model=lm,
+                        tasks=group,
+                        task_manager=self.manager,
+                        num_fewshot=settings.num_fewshot,
+                        limit=self.limit,
+                        bootstrap_iters=0,
+                        log_samples=self.log_samples,
+                        gen_kwargs={"max_gen_toks": self.max_new_tokens} if self.max_new_tokens else None,
+                        random_seed=self.seed,
+                        numpy_random_seed=self.seed,
+                        torch_random_seed=self.seed,
+                        fewshot_random_seed=self.seed,
+                    )
+                results[r].update(output["results"])
+                if samples is not None and self.log_samples:
+                    samples.setdefault(r, {}).update(output["samples"])
         return results
 
     def metrics(self, results: dict) -> dict[str, float]:
