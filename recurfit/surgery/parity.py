@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,13 @@ PARITY_SAMPLES = (
 
 @torch.no_grad()
 def parity(parent: PreTrainedModel, model: RecurrentForCausalLM, input_ids, attention_mask=None, steps=(1, 32)):
-    """max |Δlogit| between the retrofit at each r and the parent without the dropped layers (real tokens only)."""
+    """max |Δlogit| between the retrofit at each r and the parent without the dropped layers (real tokens only).
+
+    Low-precision weights are compared through float32 copies: the check is of structure, and a bf16 retrofit keeps
+    its stream in float32 (recurfit.model.modeling) where its bf16 parent does not, so the two would differ by
+    rounding alone."""
+    if model.dtype != torch.float32:
+        parent, model = (copy.deepcopy(module).float() for module in (parent, model))
     kept = [i for part in model.config.source_layers.values() for i in part]
     valid = slice(None) if attention_mask is None else attention_mask.bool()
     positions = positions_from_mask(attention_mask, input_ids.shape[1], input_ids.device)
