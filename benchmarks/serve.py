@@ -23,8 +23,9 @@ the mixed-traffic case (without the stop, so that every run makes the same token
 recurrence, drawn from `--mix-depths` (2, 4, 8, 16), through one engine (`max_recurrence` = the deepest) with
 depth per request, against (a) the same engine serving every request at the deepest r, and (b) the FLOPs-ideal
 ratio: Σ over requests of tokens × (P + R·r + C) layers at their own r, over the same sum with every r at the
-deepest. Eager only (`--enforce-eager`): there the core runs each step on the tokens still short of their depth;
-vLLM's compiled graph runs every step for every token.
+deepest. `--depth-mix-modes` (default eager) chooses the engines: eager, where the core runs each step on the
+tokens still short of their depth, and compiled, with a graph for each depth drawn from (`compiled_depths`), where
+each batch runs through the graph of its deepest request.
 
 The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
 engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
@@ -169,7 +170,7 @@ def recurfit_run(model, tokenizer, work: Workload, r: int, device) -> tuple[floa
     return seconds, [trimmed(row, n, bool(work.stop), tokenizer, work.stop) for row, n in zip(rows, work.budgets)]
 
 
-def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence: int | None = None):
+def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence: int | None = None, **overrides):
     import vllm
 
     start = time.perf_counter()
@@ -179,7 +180,7 @@ def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence
         dtype=DTYPES[args.dtype][0],
         enforce_eager=mode == "eager",
         max_model_len=max_length,
-        hf_overrides={"mean_recurrence": r, "max_recurrence": max_recurrence or r},
+        hf_overrides={"mean_recurrence": r, "max_recurrence": max_recurrence or r, **overrides},
         seed=0,
         **extra,
     )
@@ -223,6 +224,9 @@ def main() -> None:
     parser.add_argument("--state-init-std", type=float, default=0.0, help="the embedded retrofit's σ (0: s_0 = 0)")
     parser.add_argument("--depth-mix", type=int, default=64, help="mixed-depth workload: requests (0: leave it out)")
     parser.add_argument("--mix-depths", default="2,4,8,16", help="mixed-depth workload: the depths drawn from")
+    parser.add_argument(
+        "--depth-mix-modes", default="eager", help="mixed-depth workload: vLLM's eager, compiled or both"
+    )
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     modes = args.modes.split(",")
@@ -291,8 +295,9 @@ def main() -> None:
 
 
 def depth_mix(folder, tokenizer, args) -> None:
-    """One eager engine: the mixed-depth workload with depth per request, and the same requests all at the deepest
-    depth, alternating for --repeats rounds; the throughput ratio beside the FLOPs-ideal one."""
+    """For each of --depth-mix-modes, one engine: the mixed-depth workload with depth per request, and the same
+    requests all at the deepest depth, alternating for --repeats rounds; the throughput ratio beside the FLOPs-ideal
+    one. A compiled engine has a graph for each depth drawn from (compiled_depths)."""
     from recurfit.model.loading import load_config
 
     choices = [int(x) for x in args.mix_depths.split(",")]
@@ -303,23 +308,27 @@ def depth_mix(folder, tokenizer, args) -> None:
     deepest = max(choices)
     P, R, C = load_config(folder).shape
     print(f"depth-mix: {len(own)} requests, depths {dict(sorted((r, own.count(r)) for r in set(own)))}")
-    llm, loaded = vllm_engine(folder, deepest, "eager", work.max_length, args, max_recurrence=deepest)
-    print(f"depth-mix: vLLM eager engine (max_recurrence {deepest}) loaded in {loaded:.1f} s", flush=True)
-    best: dict[str, float] = {}
-    for _ in range(args.repeats):
-        for name, depths in (("own depths", own), (f"all at r={deepest}", [deepest] * len(own))):
-            seconds, produced = vllm_run(llm, work, depths)
-            tokens = sum(map(len, produced))
-            best[name] = min(best.get(name, seconds), seconds)
-            cost = sum((len(p) + len(row)) * (P + R * r + C) for p, row, r in zip(work.prompts, produced, depths))
-            best[name + " cost"] = cost
-            print(f"depth-mix {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens in {seconds:.1f} s)", flush=True)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    measured = best[f"all at r={deepest}"] / best["own depths"]
-    ideal = best[f"all at r={deepest} cost"] / best["own depths cost"]
-    print(f"summary depth-mix: own depths {best['own depths']:.1f} s, all at r={deepest} "
-          f"{best[f'all at r={deepest}']:.1f} s: {measured:.2f}x faster (FLOPs-ideal {ideal:.2f}x)")  # fmt: skip
+    for mode in args.depth_mix_modes.split(","):
+        llm, loaded = vllm_engine(
+            folder, deepest, mode, work.max_length, args, max_recurrence=deepest, compiled_depths=choices
+        )
+        print(f"depth-mix: vLLM {mode} engine (max_recurrence {deepest}) loaded in {loaded:.1f} s", flush=True)
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            for name, depths in (("own depths", own), (f"all at r={deepest}", [deepest] * len(own))):
+                seconds, produced = vllm_run(llm, work, depths)
+                tokens = sum(map(len, produced))
+                best[name] = min(best.get(name, seconds), seconds)
+                cost = sum((len(p) + len(row)) * (P + R * r + C) for p, row, r in zip(work.prompts, produced, depths))
+                best[name + " cost"] = cost
+                print(f"depth-mix {mode} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens in {seconds:.1f} s)",
+                      flush=True)  # fmt: skip
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        measured = best[f"all at r={deepest}"] / best["own depths"]
+        ideal = best[f"all at r={deepest} cost"] / best["own depths cost"]
+        print(f"summary depth-mix {mode}: own depths {best['own depths']:.1f} s, all at r={deepest} "
+              f"{best[f'all at r={deepest}']:.1f} s: {measured:.2f}x faster (FLOPs-ideal {ideal:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -113,26 +113,35 @@ def vllm_engine(folder, compiled: bool = False, engine_args: dict | None = None,
 
 
 def compile_state(model) -> dict:
-    """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker)."""
-    trunk = model.model
+    """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker): its compiled
+    depths, whether each compiles and has compiled, and whether the family body's own compiled forward is used."""
     return dict(
-        trunk_compiles=not trunk.do_not_compile,
-        trunk_compiled=getattr(trunk, "compiled", False),
-        body_compiles=not trunk.body.do_not_compile,
+        depths=[graph.steps for graph in model.graphs],
+        compiles=[not graph.do_not_compile for graph in model.graphs],
+        compiled=[bool(getattr(graph, "compiled", False)) for graph in model.graphs],
+        body_compiles=not model.model.body.do_not_compile,
     )
+
+
+def assert_compiled(llm, compiled: bool) -> list[int]:
+    """In compiled mode every depth's graph compiled (when the engine started), in eager mode none; the family
+    body's own compiled forward never. Returns the compiled depths."""
+    (state,) = llm.apply_model(compile_state)
+    assert state["compiles"] == state["compiled"] == [compiled] * len(state["depths"]), state
+    assert not state["body_compiles"]
+    return state["depths"]
 
 
 def vllm_greedy(
     folder, batch: list[list[int]], compiled: bool = False, engine_args: dict | None = None, **overrides
 ) -> list[list[int]]:
-    """Greedy tokens from an engine on `folder`, after checking that in compiled mode the recurrent trunk (the
-    whole recurrence) was compiled, and that the family body's own compiled forward is never used."""
+    """Greedy tokens from an engine on `folder`, after checking that in compiled mode every depth's graph was
+    compiled, and that the family body's own compiled forward is never used."""
     llm = vllm_engine(folder, compiled, engine_args, **overrides)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        state = dict(trunk_compiles=compiled, trunk_compiled=compiled, body_compiles=False)
-        assert llm.apply_model(compile_state) == [state]
+        assert_compiled(llm, compiled)
         return [list(o.outputs[0].token_ids) for o in outputs]
     finally:
         del llm
@@ -173,8 +182,8 @@ def test_greedy_tokens_equal_recurfit_at_r_1_4_8(tmp_path):
 
 @pytest.mark.parametrize("family, r", [("llama", 4), ("gemma", 3)])
 def test_compiled_engine_gives_recurfits_tokens(tmp_path, family, r):
-    """vLLM's default mode (no enforce_eager): the recurrence, unrolled for the engine's r, is the one graph that
-    vLLM traces (fullgraph) and compiles (inductor on a CPU; vllm_greedy checks that it did). Gemma scales its
+    """vLLM's default mode (no enforce_eager): the recurrence, unrolled for each compiled depth, is a graph that
+    vLLM traces (fullgraph) and compiles (inductor on a CPU; vllm_greedy checks that each did). Gemma scales its
     embeddings, inside the graph."""
     model = served_model(family, mean_recurrence=2)
     folder, batch = saved(model, tmp_path / family), prompts()
@@ -193,7 +202,7 @@ def test_a_random_initial_state_compiles_and_reaches_the_tokens(tmp_path):
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        assert llm.apply_model(compile_state) == [dict(trunk_compiles=True, trunk_compiled=True, body_compiles=False)]
+        assert_compiled(llm, True)
         (draw,) = llm.apply_model(lambda m: m.model.initial_state(torch.zeros(50_000, 8)))
     finally:
         del llm
@@ -268,6 +277,59 @@ def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tm
     # written at their new depths by other prompts in the first round, the prompt of 33 tokens's was not.
     assert cached == [[0] * 10, [0] * 5 + [32] * 5, [0] * 4 + [32] * 6], cached
     assert len({tuple(row) for row in rounds[0][1]}) == len(batch)
+
+
+class CountedGraph:
+    """Stands in for one of a model's compiled depths, counting the forwards it runs."""
+
+    def __init__(self, graph):
+        self.graph, self.steps, self.calls = graph, graph.steps, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.graph(*args)
+
+
+def count_graph_calls(model) -> None:
+    model.graphs = [CountedGraph(graph) for graph in model.graphs]
+
+
+def graph_calls(model) -> dict[int, int]:
+    """Forwards each compiled depth ran since the last call (then set back to 0)."""
+    calls = {graph.steps: graph.calls for graph in model.graphs}
+    for graph in model.graphs:
+        graph.calls = 0
+    return calls
+
+
+def test_a_compiled_engine_runs_each_batch_through_the_shallowest_graph_that_covers_it(tmp_path):
+    """Compiled, a batch pays for its deepest request, not for max_recurrence: r̄ = 2 served up to 8 has graphs
+    for depths 1, 2 and 8 (depth_for_effort's low, medium and high), all compiled when the engine starts, and a
+    batch whose deepest request asks for d runs through the shallowest graph of depth >= d, with each request's
+    tokens those of recurfit's `generate` at its own depth."""
+    model = served_model("llama", mean_recurrence=2)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    llm = vllm_engine(folder, compiled=True, max_recurrence=8)
+    try:
+        assert assert_compiled(llm, True) == [1, 2, 8]
+        llm.apply_model(count_graph_calls)
+        served = {}
+        for depths in ([1, 1, 1], [2, 1, 1], [1, 4, 1], [8, 2, 1]):
+            served[tuple(depths)] = served_by_depth(llm, batch, depths), llm.apply_model(graph_calls)[0]
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True)  # no depth: r̄
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        default = [list(o.outputs[0].token_ids) for o in outputs]
+        default_calls = llm.apply_model(graph_calls)[0]
+    finally:
+        del llm
+        gc.collect()
+    ran = {depths: next(d for d, n in calls.items() if n) for depths, (_, calls) in served.items()}
+    assert ran == {(1, 1, 1): 1, (2, 1, 1): 2, (1, 4, 1): 8, (8, 2, 1): 8}
+    for depths, (tokens, calls) in served.items():
+        assert sum(n > 0 for n in calls.values()) == 1, (depths, calls)  # one graph for every forward of the batch
+        assert tokens == expected_by_depth(model, batch, list(depths)), depths
+    assert [d for d, n in default_calls.items() if n] == [2]
+    assert default == expected_by_depth(model, batch, [2, 2, 2])
 
 
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])

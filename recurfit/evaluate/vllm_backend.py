@@ -5,12 +5,11 @@ pointed at the saved folder; recurfit's vLLM plugin (recurfit.serving, registere
 serves it. lm-eval builds the sampling parameters itself; the engine it starts is wrapped (`AtDepth`) so that every
 request it sends names the sweep's current depth (`SamplingParams.extra_args["num_steps"]`, recurfit.serving.depth).
 
-An eager engine (`enforce_eager`, the CLI's choice on a CPU) runs each token to its own request's depth, so one
-engine started with `hf_overrides={"mean_recurrence": m, "max_recurrence": m}` (m the deepest r) serves every r of
-the sweep (`sweep_engines`): one start instead of one per r. A compiled engine runs `max_recurrence` steps for
-every token whatever its depth, so there each r gets its own engine with `max_recurrence` = r (no KV caches or
-steps for deeper ones). An engine is shut down before the next starts: an idle CPU engine's worker keeps a core
-busy. Prefix caching shares KV blocks only between requests of one depth (the plugin's cache salt per depth).
+Each request runs to its own depth, so one engine started with `hf_overrides={"mean_recurrence": m,
+"max_recurrence": m}` (m the deepest r; no KV caches for deeper steps) serves every r of the sweep
+(`sweep_engines`): one start instead of one per r. A compiled engine gets `compiled_depths` = the sweep's rs, so
+that a batch of one r runs through that r's graph. An engine is shut down before the next starts: an idle CPU
+engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (the plugin's cache salt per depth).
 
 `state_init="zeros"` serves with `state_init_std` 0, as the default backend's `zeros` does; with "random" vLLM
 draws s_0 from its worker's generator (the same distribution as recurfit's, not the same draws), whose draws for
@@ -134,6 +133,7 @@ def vllm_lm(
     if served.recurrent:
         deepest = max(served.depth(r) for r in depths)
         overrides["mean_recurrence"] = overrides["max_recurrence"] = deepest  # no deeper steps' KV caches
+        overrides["compiled_depths"] = sorted({served.depth(r) for r in depths})  # a compiled engine's graphs
         if state_init == "zeros":
             overrides["state_init_std"] = 0.0
     lm = VLLM(
@@ -154,10 +154,10 @@ def vllm_lm(
 @contextmanager
 def sweep_engines(served: ServedFolder, depths: Sequence[int | None], **lm_args) -> Iterator[Callable]:
     """`lm_at(max_length, r)`: a context manager giving lm-eval's `VLLM` on `served` at recurrence r, for runs that
-    ask for the recurrences of `depths` in turn. An eager engine serves every r of `depths` (each request names its
-    depth) and stays open while the runs keep its `max_length`; a compiled one serves one r. Every engine is shut
-    down when the next starts, and on leaving."""
-    shared = served.recurrent and bool(served.engine_args.get("enforce_eager"))
+    ask for the recurrences of `depths` in turn. One engine serves every r of `depths` (each request names its
+    depth) and stays open while the runs keep its `max_length`. Every engine is shut down when the next starts,
+    and on leaving."""
+    shared = served.recurrent
     engine: dict = {"key": None, "lm": None}
     with ExitStack() as stack:
 

@@ -61,7 +61,7 @@ def _coda(model, cache, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor
     return model.lm_head(model.model._coda(state, {**layer_kwargs, **cache_kwargs(cache)}))
 
 
-def _own_code(function: types.FunctionType) -> types.FunctionType:
+def own_code(function: types.FunctionType) -> types.FunctionType:
     """`function` with a code object of its own: its own dynamo graphs and recompile budget."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
@@ -88,7 +88,7 @@ class CompiledDecoder:
         options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
         self._code, self._pieces = {}, {}
         for piece in (_prelude, _warm_prelude, _step, _coda):
-            own = _own_code(piece)
+            own = own_code(piece)
             self._code[piece.__name__], self._pieces[piece.__name__] = own.__code__, torch.compile(own, **options)
 
     def _run(self, name: str, *args):

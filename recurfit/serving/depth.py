@@ -36,6 +36,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.exceptions import VLLMValidationError
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
@@ -48,11 +49,13 @@ PROCESSOR = "recurfit.serving.depth:RequestDepth"
 
 @dataclass(frozen=True)
 class Limits:
-    """A served folder's depths: the default (r̄), the server's maximum, and reasoning_effort's table."""
+    """A served folder's depths: the default (r̄), the server's maximum, reasoning_effort's table, and the depths
+    a compiled engine has a graph for (`compiled_depths`, default: the table's, r̄ and the maximum)."""
 
     default: int
     maximum: int
     effort: dict
+    compiled: tuple[int, ...]
 
     @classmethod
     def of(cls, config) -> Limits:
@@ -70,7 +73,14 @@ class Limits:
         bad = {k: v for k, v in dict(effort).items() if not (type(v) is int and 1 <= v <= maximum)}
         if bad:
             raise ValueError(f"recurfit on vLLM: depth_for_effort must map to integers in [1, {maximum}], got {bad}.")
-        return cls(default, maximum, dict(effort))
+        compiled = getattr(config, "compiled_depths", None)
+        if compiled is None:
+            compiled = list(dict(effort).values())
+        if not isinstance(compiled, (list, tuple)) or not all(type(v) is int and 1 <= v <= maximum for v in compiled):
+            raise ValueError(
+                f"recurfit on vLLM: compiled_depths must be a list of integers in [1, {maximum}], got {compiled!r}."
+            )
+        return cls(default, maximum, dict(effort), tuple(sorted({*compiled, default, maximum})))
 
     def depth(self, extra_args: dict | None) -> int:
         """The depth a request asks for (extra_args["num_steps"]), or the default; a ValueError naming the field
@@ -119,10 +129,26 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
                     f"does: turn off {' and '.join(on)} (--no-{' --no-'.join(n.replace('_', '-') for n in on)}), "
                     "or serve cache_policy 'all'."
                 )
+        _piecewise_cuda_graphs(vllm_config.compilation_config)
         processors = list(model_config.logits_processors or [])
         if PROCESSOR not in processors and RequestDepth not in processors:
             model_config.logits_processors = [*processors, PROCESSOR]
         _frontend = limits
+
+
+def _piecewise_cuda_graphs(compilation) -> None:
+    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE), not of whole forwards (its FULL modes, the
+    default when none is named): the depth each batch runs at, and so which compiled graph runs, is chosen on the
+    host at every forward (`RecurfitForCausalLM.forward`), which a graph of the whole forward would replay as
+    captured. A FULL mode named by the user is refused rather than changed."""
+    mode = compilation.cudagraph_mode
+    if mode is None:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode.has_full_cudagraphs():
+        raise ValueError(
+            f"recurfit on vLLM: cudagraph_mode {mode.name} captures whole forwards, but each batch's depth is chosen "
+            "on the host at every forward: use PIECEWISE (-cc.cudagraph_mode=PIECEWISE) or NONE."
+        )
 
 
 # The RequestDepth of the engine whose worker runs in this process (vLLM builds it with the worker's input batch,
@@ -162,7 +188,12 @@ class RequestDepth(LogitsProcessor):
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         self.limits = Limits.of(vllm_config.model_config.hf_config)
-        self.rows = torch.full((vllm_config.scheduler_config.max_num_seqs,), self.limits.default, dtype=torch.int64)
+        rows = vllm_config.scheduler_config.max_num_seqs
+        self.rows = torch.full((rows,), self.limits.default, dtype=torch.int64)
+        self.live = torch.zeros(rows, dtype=torch.bool)  # rows holding a request (vLLM's warm-up runs hold none)
+        # Each token's depth, in one buffer the model reads a prefix of: a CUDA graph replays reading the address
+        # it was captured with, so the depths must be written there rather than handed over in a new tensor.
+        self.tokens = torch.ones(vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int64, device=device)
         global _worker
         _worker = weakref.ref(self)
 
@@ -175,24 +206,37 @@ class RequestDepth(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
+        for index in batch_update.removed:
+            self.live[index] = False
         for index, params, _, _ in batch_update.added:
             self.rows[index] = self.limits.depth(params.extra_args)
+            self.live[index] = True
         for first, second, direction in batch_update.moved:
-            if direction == MoveDirectionality.SWAP:
-                self.rows[[first, second]] = self.rows[[second, first]]
-            else:
-                self.rows[second] = self.rows[first]
+            for table in (self.rows, self.live):
+                if direction == MoveDirectionality.SWAP:
+                    table[[first, second]] = table[[second, first]]
+                else:
+                    table[second] = table[first]
+            if direction != MoveDirectionality.SWAP:
+                self.live[first] = False
 
-    def token_depths(self, query_start_loc: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
-        """Each token's depth (its request's; padding tokens 1), and the deepest request's, for a batch whose
-        rows' tokens start at `query_start_loc` (num_reqs + 1 offsets)."""
-        num_reqs = query_start_loc.numel() - 1
+    def token_depths(self, query_start_loc: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor, int | None]:
+        """Each token's depth (its request's; padding tokens 1) in a prefix of the `tokens` buffer, and the batch's
+        deepest request's. A batch without requests (vLLM's profiling, warm-up and CUDA-graph capture runs;
+        `query_start_loc` None outside a forward context) has every token at `max_recurrence`, and None for its
+        deepest. Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets)."""
+        if num_tokens > self.tokens.numel():  # not in vLLM's runs (at most max_num_batched_tokens)
+            self.tokens = self.tokens.new_ones(num_tokens)
+        depths = self.tokens[:num_tokens]
+        num_reqs = 0 if query_start_loc is None else query_start_loc.numel() - 1
+        if not self.live[:num_reqs].any():
+            return depths.fill_(self.limits.maximum), None
         rows = self.rows[:num_reqs]
         lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
-        depths = torch.repeat_interleave(rows, lengths)
-        if depths.numel() < num_tokens:
-            depths = torch.cat([depths, depths.new_ones(num_tokens - depths.numel())])
-        return depths, int(rows.max()) if num_reqs else 1
+        per_token = torch.repeat_interleave(rows, lengths)
+        depths[: per_token.numel()].copy_(per_token)
+        depths[per_token.numel() :].fill_(1)
+        return depths, int(rows.max())
 
 
 def salt_by_depth(request) -> None:

@@ -5,12 +5,18 @@
     s_i = core(adapter([s_{i-1}; e]))          i = 1..r
     p   = lm_head(norm(coda(s_r)))
 
-`RecurrentModel` runs the recurrence above, embedding to final norm, in one `forward` that vLLM compiles
-(`support_torch_compile`; r is fixed per engine, so the loop unrolls into one graph): its body is the family's vLLM
-model (LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`, whose layers are the prelude, core
-and coda in execution order; only its embedding, layers and final norm are used, in the order above, and its own
-compiled forward is switched off. The recurrence r is `mean_recurrence` from config.json, chosen per server with
-`--hf-overrides '{"mean_recurrence": 8}'` (or `hf_overrides=` in `vllm.LLM`). `--enforce-eager` runs it eagerly.
+`RecurrentModel` runs the recurrence above, embedding to final norm: its body is the family's vLLM model
+(LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`, whose layers are the prelude, core and
+coda in execution order; only its embedding, layers and final norm are used, in the order above, and its own
+compiled forward is switched off. Each request names its r (`recurfit.serving.depth`; default `mean_recurrence`,
+at most `max_recurrence`), and each token runs to its own request's r:
+
+- eagerly (`--enforce-eager`), step s computes the adapter, projections and MLP of the tokens still short of their
+  depth only (gathered, computed, scattered back); attention runs for every token up to the batch's deepest;
+- compiled (vLLM's default), a graph's shapes cannot follow the data, so there is one graph per compiled depth
+  (`AtDepth`; `compiled_depths`, default the folder's `depth_for_effort` depths, `mean_recurrence` and
+  `max_recurrence`), each a fixed number of steps unrolled with the tokens past their depth masked, and each batch
+  runs through the shallowest one that covers its deepest request. All compile when the engine starts.
 
 KV cache, `cache_policy` "all" (default): each core layer's attention runs through r vLLM `Attention` layers,
 one per step (its own name, hence its own paged KV cache): a token at step s attends to the earlier tokens'
@@ -28,6 +34,7 @@ from collections.abc import Iterable
 import torch
 import vllm
 from torch import nn
+from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -36,9 +43,9 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
-from vllm.sequence import IntermediateTensors
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
+from ..model.compiled import own_code
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
 from .depth import Limits, table_for
@@ -141,19 +148,16 @@ def _uncompiled(body_class: type) -> type:
     return ignore_torch_compile(type(f"Uncompiled{body_class.__name__}", (body_class,), {}))
 
 
-@support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0, "depths": 0}
-)
 class RecurrentModel(nn.Module):
-    """prelude -> r x (adapter + core) -> coda -> norm, as one forward that vLLM compiles (r is fixed per engine,
-    so the loop unrolls into one graph whose attention calls each name their own KV cache)."""
+    """prelude -> steps x (adapter + core) -> coda -> norm. Run eagerly, each step computes the tokens still short
+    of their depth only; compiled (`AtDepth`), a fixed number of steps unrolls into one graph whose attention calls
+    each name their own KV cache, the tokens past their depth masked."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         text = config.text_config
         self.shape = P, R, C = config.shape
-        self.recurrence = config.mean_recurrence
         self.max_recurrence = Limits.of(config).maximum
         self.policy = getattr(config, "cache_policy", "all")
         self.state_init_std = float(config.state_init_std)
@@ -215,27 +219,28 @@ class RecurrentModel(nn.Module):
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        depths: torch.Tensor | None = None,
-        deepest: int | None = None,
+        inputs_embeds: torch.Tensor | None,
+        depths: torch.Tensor,
+        steps: int,
+        gather: bool,
     ) -> torch.Tensor:
-        """`depths`: each token's recurrence (its request's); `deepest`: the batch's deepest, known eagerly, or
-        None in the compiled graph, which runs max_recurrence steps with the rows past their depth masked."""
+        """Embedding to final norm with `steps` recurrences, each token stopping at its own `depths`: `gather`
+        computes a step on the tokens still recurring only (eager), else on every token, those past their depth
+        masked (a compiled graph, whose shapes cannot follow the data)."""
         P, R, C = self.shape
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         e = self._apply_layers(0, P, positions, hidden)
         state = self.initial_state(e)
         core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
-        if deepest is None:  # compiled: every step, rows past their depth masked
+        if gather:
+            state = self._recur_eagerly(positions, state, e, depths, steps, core)
+        else:
             frozen: list = [None] * R
-            for step in range(self.max_recurrence):
+            for step in range(steps):
                 for stepped in core:
                     stepped.step = step if self.policy == "all" else 0
-                active = None if step == 0 or depths is None else (depths > step).unsqueeze(-1)
+                active = None if step == 0 else (depths > step).unsqueeze(-1)
                 state = self._core_step(positions, state, e, active, frozen)
-        else:
-            state = self._recur_eagerly(positions, state, e, depths, deepest, core)
         for stepped in core:
             stepped.step = 0
         return self.body.norm(self._apply_layers(P + R, C, positions, state))
@@ -316,6 +321,32 @@ class RecurrentModel(nn.Module):
         return None
 
 
+class AtDepth(nn.Module):
+    """`RecurrentModel` at a fixed number of steps, as one forward that vLLM compiles (and on a GPU captures as CUDA
+    graphs). Built through `at_depth`, which gives each depth a class and a forward code object of its own: vLLM
+    keeps one compiled graph per code object, and its compile cache tells graphs apart by the forward's name."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel, steps: int):
+        super().__init__()
+        self.recurrence = recurrence
+        self.steps = steps
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds, depths: torch.Tensor):
+        return self.recurrence(input_ids, positions, inputs_embeds, depths, self.steps, gather=False)
+
+
+def at_depth(steps: int, recurrence: RecurrentModel, vllm_config: VllmConfig) -> AtDepth:
+    """An `AtDepth` of `steps` steps compiled by vLLM on its first call (unless the engine runs eagerly), under a
+    model tag of its own so that its compiled artifacts are cached apart from the other depths'."""
+    name = f"RecurrentAtDepth{steps}"
+    forward = own_code(AtDepth.forward)
+    forward.__qualname__ = f"{name}.forward"
+    dynamic = {"input_ids": 0, "positions": -1, "inputs_embeds": 0, "depths": 0}
+    cls = support_torch_compile(dynamic_arg_dims=dynamic)(type(name, (AtDepth,), {"forward": forward}))
+    with set_model_tag(f"recurfit_depth_{steps}"):
+        return cls(vllm_config=vllm_config, recurrence=recurrence, steps=steps)
+
+
 class RecurfitForCausalLM(nn.Module):
     """A recurfit folder (model_type "recurfit") as a vLLM model; see the module docstring."""
 
@@ -332,6 +363,10 @@ class RecurfitForCausalLM(nn.Module):
         module, _, causal_lm = VLLM_FAMILIES[text.model_type]
         self.body_mapper = getattr(getattr(importlib.import_module(module), causal_lm), "hf_to_vllm_mapper", None)
         self.model = RecurrentModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        # Compiled forwards, one per depth in limits.compiled, shallowest first; a plain list, outside the module
+        # tree, since they hold no weights of their own.
+        self.graphs = [at_depth(steps, self.model, vllm_config) for steps in self.limits.compiled]
+        self.compiled = not self.graphs[0].do_not_compile
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.body.embed_tokens)
@@ -341,24 +376,27 @@ class RecurfitForCausalLM(nn.Module):
         return self.model.embed_input_ids(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
-        """vLLM's call; the compiled `RecurrentModel` does the work (vLLM's other keyword arguments unused), with
-        each token's depth from the request it belongs to."""
-        depths, deepest = self.token_depths(positions.shape[-1], positions.device)
-        compiled = not getattr(self.model, "do_not_compile", True)
-        return self.model(
-            input_ids, positions, intermediate_tensors, inputs_embeds, depths, None if compiled else deepest
-        )
+        """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to:
+        eagerly, each step on the tokens still short of their depth; compiled, through the graph of the shallowest
+        compiled depth that covers the batch's deepest request."""
+        depths, deepest = self.token_depths(positions.shape[-1])
+        if not self.compiled:
+            return self.model(input_ids, positions, inputs_embeds, depths, deepest or self.limits.maximum, gather=True)
+        if deepest is None:
+            # vLLM's runs without requests (profiling, warm-up, CUDA-graph capture): every graph compiles (and is
+            # captured) now, not when a request first needs it.
+            for graph in self.graphs[:-1]:
+                graph(input_ids, positions, inputs_embeds, depths)
+            return self.graphs[-1](input_ids, positions, inputs_embeds, depths)
+        graph = next(graph for graph in self.graphs if graph.steps >= deepest)
+        return graph(input_ids, positions, inputs_embeds, depths)
 
-    def token_depths(self, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
-        """Each token's depth and the batch's deepest, from the depths `RequestDepth` keeps per batch row; every
-        token at max_recurrence in vLLM's runs without requests (memory profiling, warm-up)."""
+    def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, int | None]:
+        """Each token's depth and the batch's deepest (None for a batch without requests), from the depths
+        `RequestDepth` keeps per batch row."""
         meta = get_forward_context().attn_metadata if is_forward_context_available() else None
-        if isinstance(meta, dict) and meta:
-            query_start_loc = next(iter(meta.values())).query_start_loc
-            depths, deepest = table_for(self.limits).token_depths(query_start_loc, num_tokens)
-            return depths.to(device), deepest
-        deepest = self.model.max_recurrence
-        return torch.full((num_tokens,), deepest, dtype=torch.int64, device=device), deepest
+        query_start_loc = next(iter(meta.values())).query_start_loc if isinstance(meta, dict) and meta else None
+        return table_for(self.limits).token_depths(query_start_loc, num_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
