@@ -375,12 +375,62 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
             r"recurfit on vLLM: cache_policy 'latest' .* turn off enable_prefix_caching and enable_chunked_prefill ",
         ),
         ("llama", {"max_recurrence": 1, "mean_recurrence": 2}, "max_recurrence must be an integer >= mean_rec"),
+        ("llama", {"compiled_depths": [0, 2]}, r"compiled_depths must be a list of integers in \[1, 64\], got \[0, 2\]"),
     ],
 )
 def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):
     folder = saved(served_model(family), tmp_path / family)
     with pytest.raises(ValueError, match=message):
         vllm_greedy(folder, prompts(), **overrides)
+
+
+def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_none_is_named(tmp_path):
+    """Each forward chooses its compiled depth on the host, which a CUDA graph of the whole forward (vLLM's FULL
+    modes) would replay as captured: a FULL mode is refused in one line, PIECEWISE is chosen where none is named,
+    and PIECEWISE or NONE stay as named."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from recurfit.serving.depth import _piecewise_cuda_graphs
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
+        args = EngineArgs(str(folder), dtype="float32", max_model_len=64, compilation_config={"cudagraph_mode": mode})
+        with pytest.raises(ValueError, match=rf"recurfit on vLLM: cudagraph_mode {mode} captures whole forwards"):
+            args.create_engine_config()
+    for named, chosen in ((None, "PIECEWISE"), ("PIECEWISE", "PIECEWISE"), ("NONE", "NONE")):
+        compilation = CompilationConfig(cudagraph_mode=named)
+        _piecewise_cuda_graphs(compilation)
+        assert compilation.cudagraph_mode == CUDAGraphMode[chosen], named
+
+
+def test_token_depths_are_written_where_a_graph_reads_them():
+    """A CUDA graph replays reading the addresses it was captured with, so every forward's token depths are written
+    into one buffer (the same address, warm-up runs included); a batch without requests (vLLM's profiling, warm-up
+    and capture runs) has every token at max_recurrence and no deepest request; rows follow vLLM's moves."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from recurfit.serving.depth import RequestDepth
+
+    served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=served),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
+    )
+    table = RequestDepth(engine, torch.device("cpu"), False)
+    warm, deepest = table.token_depths(None, 5)
+    assert warm.tolist() == [8] * 5 and deepest is None
+    asks = vllm.SamplingParams(extra_args={"num_steps": 4})
+    table.update_state(BatchUpdate(2, [], [(0, asks, None, []), (1, vllm.SamplingParams(), None, [])], []))
+    depths, deepest = table.token_depths(torch.tensor([0, 3, 4]), 6)  # row 0: 3 tokens, row 1: 1, 2 of padding
+    assert depths.tolist() == [4, 4, 4, 2, 1, 1] and deepest == 4 and depths.data_ptr() == warm.data_ptr()
+    table.update_state(BatchUpdate(1, [0], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    depths, deepest = table.token_depths(torch.tensor([0, 1]), 1)
+    assert depths.tolist() == [2] and deepest == 2 and depths.data_ptr() == warm.data_ptr()
+    table.update_state(BatchUpdate(0, [0], [], []))
+    assert table.token_depths(torch.tensor([0, 1]), 1)[1] is None
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
