@@ -233,3 +233,118 @@ def test_compiled_decoding_refuses_what_it_cannot_do():
         greedy(model, ids, mask, 2, exit_rule=ExitRule.parse("kl:5e-4"), compile="eager")
     with pytest.raises(ValueError, match="fixed depth"):
         greedy(model, ids, mask, 2, num_beams=2, compile="eager")
+
+
+# ------------------------------------------------------------ recurfit's decoding loop around the compiled step
+
+
+def decode(model, ids, mask, new, loop=True, monkeypatch=None, compile="eager", **kwargs):
+    """`generate` with recurfit's loop (`loop=True`), transformers' loop around the same compiled step
+    (`loop=False`), or eagerly (`compile=False`)."""
+    if not loop:
+        monkeypatch.setattr(recurfit.model.modeling, "loop_may_run", lambda args, kwargs: False)
+    try:
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, num_steps=2, pad_token_id=0, compile=compile, **kwargs
+        )
+    finally:
+        if not loop:
+            monkeypatch.undo()
+
+
+def hf_loop_refused(monkeypatch):
+    """transformers' loop (`GenerationMixin._sample`) raises when entered; returns the calls it refused."""
+    from transformers import GenerationMixin
+
+    entered = []
+    monkeypatch.setattr(GenerationMixin, "_sample", lambda *args, **kwargs: entered.append(1) or 1 / 0)
+    return entered
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_the_loop_ends_rows_at_eos_at_different_steps_as_generate(monkeypatch):
+    """Rows reach EOS at different steps, the last past the first 16-token chunk: finished rows are padded, and the
+    output ends at the token where the last row finished (the loop ran on to the end of its chunk), as generate's."""
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache(batch=3)
+    mask[2, :2] = 0
+    prompt = ids.shape[1]
+    free = decode(model, ids, mask, 40, compile=False, do_sample=False)[:, prompt:].tolist()
+    late = next(token for i, token in enumerate(free[-1]) if i > 16 and token not in free[-1][:i])
+    eos = [free[0][0], late]  # the first row's first token; the last row's first new token past the first chunk
+    expected = decode(model, ids, mask, 40, compile=False, do_sample=False, eos_token_id=eos)
+    assert 16 + 2 <= expected.shape[1] - prompt < 32
+    assert (expected[:, prompt:] == 0).any(-1).tolist() == [True, True, False]  # rows 0 and 1 ended early
+    entered = hf_loop_refused(monkeypatch)
+    assert torch.equal(decode(model, ids, mask, 40, do_sample=False, eos_token_id=eos), expected)
+    assert entered == []
+    monkeypatch.undo()
+    assert torch.equal(decode(model, ids, mask, 40, False, monkeypatch, do_sample=False, eos_token_id=eos), expected)
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_the_loop_makes_exactly_max_new_tokens(monkeypatch):
+    """Also at batch 1, where the loop's inputs to the graphs it shares with transformers' loop must have the same
+    strides (skipped guards: another stride is a recompile, an error)."""
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    for rows in (2, 1):
+        for new in (1, 21):  # 21: one chunk of 16 and part of another
+            expected = decode(model, ids[:rows], mask[:rows], new, compile=False, do_sample=False)
+            assert expected.shape[1] == ids.shape[1] + new
+            assert torch.equal(decode(model, ids[:rows], mask[:rows], new, do_sample=False), expected)
+            got = decode(model, ids[:rows], mask[:rows], new, False, monkeypatch, do_sample=False)
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_the_loop_samples_generates_tokens_under_a_seed_and_leaves_the_generator_as_generate(monkeypatch):
+    """temperature, top-k and top-p: transformers' warpers in its order, then its draw. A call whose rows all end
+    early undoes the draws of the tokens past the end, so the next call under the same seed draws as generate's."""
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    settings = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    torch.manual_seed(7)
+    free = decode(model, ids, mask, 24, compile=False, **settings)
+    eos = free[:, ids.shape[1] + 2].tolist()  # each row's third token: every row ends by then
+
+    def two_calls(**kwargs):
+        torch.manual_seed(7)
+        first = decode(model, ids, mask, 24, **settings, eos_token_id=eos, **kwargs)
+        return first, decode(model, ids, mask, 24, **settings, **kwargs), torch.rand(1)
+
+    expected = two_calls(compile=False)
+    assert expected[0].shape[1] <= ids.shape[1] + 3  # the loop runs on to the end of its first chunk
+    assert all(map(torch.equal, two_calls(loop=False, monkeypatch=monkeypatch), expected))
+    entered = hf_loop_refused(monkeypatch)
+    assert all(map(torch.equal, two_calls(), expected))
+    assert entered == []
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_requests_the_loop_does_not_decode_alike_run_transformers_loop(monkeypatch):
+    """Another logits processor, a dict output or a streamer: transformers' loop around the compiled step."""
+    from transformers import GenerationMixin
+    from transformers.generation.streamers import BaseStreamer
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    entered, sample = [], GenerationMixin._sample
+    monkeypatch.setattr(
+        GenerationMixin, "_sample", lambda *args, **kwargs: entered.append(1) or sample(*args, **kwargs)
+    )
+    for request in (dict(repetition_penalty=1.3), dict(return_dict_in_generate=True), dict(streamer=Streamer())):
+        expected = decode(model, ids, mask, 6, compile=False, do_sample=False, **request)
+        got = decode(model, ids, mask, 6, do_sample=False, **request)
+        if not isinstance(got, torch.Tensor):
+            got, expected = got.sequences, expected.sequences
+        assert torch.equal(got, expected), request
+        assert len(entered) == 2, request
+        entered.clear()

@@ -19,6 +19,13 @@ size, length bucket, policy and backend, so a sweep over many shapes never exhau
 caches are kept per model for later `generate` calls (chat turns, lm-eval batches); only the most recently used
 `KEPT_CACHES` caches stay allocated, since one cache of a 1B model at batch 32, r = 32 and 2048 tokens holds
 about 16 GiB of keys and values.
+
+`decoding_loop` is `generate(compile=True)`'s loop around the decoder, handed to transformers' `generate` as its
+`custom_generate`: transformers prepares the request (generation config, special tokens, logits warpers, stopping
+criteria) and the loop calls the decoder once per token, picks the token as transformers' loop does, and reads the
+device (have all rows finished?) once per `CHECK_EVERY` tokens instead of once per token, with none of transformers'
+per-token bookkeeping (model kwargs, input preparation, a growing `input_ids`). Requests it does not do the same
+way (other logits processors or stopping criteria, a streamer, scores or a dict as output) go to transformers' loop.
 """
 
 from __future__ import annotations
@@ -27,6 +34,16 @@ import types
 from collections import OrderedDict
 
 import torch
+from transformers import GenerationConfig, GenerationMixin
+from transformers.generation import (
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .attention import packed_sdpa
 from .compat import CACHE_ARG, cache_kwargs
@@ -34,6 +51,29 @@ from .static_cache import StaticRecurrentCache
 
 MIN_LENGTH_BUCKET = 256  # cache lengths are powers of two from here: prompts of nearby lengths share one graph
 KEPT_CACHES = 2  # static caches kept allocated per model, least recently used freed first
+CHECK_EVERY = 16  # tokens between `decoding_loop`'s looks (on the host) at whether every row has finished
+
+# What `decoding_loop` does as transformers' loop does. The warpers read only a token's scores (not the sequence so
+# far); they and the stops come from transformers' own preparation, in its order and with its settings.
+LOOP_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+LOOP_STOPS = (MaxLengthCriteria, EosTokenCriteria)
+# The model kwargs `generate` passes that the loop reads or may drop (the compiled step keeps positions itself);
+# with any other, transformers' loop passes it on to `forward` at every token.
+LOOP_MODEL_KWARGS = {
+    CACHE_ARG, "attention_mask", "position_ids", "use_cache", "logits_to_keep", "num_steps", "warm_start", "steps_log"
+}  # fmt: skip
+# Arguments transformers does not hand a `custom_generate` callable (it keeps only the callable's own): a request
+# with one runs transformers' loop. So do positional ones past `prefix_allowed_tokens_fn` (the fifth), which are
+# `synced_gpus`, `assistant_model` and `streamer`.
+HF_LOOP_ARGUMENTS = (
+    "streamer",
+    "assistant_model",
+    "synced_gpus",
+    "tokenizer",
+    "assistant_tokenizer",
+    "custom_generate",
+)
+MAX_LOOP_POSITIONALS = 5
 
 
 def _prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor):
@@ -141,3 +181,126 @@ def decoding_cache(
     cache = caches[key]
     cache.reset()
     return cache
+
+
+def loop_may_run(args: tuple, kwargs: dict) -> bool:
+    """Whether `generate(*args, **kwargs)` may hand its decoding to `decoding_loop` (which then checks the
+    prepared request) rather than run transformers' loop."""
+    return len(args) <= MAX_LOOP_POSITIONALS and all(kwargs.get(name) is None for name in HF_LOOP_ARGUMENTS)
+
+
+def _loop_decodes(model, input_ids, processors, stops, config: GenerationConfig, model_kwargs: dict) -> bool:
+    """Whether `decoding_loop` gives transformers' output for this prepared request: warpers only, stops at the
+    length and EOS only, the sequences alone as output, one compiled token at a time, model kwargs it knows, the
+    prompt on the model's device (transformers' loop keeps its tokens where the prompt is)."""
+    cache = model_kwargs.get(CACHE_ARG)
+    return (
+        input_ids.device == model.device
+        and all(type(processor) in LOOP_WARPERS for processor in processors)
+        and all(type(stop) in LOOP_STOPS for stop in stops)
+        and not config.return_dict_in_generate
+        and getattr(config, "prefill_chunk_size", None) is None
+        and model_kwargs.get("use_cache", True)
+        and model_kwargs.keys() <= LOOP_MODEL_KWARGS
+        and getattr(cache, "compiled_step", None) is not None
+    )
+
+
+def decoding_loop(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    **model_kwargs,
+) -> torch.LongTensor:
+    """transformers' greedy / sampling loop (`GenerationMixin._sample`) for a compiled static cache, with the same
+    output: the prompt eagerly as transformers runs it, then one compiled step per token into a preallocated buffer.
+    A row that has emitted EOS gets `pad_token_id` from then on; whether every row has finished is read once per
+    `CHECK_EVERY` tokens, and the tokens (and random draws) past the step where the last row finished are undone.
+    Requests it does not decode the same way go to transformers' loop (see `_loop_decodes`)."""
+    if not _loop_decodes(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+        return GenerationMixin._sample(
+            model,
+            input_ids,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            generation_config=generation_config,
+            **model_kwargs,
+        )
+    prompt, new = input_ids.shape[1], max(generation_config.max_length - input_ids.shape[1], 1)  # >= 1, as theirs
+    sequences = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], new)], dim=1)
+    logits = model(**model.prepare_inputs_for_generation(input_ids, **model_kwargs), return_dict=True).logits
+    step = _TokenStep(model, model_kwargs, input_ids)
+    eos = next((stop for stop in stopping_criteria if isinstance(stop, EosTokenCriteria)), None)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    emitted = torch.zeros((), dtype=torch.long, device=input_ids.device)  # tokens transformers' loop would make
+    draws = _Draws(input_ids.device)
+    for index in range(new):
+        scores = logits_processor(sequences[:, : prompt + index], logits[:, -1].to(copy=True, dtype=torch.float32))
+        tokens = _choose(scores, generation_config.do_sample)
+        if eos is not None:  # finished rows get padding, as in transformers' loop
+            pad = generation_config._pad_token_tensor  # generate's pad token (EOS where none was set)
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+        emitted += unfinished.any()
+        sequences[:, prompt + index] = tokens
+        if eos is not None:
+            unfinished &= ~eos(sequences[:, : prompt + index + 1], None)
+        draws.record(index)
+        if (index + 1) % CHECK_EVERY == 0:
+            if not unfinished.any():  # the one host sync of a chunk
+                break
+            draws.forget()  # rows run on: every token so far is kept
+        if index + 1 < new:
+            logits = step(tokens)
+    made = int(emitted)
+    draws.undo_after(made - 1)
+    if isinstance(model_kwargs.get("steps_log"), list):  # the prompt's forward logged its own row already
+        model_kwargs["steps_log"] += [torch.full_like(unfinished, step.steps)] * (made - 1)
+    return sequences[:, : prompt + made].contiguous()
+
+
+def _choose(scores: torch.Tensor, sample: bool) -> torch.LongTensor:
+    """The next token per row from the warped scores, drawn as transformers' sampling draws it."""
+    if sample:
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)
+
+
+class _TokenStep:
+    """The decoder's call for one new token per row, with the inputs `forward`'s compiled path gives it: the
+    model's depth, contiguous tokens and a new-token mask of generate's mask dtype (the two loops share graphs,
+    which fail on another dtype or stride)."""
+
+    def __init__(self, model, model_kwargs: dict, input_ids: torch.LongTensor):
+        self.model, self.cache = model, model_kwargs[CACHE_ARG]
+        self.steps = sum(model.model.resolve_num_steps(model_kwargs.get("num_steps")))
+        self.warm_start = model_kwargs.get("warm_start", False)
+        mask = model_kwargs.get("attention_mask")
+        dtype = torch.long if mask is None else mask.dtype
+        self.new_real = torch.ones(input_ids.shape[0], 1, dtype=dtype, device=input_ids.device)  # contiguous
+
+    def __call__(self, tokens: torch.LongTensor) -> torch.Tensor:
+        return self.cache.compiled_step(
+            self.model, self.cache, tokens.view(-1, 1), self.new_real, self.steps, self.warm_start
+        )
+
+
+class _Draws:
+    """The random generator's state after each token, so that tokens made past the end can be undone: a later
+    draw (the next `generate` under the same seed) continues where transformers' loop would have left it."""
+
+    def __init__(self, device: torch.device):
+        self.rng = torch if device.type == "cpu" else torch.get_device_module(device)
+        self.device = () if device.type == "cpu" else (device,)
+        self.states: dict[int, torch.Tensor] = {}
+
+    def record(self, index: int) -> None:
+        self.states[index] = self.rng.get_rng_state(*self.device)
+
+    def forget(self) -> None:
+        self.states.clear()
+
+    def undo_after(self, index: int) -> None:
+        if index + 1 in self.states:
+            self.rng.set_rng_state(self.states[index], *self.device)

@@ -33,7 +33,7 @@ from .adapter import AddAdapter, LinearAdapter
 from .attention import PACKED_SDPA
 from .cache import RecurrentCache
 from .compat import CACHE_ARG, cache_kwargs, take_cache
-from .compiled import decoding_cache
+from .compiled import decoding_cache, decoding_loop, loop_may_run
 from .config import RecurrentConfig
 from .families import FAMILIES, attention_types
 from .layer_inputs import positions_from_mask, select_rows
@@ -539,9 +539,16 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         each token) on the output when `return_dict_in_generate=True`.
 
         `compile=True` decodes through a static cache and a compiled step (`recurfit.model.compiled`): the same
-        tokens, one graph per batch size and r (traced on the first call, reused by later ones)."""
+        tokens, one graph per batch size and r (traced on the first call, reused by later ones). Greedy decoding
+        and plain sampling (temperature, top-k, top-p; EOS, max_new_tokens) run recurfit's own loop around the
+        compiled step (`recurfit.model.compiled.decoding_loop`: one host sync per 16 tokens instead of one per
+        token); a request with anything else (other logits processors or stopping criteria, a streamer, an
+        assistant, `return_dict_in_generate`, …) runs transformers' loop around the same step, with the same tokens.
+        The split is `compiled.loop_may_run` (the arguments) and `compiled._loop_decodes` (the prepared request)."""
         if compile:
             kwargs[CACHE_ARG] = self._compiled_decoding_cache(args, kwargs, compile)
+            if loop_may_run(args, kwargs):
+                kwargs["custom_generate"] = decoding_loop
         log = kwargs.setdefault("steps_log", [])
         output = super().generate(*args, **kwargs)
         if not isinstance(output, torch.Tensor) and log:
