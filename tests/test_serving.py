@@ -9,6 +9,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from recurfit.model.families import FAMILIES
 from recurfit.serving import TESTED_VLLM, VLLM_CPU, VLLM_CUDA, check_vllm_version
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,3 +47,11 @@ def test_the_pages_name_only_the_named_releases():
     assert not wrong, wrong
     serving = (REPO / "docs" / "how-to" / "serving.md").read_text()
     assert VLLM_CPU in serving and VLLM_CUDA in serving
+
+
+def test_the_served_family_table_lists_every_family_recurfit_retrofits():
+    """serving.md's table of served families against recurfit's registry (tests/test_vllm.py serves each one)."""
+    serving = (REPO / "docs" / "how-to" / "serving.md").read_text()
+    table = serving[serving.index("| Family (`model_type`)") :].split("\n\n")[0]
+    served = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
+    assert served == list(FAMILIES)

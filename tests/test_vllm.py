@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, char_tokenizer, run_cli, small_run, tiny_parent
+from conftest import FAMILIES, VOCAB, char_tokenizer, run_cli, small_run, tiny_parent
 
 import recurfit
 from recurfit.evaluate.results import Sweep
@@ -61,7 +61,14 @@ PROMPT_LENGTHS = (3, 9, 17)
 HEADS = dict(num_attention_heads=2, num_key_value_heads=1)
 
 
-SERVED = ["llama", "mistral", "qwen2", "qwen3", "gemma"]  # the families vLLM 0.32 has layers for
+SERVED = list(FAMILIES)  # every family recurfit retrofits
+
+
+# Rotary parameters that differ by layer kind, so that a sliding layer given the full layers' fails the tokens.
+OLMO3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+}
 
 
 def served_model(family: str, shape=(2, 2, 2), **kwargs):
@@ -69,6 +76,8 @@ def served_model(family: str, shape=(2, 2, 2), **kwargs):
     extra = dict(HEADS, head_dim=32) if family == "gemma" else HEADS
     if family in ("qwen2", "qwen3"):  # vLLM's Qwen layers take one attention kind for all layers
         extra = dict(extra, use_sliding_window=False)
+    if family == "olmo3":  # OLMo-3 keeps rotary parameters per layer kind (rope_scaling applies to full layers)
+        extra = dict(extra, rope_parameters=OLMO3_ROPE)
     torch.manual_seed(0)
     model = recurfit.retrofit(
         tiny_parent(family, place=False, **extra), shape, adapter_init="random", state_init_std=0.0, **kwargs
@@ -246,14 +255,20 @@ def expected_by_depth(model, batch: list[list[int]], depths: list[int]) -> list[
     return rows
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tmp_path, compiled):
+@pytest.mark.parametrize(
+    "family, compiled",
+    [("llama", False), ("llama", True), ("olmo3", False), ("olmo3", True)],
+    ids=["llama-eager", "llama-compiled", "olmo3-eager", "olmo3-compiled"],
+)
+def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tmp_path, family, compiled):
     """Requests of depths 1-16 in one continuous batch, prompts split into chunks (chunked prefill, 32 tokens a
     step) and prefix caching on: each request gets recurfit's greedy tokens at its own depth. A second round
     serves the same prompts at other depths after the first round's blocks are cached: a cached prefix is reused
-    only at the depth that wrote it (the same prompts at the same depths hit the cache and stay exact)."""
-    model = served_model("llama", mean_recurrence=4)
-    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
+    only at the depth that wrote it (the same prompts at the same depths hit the cache and stay exact). OLMo-3's
+    layers add the residual themselves (what a token past its depth keeps is the whole state) and some attend
+    within a window."""
+    model = served_model(family, mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / family), mixed_prompts()
     first = [DEPTHS[i % 5] for i in range(len(batch))]
     second = [DEPTHS[(i + 1) % 5] for i in range(len(batch))]
     args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
@@ -334,6 +349,7 @@ def test_a_compiled_engine_runs_each_batch_through_the_shallowest_graph_that_cov
 
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
 def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
+    """Prompts and outputs run past the sliding windows of Mistral and OLMo-3 (conftest's FAMILY_KWARGS)."""
     model = served_model(family, mean_recurrence=4)
     folder, batch = saved(model, tmp_path / family), prompts()
     assert vllm_greedy(folder, batch) == recurfit_greedy(model, batch, 4)
@@ -367,7 +383,7 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
 @pytest.mark.parametrize(
     "family, overrides, message",
     [
-        ("olmo2", {}, "text_config.model_type 'olmo2' has no vLLM layers"),
+        ("llama", {"adapter": "mlp"}, "adapter 'mlp' is not served"),
         ("llama", {"cache_policy": "every"}, "cache_policy must be one of"),
         (
             "llama",
@@ -375,13 +391,36 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
             r"recurfit on vLLM: cache_policy 'latest' .* turn off enable_prefix_caching and enable_chunked_prefill ",
         ),
         ("llama", {"max_recurrence": 1, "mean_recurrence": 2}, "max_recurrence must be an integer >= mean_rec"),
-        ("llama", {"compiled_depths": [0, 2]}, r"compiled_depths must be a list of integers in \[1, 64\], got \[0, 2\]"),
+        (
+            "llama",
+            {"compiled_depths": [0, 2]},
+            r"compiled_depths must be a list of integers in \[1, 64\], got \[0, 2\]",
+        ),
     ],
 )
 def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):
     folder = saved(served_model(family), tmp_path / family)
     with pytest.raises(ValueError, match=message):
         vllm_greedy(folder, prompts(), **overrides)
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        ("attention_bias", True, "text_config.attention_bias must be False for olmo2"),
+        ("hidden_act", "gelu", "text_config.hidden_act must be 'silu' for olmo2"),
+        ("head_dim", 16, "text_config.head_dim must be hidden_size / heads for olmo2"),
+    ],
+)
+def test_olmo_settings_that_vllms_olmo_layers_fix_are_refused(setting, value, message):
+    """OLMo-2/3 run on vLLM's OLMo Hybrid attention layers, which have no biases, a SiLU MLP and heads of
+    hidden_size / heads: a parent that differs is refused, not served with other weights or arithmetic."""
+    from recurfit.serving.vllm_model import check_servable
+
+    config = served_model("olmo2").config
+    setattr(config.text_config, setting, value)
+    with pytest.raises(ValueError, match=message):
+        check_servable(config)
 
 
 def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_none_is_named(tmp_path):

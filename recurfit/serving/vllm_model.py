@@ -8,8 +8,11 @@
 `RecurrentModel` runs the recurrence above, embedding to final norm: its body is the family's vLLM model
 (LlamaModel, Qwen2Model, …) built on the recurfit folder's `text_config`, whose layers are the prelude, core and
 coda in execution order; only its embedding, layers and final norm are used, in the order above, and its own
-compiled forward is switched off. Each request names its r (`recurfit.serving.depth`; default `mean_recurrence`,
-at most `max_recurrence`), and each token runs to its own request's r:
+compiled forward is switched off. OLMo-2 and OLMo-3, for which vLLM has no model of their own, run on the
+attention layers of vLLM's OLMo Hybrid model (`OlmoHybridModel`), which are OLMo-2's, with OLMo-3's sliding
+windows and per-kind rotary embeddings set on its sliding layers. Each request names its r
+(`recurfit.serving.depth`; default `mean_recurrence`, at most `max_recurrence`), and each token runs to its own
+request's r:
 
 - eagerly (`--enforce-eager`), step s computes the adapter, projections and MLP of the tokens still short of their
   depth only (gathered, computed, scattered back); attention runs for every token up to the batch's deepest;
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -36,16 +40,18 @@ import vllm
 from torch import nn
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
 from ..model.compiled import own_code
+from ..model.families import attention_types
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
 from .depth import Limits, table_for
@@ -58,7 +64,14 @@ VLLM_FAMILIES = {
     "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Model", "Qwen2ForCausalLM"),
     "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Model", "Qwen3ForCausalLM"),
     "gemma": ("vllm.model_executor.models.gemma", "GemmaModel", "GemmaForCausalLM"),
+    # vLLM has no OLMo-2/3 model: OLMo Hybrid's attention layers are OLMo-2's (q/k norms over all heads, norms
+    # after attention and MLP), and none of its Gated DeltaNet layers is built where layer_types names none.
+    "olmo2": ("vllm.model_executor.models.olmo_hybrid", "OlmoHybridModel", "OlmoHybridForCausalLM"),
+    "olmo3": ("vllm.model_executor.models.olmo_hybrid", "OlmoHybridModel", "OlmoHybridForCausalLM"),
 }
+OLMO_HYBRID = {"olmo2", "olmo3"}  # families served by OlmoHybridModel's layers
+# Settings OlmoHybridModel's layers fix (no biases, SiLU MLP), with the value they fix them to.
+OLMO_HYBRID_FIXED = {"attention_bias": False, "hidden_act": "silu"}
 # Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
 ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
 SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
@@ -78,6 +91,8 @@ def check_servable(config) -> None:
             f"recurfit on vLLM: text_config.layer_types mixes {sorted(kinds)}, which vLLM's {family} layers do not "
             "serve (the parent's use_sliding_window with max_window_layers below the layer count)."
         )
+    if family in OLMO_HYBRID:
+        _check_olmo_hybrid(config.text_config)
     policy = getattr(config, "cache_policy", "all")
     if policy not in CACHE_POLICIES:
         raise ValueError(f"recurfit on vLLM: cache_policy must be one of {CACHE_POLICIES}, got {policy!r}.")
@@ -85,6 +100,48 @@ def check_servable(config) -> None:
         raise ValueError(f"recurfit on vLLM: mean_recurrence must be an integer >= 1, got {config.mean_recurrence!r}.")
     if config.adapter not in ADAPTERS:
         raise ValueError(f"recurfit on vLLM: adapter {config.adapter!r} is not served ({', '.join(ADAPTERS)}).")
+
+
+def _check_olmo_hybrid(text) -> None:
+    """A ValueError naming the first OLMo setting that OlmoHybridModel's layers would silently compute otherwise."""
+    for name, value in OLMO_HYBRID_FIXED.items():
+        if getattr(text, name, value) != value:
+            raise ValueError(f"recurfit on vLLM: text_config.{name} must be {value!r} for {text.model_type}.")
+    head_dim = text.hidden_size // text.num_attention_heads
+    if (getattr(text, "head_dim", None) or head_dim) != head_dim:
+        raise ValueError(f"recurfit on vLLM: text_config.head_dim must be hidden_size / heads for {text.model_type}.")
+
+
+def _rope_for(text, kind: str) -> dict:
+    """A layer kind's rotary parameters: OLMo-3 keeps one set per kind, OLMo-2 one for all."""
+    return text.rope_parameters.get(kind, text.rope_parameters)
+
+
+def _olmo_hybrid_config(text):
+    """OLMo-2/3's config as OlmoHybridModel reads it: a `layer_types` with no "linear_attention" (its Gated
+    DeltaNet kind), so every layer is an attention one, and one flat `rope_parameters`, the full-attention
+    layers' (`_fit_sliding_layers` gives OLMo-3's sliding layers theirs)."""
+    body = copy.copy(text)
+    body.layer_types = attention_types(text)
+    body.rope_parameters = _rope_for(text, "full_attention")
+    return body
+
+
+def _fit_sliding_layers(body: nn.Module, text, vllm_config: VllmConfig) -> None:
+    """OlmoHybridModel builds each attention layer without a window and with one rotary embedding: OLMo-3's
+    sliding layers get a new `Attention` with their window under the same name (a window is fixed when the
+    Attention is built, and each attention backend keeps it in its own form) and their kind's rotary embedding."""
+    registered = get_current_vllm_config().compilation_config.static_forward_context
+    for layer, kind in zip(body.layers, attention_types(text)):
+        if kind != "sliding_attention":
+            continue
+        attention = layer.self_attn
+        name = attention.attn.layer_name
+        del registered[name]  # the new Attention registers itself under this name
+        attention.attn = _attention_like(attention.attn, name, vllm_config, window=text.sliding_window)
+        attention.rotary_emb = get_rope(
+            attention.head_dim, attention.max_position_embeddings, rope_parameters=_rope_for(text, kind)
+        )
 
 
 def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
@@ -126,8 +183,9 @@ class SteppedAttention(nn.Module):
         return attention(full_query, key, value)[rows]
 
 
-def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig) -> Attention:
-    """A new vLLM `Attention` with `attention`'s shape and window, registered under `prefix` (its own KV cache)."""
+def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig, window: int | None = None) -> Attention:
+    """A new vLLM `Attention` with `attention`'s shape and window (or `window`), registered under `prefix` (its
+    own KV cache)."""
     return Attention(
         attention.num_heads,
         attention.head_size,
@@ -136,7 +194,7 @@ def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig) 
         cache_config=vllm_config.cache_config,
         quant_config=vllm_config.quant_config,
         logits_soft_cap=getattr(attention.impl, "logits_soft_cap", None),
-        per_layer_sliding_window=attention.sliding_window,
+        per_layer_sliding_window=window or attention.sliding_window,
         prefix=prefix,
         attn_type=attention.attn_type,
     )
@@ -164,7 +222,14 @@ class RecurrentModel(nn.Module):
         module, body, _ = VLLM_FAMILIES[text.model_type]
         body_prefix = maybe_prefix(prefix, "body")
         body_class = _uncompiled(getattr(importlib.import_module(module), body))
-        self.body = body_class(vllm_config=_body_config(vllm_config, text), prefix=body_prefix)
+        hybrid = text.model_type in OLMO_HYBRID
+        body_text = _olmo_hybrid_config(text) if hybrid else text
+        self.body = body_class(vllm_config=_body_config(vllm_config, body_text), prefix=body_prefix)
+        if hybrid:
+            _fit_sliding_layers(self.body, text, vllm_config)
+        # Pre-norm bodies (Llama's, …) carry the residual apart, added by the next layer's norm; OLMo's post-norm
+        # layers add it inside and return the whole state.
+        self.residual_apart = "residual" in inspect.signature(self.body.layers[0].forward).parameters
         scale = config.embedding_scale
         if scale is None and text.model_type in SCALED_EMBEDDINGS:
             scale = text.hidden_size**0.5
@@ -199,8 +264,15 @@ class RecurrentModel(nn.Module):
         """Layers first..first+count-1 of the body, from and to a full hidden state (residual added)."""
         residual = None
         for layer in self.body.layers[first : first + count]:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = self._layer(layer, positions, hidden, residual)
         return hidden if residual is None else hidden + residual
+
+    def _layer(self, layer: nn.Module, positions, hidden, residual) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One body layer as (hidden, residual), their sum the state; a layer that adds the residual itself gets
+        and gives the whole state in `hidden` (residual None)."""
+        if self.residual_apart:
+            return layer(positions, hidden, residual)
+        return layer(positions, hidden), None
 
     def initial_state(self, e: torch.Tensor) -> torch.Tensor:
         """s_0: zeros when state_init_std is 0, else TruncNormal(0, σ², ±3σ) drawn here by the inverse CDF, as
@@ -282,7 +354,7 @@ class RecurrentModel(nn.Module):
                 if residual is not None:
                     residual = torch.where(active, residual, frozen[i][1])
             frozen[i] = (hidden, residual)
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = self._layer(layer, positions, hidden, residual)
         new = hidden if residual is None else hidden + residual
         return new if active is None else torch.where(active, new, state)
 
