@@ -9,7 +9,8 @@ Each request runs to its own depth, so one engine started with `hf_overrides={"m
 "max_recurrence": m}` (m the deepest r; no KV caches for deeper steps) serves every r of the sweep
 (`sweep_engines`): one start instead of one per r. A compiled engine gets `compiled_depths` = the sweep's rs, so
 that a batch of one r runs through that r's graph. An engine is shut down before the next starts: an idle CPU
-engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (the plugin's cache salt per depth).
+engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (the
+plugin's cache salt per depth).
 
 `state_init="zeros"` serves with `state_init_std` 0, as the default backend's `zeros` does; with "random" vLLM
 draws s_0 from its worker's generator (the same distribution as recurfit's, not the same draws), whose draws for
