@@ -284,6 +284,21 @@ def generate_adaptive(model, ids, mask, criterion, threshold=None, min_steps=2, 
 # ---------------------------------------------------------------- shared by several test files
 
 
+class AdapterProducts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the inner width of every matrix product that reads the adapter's weight (or a slice of it)."""
+
+    def __init__(self, adapter: torch.nn.Module):
+        super().__init__()
+        self.storage, self.widths = adapter.weight.untyped_storage().data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            left, right = args[-2:]
+            if right.untyped_storage().data_ptr() == self.storage:
+                self.widths.append(left.shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
 def model_with_state_for_cache(family: str = "llama", shape=(2, 2, 2)):
     """A retrofit whose adapter reads the state (random init) and whose s_0 is zeros (deterministic)."""
     import recurfit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GREEDY_TOKENS, model_with_state_for_cache, prompts_for_cache, tiny_parent
+from conftest import GREEDY_TOKENS, AdapterProducts, model_with_state_for_cache, prompts_for_cache, tiny_parent
 
 import recurfit
 from recurfit.generation.exit import ExitRule
@@ -104,6 +104,32 @@ def test_three_graphs_per_batch_size_whatever_the_depth_and_none_per_token():
     assert counter.frame_count == 6
 
 
+def test_the_prelude_graph_multiplies_the_adapters_embedded_half_and_the_step_graph_only_the_states():
+    """W_e e is the same at every step of a token: the prelude graph computes it once, and each run of the step
+    graph multiplies only the state by W_s (r + 1 products of width h per token, not r of width 2h)."""
+    torch._dynamo.reset()
+    model = model_with_state_for_cache("llama")
+    hidden, r, new = model.config.text_config.hidden_size, 3, 5
+    products = AdapterProducts(model.model.adapter)
+    widths = {}
+
+    def backend(graph, example_inputs):  # runs each graph eagerly, recording the adapter's products in it
+        def run(*args):
+            with products:
+                output = graph(*args)
+            widths.setdefault(graph, []).append(products.widths[:])
+            products.widths.clear()
+            return output
+
+        return run
+
+    ids, mask = prompts_for_cache()
+    assert torch.equal(greedy(model, ids, mask, r, new=new, compile=backend), greedy(model, ids, mask, r, new=new))
+    per_graph = sorted(calls for calls in widths.values() if any(calls))
+    # the first token comes from the (eager) prompt; each later one runs the prelude once and the step r times
+    assert per_graph == [[[hidden]] * (new - 1), [[hidden]] * ((new - 1) * r)]
+
+
 @pytest.mark.float32_only(GREEDY_TOKENS)
 def test_a_sweep_of_twelve_batch_sizes_and_depths_compiles_each_shape_once():
     """lm-eval sweeps r with uneven last batches. Dynamo's recompile budget (8 graphs per code object, a hard
@@ -168,14 +194,24 @@ def test_warm_start_survives_graphs_whose_outputs_are_overwritten():
 
 def test_bf16_weights_decode_compiled_with_a_float32_state():
     """A bf16 model's compiled pieces run under autocast with a float32 stream, and a warm start carries the float32
-    state from token to token in the cache's buffer: the tokens of eager decoding (the same ops, run by dynamo)."""
+    state from token to token in the cache's buffer: the logits and tokens of eager decoding through the same static
+    cache (the same ops, run by dynamo). Eager decoding with a dynamic cache attends over other lengths, so its bf16
+    logits may differ by one rounding, enough to break a tie the other way."""
     from torch._dynamo.testing import CompileCounter
+
+    from recurfit.model.compat import CACHE_ARG
+    from recurfit.model.compiled import decoding_cache
 
     model = model_with_state_for_cache("llama").to(torch.bfloat16)
     ids, mask = prompts_for_cache()
     counter = CompileCounter()
-    compiled = greedy(model, ids, mask, 3, new=10, warm_start=True, compile=counter)
-    assert torch.equal(compiled, greedy(model, ids, mask, 3, new=10, warm_start=True))
+    compiled = greedy(model, ids, mask, 3, new=10, warm_start=True, compile=counter)  # recurfit's loop
+    logged = dict(warm_start=True, output_logits=True, return_dict_in_generate=True)  # transformers' loop
+    with_logits = greedy(model, ids, mask, 3, new=10, compile=counter, **logged)
+    static = decoding_cache(model, len(ids), ids.shape[1] + 10, 3, compile=False)
+    eager = greedy(model, ids, mask, 3, new=10, **{CACHE_ARG: static}, **logged)
+    assert torch.equal(compiled, eager.sequences) and torch.equal(with_logits.sequences, eager.sequences)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(with_logits.logits, eager.logits, strict=True))
     assert counter.frame_count == 3
     (cache,) = (c for c in model._decoding_caches.values() if c.compiled_step is not None)
     assert cache.state.dtype == torch.float32 and cache.keys[0].dtype == torch.bfloat16

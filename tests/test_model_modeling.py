@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     GREEDY_TOKENS,
+    AdapterProducts,
     close,
     model_with_state,
     placed,
@@ -58,8 +59,8 @@ def test_truncated_backprop_equals_restarting_from_the_detached_state():
     model(ids, labels=ids, num_steps=(3, 2), initial_state=s0).loss.backward()
     truncated = grads(model)
     model.zero_grad()
-    with torch.no_grad():
-        s3 = model(ids, num_steps=3, initial_state=s0, output_hidden_states=True).hidden_states[-1]
+    # s_3 as training computes it (inference adds the adapter's e-half once, to float32 rounding of this)
+    s3 = model(ids, num_steps=3, initial_state=s0, output_hidden_states=True).hidden_states[-1].detach()
     model(ids, labels=ids, num_steps=2, initial_state=s3).loss.backward()
     restarted = grads(model)
     assert truncated.keys() == restarted.keys()
@@ -209,7 +210,7 @@ BF16_UNIT_ROUNDOFF = 2**-8
 def test_bf16_weights_keep_the_state_within_one_rounding_of_float32(model_type):
     """Slow state updates (each core layer adds about a thousandth of the stream, as in a recurrence near its
     fixed point) are where a bf16 stream fails: each residual add rounds to bf16's resolution, coarser than the
-    update. A bf16 model keeps its stream and state in float32 (only the adapter's output is rounded, once per
+    update. A bf16 model keeps its stream and state in float32 (only the adapter rounds, once per
     step), so at every step of r = 32 its state stays within one bf16 rounding (relative 2**-8) of the float32
     computation with the same weights. Measured: up to 0.62 of the bound; a bf16 stream: up to 1.24 of it."""
     float32 = model_with_state(model_type)
@@ -228,3 +229,24 @@ def test_bf16_weights_keep_the_state_within_one_rounding_of_float32(model_type):
         assert state.dtype == torch.float32
         error = (state - reference)[real].norm() / reference[real].norm()
         assert error <= BF16_UNIT_ROUNDOFF, f"step {step}: relative state error {error:.2e}"
+
+
+@pytest.mark.parametrize("adapter_init", ["random", "identity"])
+def test_inference_multiplies_the_adapters_embedded_half_once_per_forward(adapter_init):
+    """A([s; e]) = W_s s + W_e e and e is the same at every step: a forward without gradient computes W_e e once and
+    W_s s at each of its r steps (r + 1 products of width h, not r of width 2h), with the output of the product over
+    [s; e] to float32 rounding. A forward with gradient (training) keeps the one product over [s; e] per step, its
+    steps without gradient (truncated backprop's first n) included."""
+    model = model_with_state(adapter_init=adapter_init)
+    hidden, r = model.config.text_config.hidden_size, 5
+    ids, mask = prompts()
+    with torch.no_grad(), AdapterProducts(model.model.adapter) as products:
+        split = model(ids, attention_mask=mask, num_steps=r).logits
+    assert products.widths == [hidden] * (r + 1)
+    with AdapterProducts(model.model.adapter) as products:
+        joint = model(ids, attention_mask=mask, num_steps=r).logits
+    assert products.widths == [2 * hidden] * r
+    torch.testing.assert_close(split, joint.detach(), **close(1e-5, 1e-5))
+    with AdapterProducts(model.model.adapter) as products:
+        model(ids, attention_mask=mask, num_steps=(3, 2))
+    assert products.widths == [2 * hidden] * 5

@@ -105,15 +105,17 @@ def _draft(model, pending, mask, cache, draft_steps: int, lookahead: int) -> tor
 
 
 def forward_cost(model, num_steps: int) -> int:
-    """Parameters a forward of one token at `num_steps` reads: prelude, coda and head once, adapter and core at
-    every step. Decoding a few tokens is bound by reading the weights (and by launching their layers' kernels,
-    which scales alike), so this is a round's cost whatever its number of tokens."""
+    """Parameters a forward of one token at `num_steps` reads: prelude, coda, head and the adapter's e-half (W_e)
+    once, the adapter's state half (W_s) and the core at every step. Decoding a few tokens is bound by reading the
+    weights (and by launching their layers' kernels, which scales alike), so this is a round's cost whatever its
+    number of tokens."""
 
     def count(*modules: nn.Module) -> int:
         return sum(p.numel() for module in modules for p in module.parameters())
 
-    body = model.model
-    return count(*body.prelude, *body.coda, model.lm_head) + num_steps * count(body.adapter, *body.core)
+    body, adapter = model.model, count(model.model.adapter)  # [W_s | W_e]: W_e e is the same at every step
+    once = count(*body.prelude, *body.coda, model.lm_head) + adapter // 2
+    return once + num_steps * (adapter - adapter // 2 + count(*body.core))
 
 
 class DraftLength:

@@ -5,8 +5,8 @@ small ops each, and the dynamic cache does host bookkeeping at every layer call.
 every shape of a decoding step is fixed (one token per row, buffers of a fixed length) and nothing in it reads a
 host value, so its pieces compile: `CompiledDecoder` holds three graphs,
 
-    prelude:  embed, positions and masks, prelude layers, s_0 (or the previous token's s_r: warm start)
-    step:     s_i = core(adapter(s_{i-1}, e)), writing into the slots `cache.begin_step` chose on the host
+    prelude:  embed, positions and masks, prelude layers, the adapter's W_e e, s_0 (or the previous token's s_r)
+    step:     s_i = core(W_s s_{i-1} + W_e e), writing into the slots `cache.begin_step` chose on the host
     coda:     coda layers, final norm, head; s_r kept in the cache's state buffer
 
 and runs the step graph r times from the host. No graph depends on r, so compile time does not grow with it and a
@@ -77,21 +77,23 @@ MAX_LOOP_POSITIONALS = 5
 
 
 def _prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor):
-    """e, s_0 and the layers' inputs (masks, rotary embeddings, positions) of one token per row."""
+    """The adapter's part in e (W_e e: the same at every step, so computed here once), s_0 and the layers' inputs
+    (masks, rotary embeddings, positions) of one token per row."""
     embedded, layer_kwargs = body._prepare(token, None, new_real, None, cache, {})
     e = body._apply_layers(body.prelude, 0, embedded, **layer_kwargs)
-    return e, body.initial_state(e), {name: value for name, value in layer_kwargs.items() if name != CACHE_ARG}
+    inputs = {name: value for name, value in layer_kwargs.items() if name != CACHE_ARG}
+    return body.embedded_part(e), body.initial_state(e), inputs
 
 
 def _warm_prelude(body, cache, token: torch.LongTensor, new_real: torch.Tensor):
     """As `_prelude`, with s_0 the previous token's s_r (warm start)."""
-    e, _, layer_kwargs = _prelude(body, cache, token, new_real)
-    return e, cache.state, layer_kwargs
+    part, _, layer_kwargs = _prelude(body, cache, token, new_real)
+    return part, cache.state, layer_kwargs
 
 
-def _step(body, cache, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
-    """One recurrence step into the slots of the step `cache.begin_step` chose."""
-    return body._core_step(state, e, {**layer_kwargs, **cache_kwargs(cache)})
+def _step(body, cache, state: torch.Tensor, part: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
+    """One recurrence step into the slots of the step `cache.begin_step` chose: W_s s plus the prelude's W_e e."""
+    return body._core_step(state, None, {**layer_kwargs, **cache_kwargs(cache)}, part=part)
 
 
 def _coda(model, cache, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
@@ -143,10 +145,10 @@ class CompiledDecoder:
             raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
         prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
         with packed_sdpa(model):  # grouped-query attention without copies of K and V (recurfit.model.attention)
-            e, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
+            part, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
             for step in range(1, num_steps + 1):
                 cache.begin_step(step)
-                state = self._run("_step", model.model, cache, state, e, layer_kwargs)
+                state = self._run("_step", model.model, cache, state, part, layer_kwargs)
             cache.end_core(num_steps)
             return self._run("_coda", model, cache, state, layer_kwargs)
 

@@ -11,9 +11,10 @@ attention masks and rotary embeddings are computed once per forward and shared b
 
 With bf16 (or fp16) weights the residual stream, e and the state stay in float32 and the layers' matrix products
 run in the weights' dtype under autocast, as in training (float32 weights under bf16 autocast); the state is
-rounded only at the adapter's output, once per step. A pure bf16 stream would round it at each of the P + r·R + C
-residual adds (264 at r = 32 for a (4, 8, 4) shape), losing updates smaller than bf16's resolution. The body's
-final hidden states come back in the weights' dtype.
+rounded only in the adapter, once per step. (Without gradient the adapter's W_e e is computed once per token and
+W_s s at each step: each rounds once and their sum stays float32.) A pure bf16 stream would round it at each of the
+P + r·R + C residual adds (264 at r = 32 for a (4, 8, 4) shape), losing updates smaller than bf16's resolution. The
+body's final hidden states come back in the weights' dtype.
 """
 
 from __future__ import annotations
@@ -260,6 +261,10 @@ class RecurrentModel(RecurrentPreTrainedModel):
             return lm_head(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
 
         batch = state.shape[0]
+        # Without gradient (inference), W_e e is computed here once: e, so W_e e, is the same at every step, and each
+        # step multiplies only W_s s. A forward with gradient (training) multiplies [s; e] at every step, those
+        # without gradient included, as it always has: its rounding, and the tensors the memory plan counts.
+        part = None if torch.is_grad_enabled() else self.embedded_part(e)
         for step in range(1, steps + 1):
             rows = tracker.active if tracker is not None else None  # None: every row recurs
             frozen = tracker.frozen if tracker is not None else None  # rows that recur but keep their state
@@ -268,7 +273,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
             if step == no_grad_steps + 1 and no_grad_steps and torch.is_grad_enabled():
                 forget_gradless_casts(state.device.type)
             with torch.set_grad_enabled(torch.is_grad_enabled() and step > no_grad_steps):
-                previous, state = state, self._core_step(state, e, layer_kwargs, rows)
+                previous, state = state, self._core_step(state, e, layer_kwargs, rows, part)
             if frozen is not None:
                 state = torch.where(frozen[:, None, None], previous, state)
             if tracker is not None:
@@ -340,14 +345,27 @@ class RecurrentModel(RecurrentPreTrainedModel):
             )
         return torch.bool if backend == "sdpa" else dtype
 
-    def _core_step(self, state: torch.Tensor, e: torch.Tensor, layer_kwargs: dict, rows=None) -> torch.Tensor:
-        """s_i = core(adapter(s_{i-1}, e)), computed for `rows` only when given (the others keep s_{i-1})."""
+    def embedded_part(self, e: torch.Tensor) -> torch.Tensor:
+        """The adapter's term in e alone (W_e e; e itself for the add adapter), in the stream's dtype: fixed across
+        a token's steps, so computed once per forward for `_core_step`'s `part`."""
+        with self.low_precision_products():
+            part = self.adapter.embedded_part(e)
+        return part.float() if self._autocasts_itself() else part
+
+    def _core_step(self, state: torch.Tensor, e, layer_kwargs: dict, rows=None, part=None) -> torch.Tensor:
+        """s_i = core(adapter(s_{i-1}, e)), computed for `rows` only when given (the others keep s_{i-1}). With
+        `part` (`embedded_part(e)`, of the whole batch) the adapter adds it to W_s s and `e` is not read."""
         if rows is not None:
-            running = self._core_step(state[rows], e[rows], select_rows(layer_kwargs, rows, len(state)))
+            running = self._core_step(
+                state[rows],
+                None if e is None else e[rows],
+                select_rows(layer_kwargs, rows, len(state)),
+                part=None if part is None else part[rows],
+            )
             return state.index_copy(0, rows, running)
         upcast = self._autocasts_itself()
         with self.low_precision_products():
-            mixed = self.adapter(state, e)
+            mixed = self.adapter(state, e) if part is None else self.adapter.mix(state, part)
         if upcast:
             # Keep the core's stream in float32. (Training's autocast leaves it in bf16 after a linear adapter, as the
             # memory plan counts; a model at inference saves no activations.)
