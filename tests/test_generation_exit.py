@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import (
     PADDED_ROWS,
     char_tokenizer,
@@ -152,3 +153,45 @@ def test_frozen_rows_stay_in_the_core_batch():
     model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, num_steps=12, pad_token_id=0,
                    exit_rule=rule)  # fmt: skip
     assert set(calls) == {3}  # no gather: every call runs the whole batch
+
+
+@pytest.mark.parametrize("vocabulary_slices", [1, 3])
+def test_a_bf16_models_exit_probe_reads_float32_logits(monkeypatch, vocabulary_slices):
+    """With bf16 weights the probe's logits are the float32 product of the bf16 hidden states and the bf16 head
+    (exact products, float32 sums), not rounded to bf16 (relative 2^-9, the size of a KL near its threshold),
+    whether the head is upcast whole or a slice of the vocabulary at a time; the output logits stay bf16."""
+    import recurfit.model.modeling as modeling
+
+    model = model_with_state_for_cache("llama").to(torch.bfloat16)
+    head = model.lm_head.weight
+    monkeypatch.setattr(modeling, "PROBE_CHUNK_ELEMENTS", head.numel() // vocabulary_slices)
+    hidden_states, probes = [], []
+    probe = model.model._coda_probe
+    monkeypatch.setattr(
+        model.model, "_coda_probe", lambda *args: hidden_states.append(probe(*args)) or hidden_states[-1]
+    )
+
+    class Recording(ExitRule):
+        def start(self, batch, device):
+            tracker = super().start(batch, device)
+            check = tracker.check
+
+            def recorded(step, previous, state, logits):
+                return check(step, previous, state, lambda *args: probes.append(logits(*args)) or probes[-1])
+
+            tracker.check = recorded
+            return tracker
+
+    ids, mask = prompts_for_cache()
+    model.generate(
+        ids, attention_mask=mask, max_new_tokens=3, do_sample=False, num_steps=4, pad_token_id=0,
+        exit_rule=Recording("kl"),
+    )  # fmt: skip
+    assert probes and len(probes) == len(hidden_states)
+    with torch.no_grad():
+        assert model(ids, attention_mask=mask, num_steps=2).logits.dtype == torch.bfloat16
+    for hidden, logits in zip(hidden_states, probes, strict=True):
+        assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+        torch.testing.assert_close(logits, F.linear(hidden.float(), head.float()), rtol=1e-6, atol=1e-6)
+    rounded = torch.cat([logits.flatten() for logits in probes])
+    assert (rounded != rounded.bfloat16().float()).float().mean() > 0.5  # most are not bf16 numbers

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -258,7 +259,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         batch, or stay in it frozen (`tracker.frozen`), and the loop ends once every row has settled."""
 
         def next_token_logits(state_of_rows, rows):  # the exit rule's look at the distribution (kl, argmax)
-            return lm_head(self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
+            return float32_logits(lm_head, self._coda_probe(state_of_rows, cache, layer_kwargs, rows, batch))
 
         batch = state.shape[0]
         # Without gradient (inference), W_e e is computed here once: e, so W_e e, is the same at every step, and each
@@ -392,6 +393,32 @@ class RecurrentModel(RecurrentPreTrainedModel):
         if self.training and torch.is_grad_enabled():
             return sample_depth(self.config.mean_recurrence, self.config.backprop_depth)
         return 0, self.config.mean_recurrence
+
+
+# Head weights an exit probe upcasts to float32 at a time (16 MiB; a 128k x 2048 head whole would be 1 GiB).
+PROBE_CHUNK_ELEMENTS = 1 << 22
+
+
+def float32_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`head(hidden)` as float32: the exact products of the hidden states and a low-precision head's weights (a bf16
+    times a bf16 is exact in float32), summed in float32 and not rounded back to the weights' dtype, a slice of the
+    vocabulary at a time. An exit probe compares consecutive steps' distributions (KL against 5e-4 by default), so
+    bf16 logits (relative rounding 2^-9) would add noise near its threshold; the model's output logits stay as they
+    are. A head that is not a plain linear layer (an adapter-wrapped one) is called as it is."""
+    weight = getattr(head, "weight", None)
+    if (
+        not isinstance(head, nn.Linear)
+        or weight.dtype == torch.float32
+        and not torch.is_autocast_enabled(weight.device.type)
+    ):
+        return head(hidden).float()
+    bias = None if head.bias is None else head.bias.float()
+    rows = max(1, PROBE_CHUNK_ELEMENTS // weight.shape[1])
+    with torch.autocast(weight.device.type, enabled=False):
+        hidden = hidden.float()
+        chunks = [F.linear(hidden, part.float()) for part in weight.split(rows)]
+        logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+    return logits if bias is None else logits + bias
 
 
 def _truncated_normal_by_inverse_cdf(like: torch.Tensor, std: float) -> torch.Tensor:
