@@ -347,6 +347,40 @@ def test_a_compiled_engine_runs_each_batch_through_the_shallowest_graph_that_cov
     assert default == expected_by_depth(model, batch, [2, 2, 2])
 
 
+def count_attended_requests(model) -> None:
+    """Record, per step, the numbers of requests each forward's core attention at that step ran for."""
+    P, R, _ = model.model.shape
+    model.attended = {}
+    for layer in model.model.body.layers[P : P + R]:
+        for step, attention in enumerate(layer.self_attn.attn.steps):
+            forward = attention.impl.forward
+
+            def counted(layer, query, key, value, kv_cache, metadata, *args, step=step, forward=forward, **kwargs):
+                if metadata is not None:
+                    model.attended.setdefault(step, set()).add(metadata.query_start_loc.numel() - 1)
+                return forward(layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+
+            attention.impl.forward = counted
+
+
+def test_an_eager_step_attends_for_the_requests_still_recurring_only(tmp_path):
+    """Eagerly, the requests past their depth drop out of a step's attention too, not only out of its matrix
+    products: with requests of depths 8, 2 and 1 in every forward, step 1 attends for three, step 2 for two and
+    steps 3-8 for one, and each request still gets recurfit's tokens at its depth."""
+    model = served_model("llama", mean_recurrence=2)
+    folder, batch, depths = saved(model, tmp_path / "llama"), prompts(), [8, 2, 1]
+    llm = vllm_engine(folder, compiled=False, max_recurrence=8)
+    try:
+        llm.apply_model(count_attended_requests)
+        served = served_by_depth(llm, batch, depths)
+        attended = llm.apply_model(lambda model: model.attended)[0]
+    finally:
+        del llm
+        gc.collect()
+    assert served == expected_by_depth(model, batch, depths)
+    assert attended == {0: {3}, 1: {2}, **{step: {1} for step in range(2, 8)}}
+
+
 @pytest.mark.parametrize("family", [f for f in SERVED if f != "llama"])
 def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     """Prompts and outputs run past the sliding windows of Mistral and OLMo-3 (conftest's FAMILY_KWARGS)."""

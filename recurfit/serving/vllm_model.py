@@ -14,8 +14,9 @@ windows and per-kind rotary embeddings set on its sliding layers. Each request n
 (`recurfit.serving.depth`; default `mean_recurrence`, at most `max_recurrence`), and each token runs to its own
 request's r:
 
-- eagerly (`--enforce-eager`), step s computes the adapter, projections and MLP of the tokens still short of their
-  depth only (gathered, computed, scattered back); attention runs for every token up to the batch's deepest;
+- eagerly (`--enforce-eager`), step s computes the tokens still short of their depth only (gathered, computed,
+  scattered back), their attention included (`RecurringRequests`: vLLM's CPU attention backend; with another
+  backend, attention runs for every token up to the batch's deepest);
 - compiled (vLLM's default), a graph's shapes cannot follow the data, so there is one graph per compiled depth
   (`AtDepth`; `compiled_depths`, default the folder's `depth_for_effort` depths, `mean_recurrence` and
   `max_recurrence`), each a fixed number of steps unrolled with the tokens past their depth masked, and each batch
@@ -30,10 +31,11 @@ as recurfit's `latest` policy; KV memory is that of a (P + R + C)-layer model in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import vllm
@@ -48,6 +50,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
+from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
 from ..model.compiled import own_code
@@ -75,6 +78,9 @@ OLMO_HYBRID_FIXED = {"attention_bias": False, "hidden_act": "silu"}
 # Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
 ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
 SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
+# Attention metadata `RecurringRequests` narrows to some of a batch's requests (its fields read, its builder run, as
+# the tests check); a backend not named here attends over every token of the batch at every step.
+NARROWED_METADATA = {"CPUAttentionMetadata"}
 
 
 def check_servable(config) -> None:
@@ -183,6 +189,89 @@ class SteppedAttention(nn.Module):
         return attention(full_query, key, value)[rows]
 
 
+class RecurringRequests:
+    """Recurrence steps' attention over the requests still short of their depth only (eager forwards).
+
+    vLLM describes a batch to its attention backend once per forward: per layer, in the forward context, the
+    backend's metadata (requests' query offsets, context lengths, block tables) and the cache slot of each token.
+    Once some requests have reached their depth (`narrow_to`), `only` puts in place a description of the others,
+    built from the batch's by the backend's own metadata builder: the requests past their depth then neither attend
+    nor write keys and values, and their caches keep what their last step wrote (recurfit's cache policies: a step
+    past a request's depth is never read by it, and a cached prefix is never shared between depths)."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        self.vllm_config = vllm_config
+        self.builders: dict = {}
+        self.narrowed: dict[int, object] = {}  # per KV cache group (its layers share metadata and slots), built once
+        self.depths = self.rows = None
+        self.step = 0
+
+    @staticmethod
+    def narrowable(layer_name: str) -> bool:
+        """Whether this forward's metadata for `layer_name` is of a backend `only` can narrow."""
+        metadata = get_forward_context().attn_metadata
+        return isinstance(metadata, dict) and type(metadata.get(layer_name)).__name__ in NARROWED_METADATA
+
+    def narrow_to(self, depths: torch.Tensor, step: int, rows: torch.Tensor) -> None:
+        """From now on, `only` describes the requests deeper than `step` (their tokens: `rows`)."""
+        self.depths, self.step, self.rows, self.narrowed = depths, step, rows, {}
+
+    @contextlib.contextmanager
+    def only(self, layer_names: list[str]) -> Iterator[None]:
+        """Within the block, `layer_names` attend for the requests `narrow_to` chose."""
+        context = get_forward_context()
+        metadata, slots = context.attn_metadata, context.slot_mapping
+        saved = {name: (metadata[name], slots.get(name)) for name in layer_names}
+        try:
+            for name, (whole, slot) in saved.items():
+                if id(whole) not in self.narrowed:
+                    self.narrowed[id(whole)] = self._narrow(name, whole, self.depths, self.step, self.rows)
+                metadata[name] = self.narrowed[id(whole)]
+                if slot is not None:
+                    if id(slot) not in self.narrowed:
+                        self.narrowed[id(slot)] = slot[self.rows]
+                    slots[name] = self.narrowed[id(slot)]
+            yield
+        finally:
+            for name, (whole, slot) in saved.items():
+                metadata[name] = whole
+                if slot is not None:
+                    slots[name] = slot
+
+    def _narrow(self, layer_name: str, whole, depths: torch.Tensor, step: int, rows: torch.Tensor):
+        """`whole`'s metadata for the requests whose depth exceeds `step` (each request's tokens are contiguous, and
+        `rows` lists them in order)."""
+        starts = whole.query_start_loc
+        requests = (depths[starts[:-1]] > step).nonzero().squeeze(1)
+        lengths = (starts[1:] - starts[:-1])[requests]
+        query_start_loc = starts.new_zeros(requests.numel() + 1)
+        torch.cumsum(lengths, 0, out=query_start_loc[1:])
+        seq_lens = whole.seq_lens[requests]
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc,
+            query_start_loc_cpu=query_start_loc.cpu(),
+            seq_lens=seq_lens,
+            num_reqs=requests.numel(),
+            num_actual_tokens=rows.numel(),
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=whole.block_table[requests],
+            slot_mapping=whole.slot_mapping[rows],
+            causal=whole.causal,
+        )
+        return self._builder(layer_name, whole).build(common_prefix_len=0, common_attn_metadata=common)
+
+    def _builder(self, layer_name: str, whole):
+        """The backend's metadata builder for layers like `layer_name` (one per metadata type and window)."""
+        layer = get_forward_context().no_compile_layers[layer_name]
+        key = (type(whole), layer.sliding_window)
+        if key not in self.builders:
+            spec = layer.get_kv_cache_spec(self.vllm_config)
+            builder = layer.attn_backend.get_builder_cls()
+            self.builders[key] = builder(spec, [layer_name], self.vllm_config, whole.query_start_loc.device)
+        return self.builders[key]
+
+
 def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig, window: int | None = None) -> Attention:
     """A new vLLM `Attention` with `attention`'s shape and window (or `window`), registered under `prefix` (its
     own KV cache)."""
@@ -219,6 +308,7 @@ class RecurrentModel(nn.Module):
         self.max_recurrence = Limits.of(config).maximum
         self.policy = getattr(config, "cache_policy", "all")
         self.state_init_std = float(config.state_init_std)
+        self.requests = RecurringRequests(vllm_config)
         module, body, _ = VLLM_FAMILIES[text.model_type]
         body_prefix = maybe_prefix(prefix, "body")
         body_class = _uncompiled(getattr(importlib.import_module(module), body))
@@ -235,11 +325,14 @@ class RecurrentModel(nn.Module):
             scale = text.hidden_size**0.5
         self.embed_scale = scale
         hidden = text.hidden_size
-        self.adapter = (
-            ReplicatedLinear(2 * hidden, hidden, bias=False, prefix=maybe_prefix(prefix, "adapter"))
-            if config.adapter == "linear"
-            else None
-        )
+        # The linear adapter W [s; e] = W_s s + W_e e as its two halves: e, so W_e e, is the same at every step and
+        # is multiplied once per forward (checkpoint's `adapter.weight` split as it loads). None: the Add adapter.
+        self.adapter_state = self.adapter_embedded = None
+        if config.adapter == "linear":
+            self.adapter_state, self.adapter_embedded = (
+                ReplicatedLinear(hidden, hidden, bias=False, prefix=maybe_prefix(prefix, f"adapter_{half}"))
+                for half in ("state", "embedded")
+            )
         # One Attention per (core layer, step): step 1 is the layer's own, steps 2..r are new ones whose names
         # carry one integer each, after the P + R + C layers' (vLLM orders KV caches by that integer).
         total = P + R + C
@@ -282,10 +375,13 @@ class RecurrentModel(nn.Module):
             return torch.zeros_like(e)
         return truncated_normal_by_inverse_cdf(e, self.state_init_std)
 
-    def _adapt(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        if self.adapter is None:
-            return state + e
-        return self.adapter(torch.cat([state, e], dim=-1))[0]
+    def _embedded_part(self, e: torch.Tensor) -> torch.Tensor:
+        """W_e e, computed once per forward (the Add adapter's part: e itself)."""
+        return e if self.adapter_embedded is None else self.adapter_embedded(e)[0]
+
+    def _adapt(self, state: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """The adapter's output at a step, W_s s + `part` (`_embedded_part`)."""
+        return state + part if self.adapter_state is None else self.adapter_state(state)[0] + part
 
     def forward(
         self,
@@ -302,52 +398,62 @@ class RecurrentModel(nn.Module):
         P, R, C = self.shape
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         e = self._apply_layers(0, P, positions, hidden)
-        state = self.initial_state(e)
+        state, part = self.initial_state(e), self._embedded_part(e)
         core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
         if gather:
-            state = self._recur_eagerly(positions, state, e, depths, steps, core)
+            state = self._recur_eagerly(positions, state, part, depths, steps, core)
         else:
             frozen: list = [None] * R
             for step in range(steps):
                 for stepped in core:
                     stepped.step = step if self.policy == "all" else 0
                 active = None if step == 0 else (depths > step).unsqueeze(-1)
-                state = self._core_step(positions, state, e, active, frozen)
+                state = self._core_step(positions, state, part, active, frozen)
         for stepped in core:
             stepped.step = 0
         return self.body.norm(self._apply_layers(P + R, C, positions, state))
 
-    def _recur_eagerly(self, positions, state, e, depths, deepest: int, core: list) -> torch.Tensor:
-        """Steps 1..deepest, each on the tokens not yet at their depth only (gathered, computed, scattered back):
-        the batch pays each request's own depth in the adapter, projections and MLP, and attention for every token
-        up to the deepest."""
+    def _recur_eagerly(self, positions, state, part, depths, deepest: int, core: list) -> torch.Tensor:
+        """Steps 1..deepest, each on the tokens not yet at their depth only: the batch pays each request's own
+        depth, attention included where the backend's metadata narrows (`RecurringRequests`), else attention for
+        every token up to the deepest. Each time some tokens reach their depth, the others (`rows`) are gathered
+        with their adapter parts and positions, and the states of all scattered back."""
         P, R, _ = self.shape
+        layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
+        narrow = RecurringRequests.narrowable(layers[0][0])
+        stops = set(torch.unique(depths).tolist())  # a token of depth d runs steps 0..d-1
+        rows = None  # the running tokens (None: all)
+        running, running_part, running_positions, running_depths = state, part, positions, depths
         try:
             for stepped in core:
-                stepped.tracking = True
+                stepped.tracking = not narrow
             for step in range(deepest):
-                rows = None if step == 0 else (depths > step).nonzero().squeeze(1)
-                if rows is not None and rows.numel() == depths.numel():
-                    rows = None
+                if step in stops:
+                    state = running if rows is None else state.index_copy(0, rows, running)
+                    kept = (running_depths > step).nonzero().squeeze(1)
+                    rows = kept if rows is None else rows[kept]
+                    running, running_part, running_depths = running[kept], running_part[kept], running_depths[kept]
+                    running_positions = positions[..., rows]
+                    if narrow:
+                        self.requests.narrow_to(depths, step, rows)
+                slot = step if self.policy == "all" else 0
                 for stepped in core:
-                    stepped.step = step if self.policy == "all" else 0
-                    stepped.rows = rows
-                if rows is None:
-                    state = self._apply_layers(P, R, positions, self._adapt(state, e))
-                else:
-                    new = self._apply_layers(P, R, positions[..., rows], self._adapt(state[rows], e[rows]))
-                    state = state.index_copy(0, rows, new)
+                    stepped.step = slot
+                    stepped.rows = None if narrow else rows
+                names = [names[slot] for names in layers]
+                with self.requests.only(names) if narrow and rows is not None else contextlib.nullcontext():
+                    running = self._apply_layers(P, R, running_positions, self._adapt(running, running_part))
         finally:
             for stepped in core:
                 stepped.tracking, stepped.rows, stepped.keep = False, None, None
-        return state
+        return running if rows is None else state.index_copy(0, rows, running)
 
-    def _core_step(self, positions, state, e, active, frozen: list) -> torch.Tensor:
+    def _core_step(self, positions, state, part, active, frozen: list) -> torch.Tensor:
         """One step of the core. A row past its depth (`active` False) keeps its state, and each core layer gets
         the input it had at the row's last step, so the keys and values it writes are its last step's: under
         `latest` its cache entry stays as it was, under `all` the deeper steps' slots hold its latest keys."""
         P, R, _ = self.shape
-        hidden, residual = self._adapt(state, e), None
+        hidden, residual = self._adapt(state, part), None
         for i, layer in enumerate(self.body.layers[P : P + R]):
             if active is not None:
                 hidden = torch.where(active, hidden, frozen[i][0])
@@ -366,10 +472,11 @@ class RecurrentModel(nn.Module):
         loaded: set[str] = set()
         body_weights = []
         for name, tensor in weights:
-            if name == "adapter.weight" and self.adapter is not None:
-                param = self.adapter.weight
-                getattr(param, "weight_loader", _copy_loader)(param, tensor)
-                loaded.add(name)
+            if name == "adapter.weight" and self.adapter_state is not None:
+                for half, columns in zip(("state", "embedded"), tensor.chunk(2, dim=1)):
+                    param = getattr(self, f"adapter_{half}").weight
+                    getattr(param, "weight_loader", _copy_loader)(param, columns.contiguous())
+                    loaded.add(f"adapter_{half}.weight")
                 continue
             body_name = self._body_name(name)
             if body_name is None:
