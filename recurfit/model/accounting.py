@@ -3,7 +3,8 @@
 - "embeddings" counts the input embedding and the unembedding (once if tied).
 - A recurrent model's "body" is prelude + core + coda (no adapter, no final norm, as in the paper's tables);
   a fixed-depth model's "body" is its layers plus the final norm.
-- FLOPs use non-embedding parameters. One recurrence uses the core and the adapter. Training costs
+- FLOPs use non-embedding parameters. One recurrence uses the core and the adapter (inference: the adapter's
+  W_e half once per token, its W_s half per step; `inference_flops_per_token`). Training costs
   `6·N1 + 2·N2` per token: N1 = prelude + coda + k·(core + adapter) run with gradient, N2 = n·(core + adapter)
   run without. A fixed-depth model costs `6·N`.
 `paper_flops_per_token` and `paper_training_flops` count as the paper authors' own scripts did (no adapter,
@@ -76,13 +77,17 @@ def _step_parameters(c: Mapping[str, int]) -> int:
 
 
 def inference_flops_per_token(model_or_counts, num_steps: int) -> int:
-    """Forward FLOPs per token at r recurrences: 2 × (prelude + r·(core + adapter) + coda + final norm).
+    """Forward FLOPs per token at r recurrences: 2 × (prelude + adapter/2 + r·(core + adapter/2) + coda + final
+    norm). Inference multiplies e by the adapter's W_e half once per token (e is the same at every step) and the
+    state by its W_s half at each step.
 
     Attention over the context is not included (it depends on the sequence length)."""
     c = _counts(model_or_counts)
     if not _is_recurrent(c):
         return 2 * c["body"]
-    return 2 * (c["prelude"] + num_steps * _step_parameters(c) + c["coda"] + c["final_norm"])
+    embedded_half = c["adapter"] // 2
+    per_step = c["core"] + c["adapter"] - embedded_half
+    return 2 * (c["prelude"] + embedded_half + num_steps * per_step + c["coda"] + c["final_norm"])
 
 
 def training_flops_per_token(model_or_counts, num_steps: tuple[int, int]) -> int:
