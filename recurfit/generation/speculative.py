@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from ..errors import RecurfitError
+from ..model.accounting import inference_flops_per_token
 from ..model.cache import RecurrentCache
 from ..model.compat import cache_kwargs
 
@@ -105,17 +105,11 @@ def _draft(model, pending, mask, cache, draft_steps: int, lookahead: int) -> tor
 
 
 def forward_cost(model, num_steps: int) -> int:
-    """Parameters a forward of one token at `num_steps` reads: prelude, coda, head and the adapter's e-half (W_e)
-    once, the adapter's state half (W_s) and the core at every step. Decoding a few tokens is bound by reading the
-    weights (and by launching their layers' kernels, which scales alike), so this is a round's cost whatever its
-    number of tokens."""
-
-    def count(*modules: nn.Module) -> int:
-        return sum(p.numel() for module in modules for p in module.parameters())
-
-    body, adapter = model.model, count(model.model.adapter)  # [W_s | W_e]: W_e e is the same at every step
-    once = count(*body.prelude, *body.coda, model.lm_head) + adapter // 2
-    return once + num_steps * (adapter - adapter // 2 + count(*body.core))
+    """Parameters a forward of one token at `num_steps` reads: the body as inference runs it (its FLOPs / 2; the
+    adapter's W_e half once, the core and W_s at every step) and the head. Decoding a few tokens is bound by
+    reading the weights (and by launching their layers' kernels, which scales alike), so this is a round's cost
+    whatever its number of tokens."""
+    return inference_flops_per_token(model, num_steps) // 2 + model.lm_head.weight.numel()
 
 
 class DraftLength:
