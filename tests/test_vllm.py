@@ -69,15 +69,28 @@ OLMO3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
 }
+# Real OLMo-3's full layers scale their rotary frequencies with YaRN (factor 8, attention factor 0.1 ln 8 + 1).
+OLMO3_YARN_ROPE = dict(
+    OLMO3_ROPE,
+    full_attention={
+        "rope_type": "yarn",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "attention_factor": 1.2079441541679836,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+)
 
 
-def served_model(family: str, shape=(2, 2, 2), **kwargs):
+def served_model(family: str, shape=(2, 2, 2), olmo3_rope: dict = OLMO3_ROPE, **kwargs):
     """A retrofit whose adapter reads the state, s_0 = 0, and weights spread enough for varied greedy text."""
     extra = dict(HEADS, head_dim=32) if family == "gemma" else HEADS
     if family in ("qwen2", "qwen3"):  # vLLM's Qwen layers take one attention kind for all layers
         extra = dict(extra, use_sliding_window=False)
     if family == "olmo3":  # OLMo-3 keeps rotary parameters per layer kind (rope_scaling applies to full layers)
-        extra = dict(extra, rope_parameters=OLMO3_ROPE)
+        extra = dict(extra, rope_parameters=olmo3_rope)
     torch.manual_seed(0)
     model = recurfit.retrofit(
         tiny_parent(family, place=False, **extra), shape, adapter_init="random", state_init_std=0.0, **kwargs
@@ -387,6 +400,16 @@ def test_greedy_tokens_equal_recurfit_for_each_family(tmp_path, family):
     model = served_model(family, mean_recurrence=4)
     folder, batch = saved(model, tmp_path / family), prompts()
     assert vllm_greedy(folder, batch) == recurfit_greedy(model, batch, 4)
+
+
+def test_olmo3s_yarn_rope_gives_recurfits_tokens(tmp_path):
+    """OLMo-3's full layers with YaRN rotary scaling, its sliding layers with the default: vLLM's YaRN embedding,
+    built from the same parameters, gives transformers' tokens (which YaRN changes)."""
+    model = served_model("olmo3", mean_recurrence=4, olmo3_rope=OLMO3_YARN_ROPE)
+    folder, batch = saved(model, tmp_path / "olmo3"), prompts()
+    expected = recurfit_greedy(model, batch, 4)
+    assert expected != recurfit_greedy(served_model("olmo3", mean_recurrence=4), batch, 4)
+    assert vllm_greedy(folder, batch) == expected
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
