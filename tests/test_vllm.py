@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -681,6 +682,59 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         check_answers()  # the server still answers, correctly
     finally:
         stop_server(server)
+
+
+def test_each_api_server_process_reads_the_depth_and_checks_it(tmp_path):
+    """`vllm serve --api-server-count 2`: each API server process builds its own config, so each has the limits
+    that check num_steps and the table that EffortToDepth reads. Requests on 24 connections of their own (which the
+    processes share), so that both answer some: mixed depths, reasoning_effort and a bad depth, each as with one."""
+    import openai
+
+    model = served_model("llama", mean_recurrence=2)
+    folder = saved(model, tmp_path / "llama")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    overrides = {"mean_recurrence": 3, "max_recurrence": 16, "depth_for_effort": {"low": 1, "medium": 3, "high": 8}}
+    server, url = start_server(
+        tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
+        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth",
+        "--api-server-count", "2", "--enable-log-requests",
+    )  # fmt: skip
+    try:
+        ids = dict(return_token_ids=True, ignore_eos=True)
+
+        def ask(index: int):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+            try:
+                greedy = dict(model="tiny", temperature=0, max_tokens=16)
+                if index % 3 == 0:
+                    with pytest.raises(openai.BadRequestError, match=r"num_steps .* integer in \[1, 16\].* got 0"):
+                        client.completions.create(
+                            prompt=prompts()[0], extra_body={"vllm_xargs": {"num_steps": 0}}, **greedy
+                        )
+                    return None
+                if index % 3 == 1:
+                    messages = [{"role": "user", "content": "The cat sat"}]
+                    answer = client.chat.completions.create(
+                        messages=messages, reasoning_effort="high", extra_body=ids, **greedy
+                    )
+                    return answer.prompt_token_ids, 8, answer.choices[0].token_ids
+                prompt, depth = mixed_prompts()[index % 10], DEPTHS[index % 5]
+                extra = dict(ids, vllm_xargs={"num_steps": depth})
+                answer = client.completions.create(prompt=prompt, extra_body=extra, **greedy)
+                return prompt, depth, answer.choices[0].token_ids
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(24) as pool:
+            answers = [a for a in pool.map(ask, range(24)) if a is not None]
+    finally:
+        stop_server(server)
+    assert len(answers) == 16
+    for prompt, depth, tokens in answers:
+        assert tokens == recurfit_greedy(model, [prompt], depth, new_tokens=16)[0], depth
+    log = (tmp_path / "serve.log").read_text()
+    assert all(re.search(rf"ApiServer_{i} .*Received request", log) for i in (0, 1)), "one process answered all"
 
 
 def test_a_trained_folder_carries_depth_for_effort_and_the_server_reads_it(tmp_path, workspace):
