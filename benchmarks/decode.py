@@ -18,8 +18,9 @@ prefill, then the next `--decode` tokens are fed one at a time through the cache
 6. Compiled decoding (`generate(compile=True)`: static cache; prelude, one recurrence step and coda compiled once
    per batch size) against eager `generate` (dynamic cache): free-running greedy time per token at batches
    `--compile-batches` and r ∈ `--compile-depths`, the tokens compared, graphs traced, the one-time compile cost
-   (each row from a cold start: no graph kept from the row before), and the weights-read floor (at
-   `--bandwidth`, or the bandwidth measured here with `--bandwidth measure`).
+   (each row from a cold start: no graph kept from the row before), the time of its matrix products alone
+   (each weight matrix a token reads, applied in decoding order), and the weights-read floor (at `--bandwidth`,
+   or the bandwidth measured here with `--bandwidth measure`).
 `--parent tinyllama` retrofits TinyLlama-1.1B's shape with random weights (no download) and decodes random
 tokens: its times are real, its NLL and agreement are not. `--perturb-adapter ε` adds ε times a random matrix
 (entries of variance 1 / 2h) to the retrofit's identity adapter [0 | I], so that the depths compute different
@@ -147,8 +148,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     if args.bandwidth == "measure":
-        args.bandwidth = measure_bandwidth(torch.device(args.device))
-        print(f"measured memory bandwidth: {args.bandwidth:.1f} GB/s (copying 256 MiB)")
+        from device_peaks import copy_bandwidth  # benchmarks/ is on the path when this file runs
+
+        args.bandwidth = copy_bandwidth(2.0, 5, torch.device(args.device)) / 1e9
+        print(f"measured memory bandwidth: {args.bandwidth:.1f} GB/s (copying 2 GiB, bytes read + written)")
     elif args.bandwidth is not None:
         args.bandwidth = float(args.bandwidth)
 
@@ -338,18 +341,30 @@ def batched_exit(model, tokenizer, args) -> None:
     )
 
 
-def measure_bandwidth(device: torch.device, mib: int = 256) -> float:
-    """GB/s of a large device-to-device copy (bytes read + written), the best of five."""
-    source = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        synchronize(device)
-        start = time.perf_counter()
-        target.copy_(source)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.nbytes / best / 1e9
+def products_ms(model, r: int, batch: int, repeats: int = 5) -> float:
+    """Milliseconds per token of a decode's matrix products alone, the median of `repeats`: every weight matrix
+    a token reads, in decoding order (the prelude, the adapter's input half once, the adapter's state half and the
+    core r times, the coda, the LM head), each applied to `batch` rows. A floor that needs no bandwidth: where a
+    CPU's cache holds the core's weights between steps, re-reading them costs less than the copy bandwidth says."""
+    body = model.model
+
+    def weights(layers) -> list[torch.Tensor]:
+        return [m.weight for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+    adapter = getattr(body.adapter, "weight", None)
+    once, step = ([], []) if adapter is None else ([adapter[:, adapter.shape[0] :]], [adapter[:, : adapter.shape[0]]])
+    order = [*weights(body.prelude), *once, *(step + weights(body.core)) * r, *weights(body.coda), model.lm_head.weight]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in order}
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first warms up
+            synchronize(model.device)
+            start = time.perf_counter()
+            for weight in order:
+                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+            synchronize(model.device)
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:])
 
 
 def timed_greedy(model, rows, r: int, compile: bool, tokens: int):
@@ -404,6 +419,7 @@ def compiled(model, prompts, args) -> None:
     print(f"\n6. compiled decoding against eager: prefill {prompts.shape[1]}, {new} new tokens, greedy")
     print(
         "   batch   r  eager ms/token  compiled ms/token  compiled / eager  same tokens  graphs  compile (s)"
+        + "  products (ms)  compiled / products"
         + ("  floor (ms)  compiled / floor" if args.bandwidth else "")
     )
     for batch in (int(b) for b in args.compile_batches.split(",")):
@@ -416,6 +432,8 @@ def compiled(model, prompts, args) -> None:
                 f"  {batch:>6}  {r:>2}  {eager_ms:14.1f}  {compiled_ms:17.1f}  {compiled_ms / eager_ms:16.2f}  "
                 f"{'yes' if times['same_tokens'] else 'no':>11}  {times['graphs']:6}  {times['compile_s']:11.1f}"
             )
+            products = products_ms(model, r, batch)
+            line += f"  {products:13.1f}  {compiled_ms / products:19.2f}"
             if args.bandwidth:
                 floor = weight_floor_ms(model, args.bandwidth, r)
                 line += f"  {floor:10.2f}  {compiled_ms / floor:16.2f}"
