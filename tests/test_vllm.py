@@ -594,12 +594,10 @@ def stop_server(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
-    """`vllm serve` driven by the `openai` package: completions at the server's r (3) and per request through
-    vllm_xargs, chat (reasoning_effort through EffortToDepth), streaming, n = 2, stop sequences, 32 concurrent
-    requests of depths 1-16; then bad inputs, each a 400 naming the problem, and correct answers afterwards."""
-    import openai
-
+def depth_server(tmp_path, *args: str):
+    """A tiny Llama retrofit (r̄ = 2) served eager as "tiny" at r = 3, depths up to 16, reasoning_effort low /
+    medium / high at 1 / 3 / 8 through EffortToDepth, and a chat template that joins the messages: the model, the
+    server and its URL."""
     model = served_model("llama", mean_recurrence=2)
     folder = saved(model, tmp_path / "llama")
     template = tmp_path / "chat.jinja"
@@ -607,8 +605,18 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
     overrides = {"mean_recurrence": 3, "max_recurrence": 16, "depth_for_effort": {"low": 1, "medium": 3, "high": 8}}
     server, url = start_server(
         tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
-        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth",
+        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth", *args,
     )  # fmt: skip
+    return model, server, url
+
+
+def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
+    """`vllm serve` driven by the `openai` package: completions at the server's r (3) and per request through
+    vllm_xargs, chat (reasoning_effort through EffortToDepth), streaming, n = 2, stop sequences, 32 concurrent
+    requests of depths 1-16; then bad inputs, each a 400 naming the problem, and correct answers afterwards."""
+    import openai
+
+    model, server, url = depth_server(tmp_path)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
         greedy = dict(model="tiny", temperature=0, max_tokens=16)
@@ -690,16 +698,7 @@ def test_each_api_server_process_reads_the_depth_and_checks_it(tmp_path):
     processes share), so that both answer some: mixed depths, reasoning_effort and a bad depth, each as with one."""
     import openai
 
-    model = served_model("llama", mean_recurrence=2)
-    folder = saved(model, tmp_path / "llama")
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    overrides = {"mean_recurrence": 3, "max_recurrence": 16, "depth_for_effort": {"low": 1, "medium": 3, "high": 8}}
-    server, url = start_server(
-        tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
-        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth",
-        "--api-server-count", "2", "--enable-log-requests",
-    )  # fmt: skip
+    model, server, url = depth_server(tmp_path, "--api-server-count", "2", "--enable-log-requests")
     try:
         ids = dict(return_token_ids=True, ignore_eos=True)
 
