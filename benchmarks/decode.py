@@ -40,6 +40,7 @@ import statistics
 import time
 
 import torch
+from device_peaks import copy_bandwidth, median_seconds  # benchmarks/ is on the path when this file runs
 
 import recurfit
 from recurfit.data.sources import embedded_prose
@@ -148,8 +149,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     if args.bandwidth == "measure":
-        from device_peaks import copy_bandwidth  # benchmarks/ is on the path when this file runs
-
         args.bandwidth = copy_bandwidth(2.0, 5, torch.device(args.device)) / 1e9
         print(f"measured memory bandwidth: {args.bandwidth:.1f} GB/s (copying 2 GiB, bytes read + written)")
     elif args.bandwidth is not None:
@@ -355,16 +354,13 @@ def products_ms(model, r: int, batch: int, repeats: int = 5) -> float:
     once, step = ([], []) if adapter is None else ([adapter[:, adapter.shape[0] :]], [adapter[:, : adapter.shape[0]]])
     order = [*weights(body.prelude), *once, *(step + weights(body.core)) * r, *weights(body.coda), model.lm_head.weight]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in order}
-    times = []
+
+    def products(_):
+        for weight in order:
+            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+
     with torch.no_grad():
-        for _ in range(repeats + 1):  # the first warms up
-            synchronize(model.device)
-            start = time.perf_counter()
-            for weight in order:
-                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-            synchronize(model.device)
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times[1:])
+        return 1e3 * median_seconds(products, repeats, model.device)
 
 
 def timed_greedy(model, rows, r: int, compile: bool, tokens: int):
