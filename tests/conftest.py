@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import low_precision
 import pytest
 import torch
 from device_modules import DEVICE_MODULES, DTYPE_MODULES  # noqa: E402
@@ -94,6 +95,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only(reason): skipped under --device cuda, with the reason")
     config.addinivalue_line("markers", "float32_only(reason): skipped under --dtype bfloat16, with the reason")
+    config.addinivalue_line("markers", low_precision.DESCRIPTION)
+    config.addinivalue_line("markers", low_precision.OPT_OUT_DESCRIPTION)
     try:
         device = torch.device(config.getoption("--device"))
     except RuntimeError:
@@ -107,8 +110,13 @@ def pytest_configure(config):
     PLACEMENT.device, PLACEMENT.dtype = device, DTYPES[config.getoption("--dtype")]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: `-m low_precision` sees the marker
 def pytest_collection_modifyitems(config, items):
-    """Under --device/--dtype, run only the tests those options change; say why each other one is skipped."""
+    """Mark the tests that compute in low precision (tests/low_precision.py). Under --device/--dtype, run only
+    the tests those options change; say why each other one is skipped."""
+    for item in items:
+        if low_precision.computes_in_low_precision(item):
+            item.add_marker(low_precision.MARKER)
     if PLACEMENT.is_default:
         return
     modules = DEVICE_MODULES if PLACEMENT.device.type != "cpu" else DTYPE_MODULES
@@ -485,7 +493,10 @@ def tiny_config(workspace: Path, out: Path, **overrides) -> dict:
             "validation": [str(workspace / "prose"), str(workspace / "math")],
         },
         "depth": {"mean_recurrence": 4, "backprop_depth": 2, "curriculum": "1-sqrt", "curriculum_fraction": 0.5},
-        "optimizer": {"name": "muon", "muon_lr": 0.02, "lr": 0.003, "warmup": 2, "decay": 0.2},
+        # Newton-Schulz in float32 whatever the CPU: the loop's tests then compute alike on every CPU kind (`auto`
+        # is bf16 only where bf16 matmul is native). Muon in bf16 has tests of its own (tests/low_precision.py
+        # selects them).
+        "optimizer": {"name": "muon", "muon_lr": 0.02, "lr": 0.003, "warmup": 2, "decay": 0.2, "muon_dtype": "float32"},
         "batch": {"micro": 2, "global": 8},
         "steps": 12,
         "checkpoint": {"every": 4, "keep": 2},

@@ -19,6 +19,10 @@ def table(summary: str) -> list[str]:
 
 
 @pytest.mark.timeout(2400)  # ~30 min measured on 2 cores under a load average of 15-27
+@pytest.mark.not_under_isa_caps(
+    "its bf16 step runs model tests under --dtype bfloat16, whose bound (conftest's BF16_LOGIT_TOLERANCE) is derived "
+    "from bf16's rounding; the whole smoke is several times the caps' runs together"
+)
 def test_cpu_smoke_runs_every_step_of_every_part(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
