@@ -61,6 +61,9 @@ Strategy = Literal["ddp", "fsdp"]  # how several processes share a run
 STRATEGIES = get_args(Strategy)
 NonfinitePolicy = Literal["skip", "apply"]  # what an update with a non-finite loss or gradient does
 NONFINITE_POLICIES = get_args(NonfinitePolicy)
+# What a run does when it would read a training store more than once: go on silently, go on and say so, or stop.
+DataRepeat = Literal["allow", "warn", "refuse"]
+DATA_REPEATS = get_args(DataRepeat)
 
 # Generation
 CachePolicy = Literal["all", "latest"]

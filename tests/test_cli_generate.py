@@ -67,6 +67,53 @@ def test_ctrl_c_in_chat_stops_the_answer_and_the_chat_goes_on(workspace, capsys,
     code, text = run_cli(capsys, "chat", workspace / "parent")
     assert code == 0 and "stopped" in text and "2 tokens in 1.0 s" in text
     assert "secondquestion" in asked[1] and "firstquestion" not in asked[1]
+    assert text.count("This tokenizer has no chat template: the messages go in as plain text.") == 1
+
+
+def completion_and_chat_tokenizer():
+    """The character tokenizer with what real ones have: a BOS added to plain text (`add_special_tokens`) and a
+    chat template that writes its own BOS."""
+    from tokenizers import processors
+
+    tokenizer = char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)]
+    )
+    tokenizer.chat_template = "<s>{% for m in messages %}question {{ m['content'] }}\n{% endfor %}answer "
+    return tokenizer
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_generate_continues_the_raw_prompt_as_a_vllm_completion_and_chat_wraps_it(tmp_path, capsys, monkeypatch):
+    model, tokenizer = model_with_state(), completion_and_chat_tokenizer()
+    model.save_pretrained(tmp_path / "rec")
+    tokenizer.save_pretrained(tmp_path / "rec")
+    seen = []
+
+    def spy(model, tokenizer, ids, settings, stream=False):
+        seen.append((ids[0].tolist(), generate_text(model, tokenizer, ids, settings, stream)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(recurfit.generation, "generate_text", spy)
+    argv = ("generate", tmp_path / "rec", "--prompt", "the cat", "-r", "3", "--max-new-tokens", "6")
+    assert run(capsys, *argv)[0] == 0
+    # vLLM's /v1/completions encodes a prompt with `tokenizer.encode(prompt, add_special_tokens=True)` (the
+    # request's default), so the server's completion of "the cat" at r = 3 starts from these ids and is greedy.
+    completion = tokenizer.encode("the cat", add_special_tokens=True)
+    assert completion[0] == tokenizer.bos_token_id and seen[0][0] == completion
+    expected = model.generate(
+        torch.tensor([completion]), num_steps=3, max_new_tokens=6, do_sample=False, pad_token_id=0
+    )[0, len(completion) :]
+    assert seen[0][1].text == tokenizer.decode(expected, skip_special_tokens=True).strip()
+
+    # With the chat template: the prompt as a user message, one BOS (the template's), as /v1/chat/completions.
+    assert run(capsys, *argv, "--chat-template", "on")[0] == 0
+    chat = tokenizer.decode(seen[1][0])
+    assert chat.replace(" ", "").startswith("<s>questionthecat\nanswer") and chat.count("<s>") == 1
+    with pytest.raises(SystemExit) as refused:
+        main([str(a) for a in argv] + ["--chat-template", "auto"])
+    assert refused.value.code == 2 and "invalid choice: 'auto'" in capsys.readouterr().err
 
 
 @pytest.mark.cpu_only("drives lm-eval, which the GPU machine of the suite does not have")

@@ -21,6 +21,32 @@ def test_mixture_weights_and_phase_budgets(workspace):
     assert all(abs(mixed[:n].count(1) - 0.75 * n) <= 1 for n in range(1, 400))  # and never bursty
 
 
+def test_a_store_asked_for_more_rows_than_it_holds_warns_or_refuses(workspace):
+    prose, math = str(workspace / "prose"), str(workspace / "math")
+    phases = [Phase({prose: 1.0}, tokens=32 * 10), Phase({prose: 1.0, math: 3.0})]
+    stream, whole = RowStream(phases, seed=0), RowStream(phases, seed=0)
+    held = [len(store) for store in stream.stores]
+    more = 10 + 2 * held[1]  # math's 3/4 of the second phase: 1.5 passes over it
+    for _ in range(4):  # the plan is made mid-phase, as after a resume
+        stream._next()
+    asked = stream.rows_asked(more - 4)
+    for _ in range(more):
+        whole._next()
+    assert all(abs(a - taken) <= 1 for a, taken in zip(asked, whole.consumed))  # the round-robin's one row
+    assert whole.consumed[1] > held[1] > whole.consumed[0] - held[0]
+    warning = stream.repeat_warning(more - 4, "warn")
+    assert warning.startswith(f"warning: {math} holds {held[1] * 32:,} training tokens and the run asks ")
+    assert "(1.50 passes)" in warning and prose + " " not in warning
+    assert stream.repeat_warning(more - 4, "allow") is None and stream.repeat_warning(held[1], "warn") is None
+    with pytest.raises(RecurfitError, match=r"math holds .* \(1\.50 passes\), and data.repeat is refuse"):
+        stream.repeat_warning(more - 4, "refuse")
+
+
+def test_the_last_phase_runs_on_past_its_budget(workspace):
+    stream = RowStream([Phase({str(workspace / "prose"): 1.0}, tokens=32 * 2)], seed=0)
+    assert [stream._next()[0] for _ in range(5)] == [0] * 5
+
+
 def test_rows_cover_a_store_once_per_epoch(workspace):
     store = TokenStore(workspace / "prose")
     stream = RowStream([Phase({str(workspace / "prose"): 1})], seed=3)

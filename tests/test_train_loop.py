@@ -343,6 +343,20 @@ def test_bad_stores_are_refused_before_training(tmp_path, workspace):
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_a_run_that_reads_a_store_twice_warns_once_or_is_refused(tmp_path, workspace, capsys):
+    rows = len(TokenStore(workspace / "prose"))
+    steps = rows * 3 // 16  # 8 rows a step: about 1.5 passes over the store
+    passes = f"({steps * 8 / rows:.2f} passes)"
+    refused = load_config(None, [f"steps={steps}", "data.repeat=refuse"], base=small_run(workspace, tmp_path / "no"))
+    with pytest.raises(RecurfitError, match=r"prose holds .* passes\), and data.repeat is refuse: prepare more"):
+        Trainer(refused)
+    Trainer(load_config(None, [f"steps={steps}"], base=small_run(workspace, tmp_path / "warned"))).close()
+    said = " ".join(capsys.readouterr().err.split())
+    assert said.count("warning: ") == 1 and f"{workspace / 'prose'} holds {rows * 32:,} training tokens" in said
+    assert passes in said and "data.repeat=refuse stops such a run" in said
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 def test_validation_stores_are_named_and_one_without_rows_is_refused(tmp_path, workspace, capsys):
     train(config_for(workspace, tmp_path / "run", "steps=2"))
     said = " ".join(capsys.readouterr().err.split())

@@ -7,11 +7,22 @@ from .common import _placement, add_placement_arguments, console, positive_int, 
 
 
 def add_parsers(commands) -> None:
-    for name, help_text in (("generate", "generate text from a prompt"), ("chat", "chat in the terminal")):
-        p = commands.add_parser(name, help=help_text)
+    commands_help = (
+        ("generate", "continue a prompt: its raw text, as a completion (--chat-template on: as a chat message)"),
+        ("chat", "chat in the terminal, each turn through the tokenizer's chat template"),
+    )
+    for name, help_text in commands_help:
+        p = commands.add_parser(name, help=help_text, description=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
         if name == "generate":
-            p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+            p.add_argument("--prompt", required=True, help="the text to continue")
+            p.add_argument(
+                "--chat-template",
+                choices=("on", "off"),
+                default="off",
+                help="off: the prompt's raw text, as vLLM's /v1/completions reads it; on: the prompt as a user "
+                "message through the tokenizer's chat template, as /v1/chat/completions does (default: off)",
+            )
             p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
         p.add_argument(
             "-r",
@@ -105,12 +116,24 @@ def _report(generation) -> None:
     status.print(f"[dim]{generation.tokens} tokens in {generation.seconds:.1f} s ({rate:.1f} tokens/s){depth}[/]")
 
 
+def _note_missing_chat_template(tokenizer) -> None:
+    """Chat prompts from a tokenizer without a chat template are its messages' plain text: say so once."""
+    from ..generation.text import has_chat_template
+
+    if not has_chat_template(tokenizer):
+        status.print("[dim]This tokenizer has no chat template: the messages go in as plain text.[/]")
+
+
 def cmd_generate(args) -> None:
-    from ..generation import generate_text, prompt_ids
+    from ..generation import chat_ids, generate_text, prompt_ids
 
     settings = _settings(args)  # bad settings fail before the model loads
     model, tokenizer = _generation_model(args)
-    ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    if args.chat_template == "on":
+        _note_missing_chat_template(tokenizer)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = prompt_ids(tokenizer, args.prompt)
     generation = generate_text(model, tokenizer, ids, settings, stream=args.stream)
     if not args.stream:
         console.print(generation.text, highlight=False, markup=False)
@@ -120,10 +143,11 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     """A conversation; Ctrl-C stops the answer being written (the exchange is dropped), Ctrl-D or an empty line
     ends the chat."""
-    from ..generation import generate_text, prompt_ids
+    from ..generation import chat_ids, generate_text
 
     settings = _settings(args)
     model, tokenizer = _generation_model(args)
+    _note_missing_chat_template(tokenizer)
     messages: list[dict] = []
     status.print("[dim]Chat: Ctrl-C stops an answer; an empty line or Ctrl-D ends the chat.[/]")
     while True:
@@ -139,7 +163,7 @@ def cmd_chat(args) -> None:
         messages.append({"role": "user", "content": line})
         console.print("[bold]model>[/] ", end="")
         try:
-            generation = generate_text(model, tokenizer, prompt_ids(tokenizer, messages), settings, stream=True)
+            generation = generate_text(model, tokenizer, chat_ids(tokenizer, messages), settings, stream=True)
         except KeyboardInterrupt:
             messages.pop()
             console.print()

@@ -9,6 +9,8 @@ the stream's whole position (`state_dict`) is a handful of integers saved with e
   has contributed its weight's share to within one row (no random bursts, nothing to re-draw on resume).
 - A phase ends after its token budget; the last phase runs until training stops (e.g. healing on prose for
   the first N tokens, then a mixture, as in the paper's two-phase training).
+- A store asked for more rows than it holds starts another pass; `repeat_warning` says so before a run starts,
+  or refuses the run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..defaults import DataRepeat
 from ..errors import RecurfitError
 from .store import TokenStore
 
@@ -68,7 +71,7 @@ class RowStream:
     def _next(self) -> tuple[int, int]:
         """(store index, row index) of the next row, advancing the stream."""
         phase = self.phases[self.phase]
-        if phase.tokens is not None and (self.position - self.phase_start) * self.seq_len >= phase.tokens:
+        if not self._last(self.phase) and (self.position - self.phase_start) >= self._budget_rows(phase):
             self.phase += 1
             self.phase_start = self.position
             self.credit = [0.0] * len(self.stores)
@@ -82,6 +85,13 @@ class RowStream:
         self.consumed[source] += 1
         self.position += 1
         return source, int(self._permutation(source, epoch)[offset])
+
+    def _last(self, phase: int) -> bool:
+        return phase == len(self.phases) - 1
+
+    def _budget_rows(self, phase: Phase) -> int:
+        """Rows a phase with a token budget takes: the first that reach its budget."""
+        return -(-phase.tokens // self.seq_len)
 
     def _permutation(self, source: int, epoch: int) -> np.ndarray:
         key = (source, epoch)
@@ -113,6 +123,43 @@ class RowStream:
                 f"{self.vocab_size} ids: the store was tokenised for another model or is damaged; prepare it "
                 "again with the model's tokenizer (`recurfit data prepare --tokenizer … --force`)."
             )
+
+    # ------------------------------------------------------------ supply
+
+    def rows_asked(self, more_rows: int) -> list[float]:
+        """Rows each store will have given once the stream gives `more_rows` more: what it gave so far, and each
+        phase's rows to come shared by weight (the round-robin keeps every store within a row of its share)."""
+        asked = [float(count) for count in self.consumed]
+        position, end, start = self.position, self.position + more_rows, self.phase_start
+        for index in range(self.phase, len(self.phases)):
+            phase = self.phases[index]
+            stop = end if self._last(index) else min(end, start + self._budget_rows(phase))
+            total = sum(phase.mixture.values())
+            for path, weight in phase.mixture.items():
+                asked[self.paths.index(path)] += max(stop - position, 0) * weight / total
+            position = start = max(position, stop)
+        return asked
+
+    def repeat_warning(self, more_rows: int, repeat: DataRepeat) -> str | None:
+        """Whether the next `more_rows` rows read a store more than once, as `data.repeat` wants it said: None
+        (`allow`, or every store suffices), a warning (`warn`), or a RecurfitError (`refuse`)."""
+        short = [
+            f"{store.folder} holds {len(store) * self.seq_len:,} training tokens and the run asks "
+            f"{round(asked) * self.seq_len:,} of it ({asked / len(store):.2f} passes)"
+            for store, asked in zip(self.stores, self.rows_asked(more_rows))
+            if round(asked) > len(store)
+        ]
+        if not short or repeat == "allow":
+            return None
+        if repeat == "refuse":
+            raise RecurfitError(
+                "; ".join(short) + ", and data.repeat is refuse: prepare more text into the store, lower steps "
+                "or the phase budgets, or set data.repeat=warn to train on its rows again."
+            )
+        return (
+            "warning: " + "; ".join(short) + ": its rows repeat, in a fresh order each pass (data.repeat=refuse "
+            "stops such a run, data.repeat=allow trains without this warning)."
+        )
 
     # ------------------------------------------------------------ resume
 

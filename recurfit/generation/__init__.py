@@ -1,6 +1,6 @@
 """Generation: turning a recurrent model into text, and the decoding modes beyond plain `generate`.
 
-    text.py         settings, prompts through the chat template, `generate_text` (CLI, chat, demo)
+    text.py         settings, completion and chat prompts, `generate_text` (CLI, chat, demo)
     exit.py         adaptive depth: `ExitRule` ("kl:5e-4", "argmax:3") and its per-forward tracker
     speculative.py  self-speculative decoding: draft at a small recurrence, verify at the full one
 
@@ -9,6 +9,6 @@ The model side (the step-aware KV cache, the recurrence loop that drops settled 
 """
 
 from .exit import ExitRule
-from .text import Generation, GenerationSettings, generate_text, prompt_ids
+from .text import Generation, GenerationSettings, chat_ids, generate_text, prompt_ids
 
-__all__ = ["ExitRule", "Generation", "GenerationSettings", "generate_text", "prompt_ids"]
+__all__ = ["ExitRule", "Generation", "GenerationSettings", "chat_ids", "generate_text", "prompt_ids"]

@@ -1,4 +1,4 @@
-"""Text generation for people: prompts through the chat template, streaming, depth and exit settings.
+"""Text generation for people: completion and chat prompts, streaming, depth and exit settings.
 
 The model side (the step-aware cache, the recurrence that drops settled rows, warm starts) lives in
 `recurfit.model.cache` and `recurfit.model.modeling`; this module turns settings into a `generate` call and reports what
@@ -66,14 +66,28 @@ class Generation:
     acceptance_rate: float | None = None  # speculative decoding: the share of drafted tokens kept
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """Token ids of a conversation: the tokenizer's chat template when it has one, else plain text."""
-    if not any(m["content"].strip() for m in messages):
+def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """Token ids of a completion prompt: the raw text with the special tokens the tokenizer adds itself (a BOS
+    where it has one), as vLLM's /v1/completions encodes a prompt (`add_special_tokens` on, its default)."""
+    if not prompt.strip():
         raise RecurfitError('The prompt is empty: pass the text to continue, e.g. --prompt "Once upon a time".')
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    return tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt").input_ids
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """Token ids of a conversation through the tokenizer's chat template, as vLLM's /v1/chat/completions renders
+    it (the template writes the special tokens, so the encoding adds none); a tokenizer without a template gets
+    the messages' text, one a line, as a completion prompt."""
+    if not any(m["content"].strip() for m in messages):
+        raise RecurfitError('The prompt is empty: pass a message, e.g. --prompt "What is 2 + 2?".')
+    if not has_chat_template(tokenizer):
+        return prompt_ids(tokenizer, "\n".join(m["content"] for m in messages))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def generate_text(

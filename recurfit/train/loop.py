@@ -127,6 +127,8 @@ class Trainer(Saving):
         if self.counters.step == 0 and (config.model.carry_state or config.model.continue_schedule):
             self._carry_state()
         self.resumed_at = self.counters.step
+        more_rows = (config.end - self.counters.step) * config.batch.global_
+        self._say(self.stream.repeat_warning(more_rows, config.data.repeat))  # or, refused, the old run stays
         if force and self.processes.is_main:  # the new run is set up: only now is the old one deleted
             self.folder.clear()
         self.log = None

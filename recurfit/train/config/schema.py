@@ -31,6 +31,7 @@ from ...defaults import (
     Adapter,
     AdapterInit,
     Curriculum,
+    DataRepeat,
     DecayShape,
     DepthDraw,
     ModelInit,
@@ -115,6 +116,7 @@ class PhaseConfig:
 class DataConfig:
     phases: list[PhaseConfig] = field(default_factory=list)
     validation: list[str] = field(default_factory=list)  # stores whose `val` split is evaluated
+    repeat: DataRepeat = "warn"  # a store the run reads more than once (a second pass over its rows)
 
 
 @dataclass
