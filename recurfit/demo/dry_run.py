@@ -4,7 +4,8 @@ this machine, without training.
 The memory plan is `recurfit train --dry-run`'s (train/memory.py), for the retrofit and for the parent trained on
 the same tokens, one after the other. The time is measured, not modelled: each model is built from the parent's
 config with random weights (time depends on shapes, not values), and one micro-batch's forward and backward at
-the recipe's mean recurrence and one optimizer step are timed here, then multiplied out to the recipe's steps.
+the recipe's mean recurrence and one optimizer update are timed here, once each, then multiplied out to the
+recipe's micro-batches and steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ..train.memory_fit import plan_table
 from ..train.optim import build_optimizers
 from .report import duration
 from .settings import DemoSettings, training_config, with_shape
+
+WARM_UP_TOKENS = 8  # the untimed forward and backward before the timed one
 
 
 @dataclass(frozen=True)
@@ -87,33 +90,29 @@ def demo_config(settings: DemoSettings, shape) -> TrainConfig:
 
 def time_step(config: TrainConfig, model: nn.Module, seq_len: int) -> StepTiming:
     """One micro-batch's forward and backward, as training runs it (the loss from the final hidden states, the
-    depth at the recipe's mean recurrence: n steps without gradient, then k with), and one optimizer update,
-    on random tokens: each timed the second time it runs (the first pays one-time costs: allocation, kernels'
-    setup, the optimizer's state)."""
+    depth at the recipe's mean recurrence: n steps without gradient, then k with), and one optimizer update, on
+    random tokens, each timed once. A forward and backward of a few tokens runs first, untimed, to pay the
+    one-time costs (kernels' setup, first allocations); the update's timing includes creating its state."""
     micro = config.batch.micro
     depth = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)
     rows = torch.randint(model.config.vocab_size, (micro, seq_len + 1))
     kwargs = {"num_steps": depth} if is_recurrent(model) else {}
-    optimizers = build_optimizers(model, config.optimizer)
     model.train()
 
-    def forward_backward():
+    def forward_backward(rows: torch.Tensor) -> None:
         hidden = final_hidden_states(model, model, rows[:, :-1], **kwargs)
         head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0].backward()
 
-    def update():
-        for optimizer in optimizers:
-            optimizer.step()
-
-    seconds = [_second_time(work) for work in (forward_backward, update)]
-    return StepTiming(seconds[0], config.batch.global_ // micro, seconds[1], depth)
-
-
-def _second_time(work) -> float:
-    work()
+    forward_backward(rows[:1, :WARM_UP_TOKENS])
     start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+    forward_backward(rows)
+    forward_backward_seconds = time.perf_counter() - start
+    optimizers = build_optimizers(model, config.optimizer)
+    start = time.perf_counter()
+    for optimizer in optimizers:
+        optimizer.step()
+    update_seconds = time.perf_counter() - start
+    return StepTiming(forward_backward_seconds, config.batch.global_ // micro, update_seconds, depth)
 
 
 def _random_parent(model: str | None) -> nn.Module:
