@@ -4,8 +4,9 @@ A recurrent model is read out at every requested r during one pass through the r
 (`RecurrentModel.final_hidden_states_at`): the prelude runs once and the core max(r) times, all readouts from
 the same s_0.
 A fixed-depth model (the parent) is evaluated once. Data is either a prepared token store (its `val` split,
-rows of seq_len + 1) or any document source `data prepare` accepts, tokenised here into right-padded windows;
-padding is masked out of both attention and loss, so a batch gives the per-row results of its rows alone.
+rows of seq_len + 1, read from the memory map a batch at a time) or any document source `data prepare` accepts,
+tokenised here into right-padded windows; padding is masked out of both attention and loss, so a batch gives the
+per-row results of its rows alone.
 """
 
 from __future__ import annotations
