@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import yaml
 
 from recurfit.cli import main as recurfit
-from recurfit.evaluate.loss import load_examples
+from recurfit.evaluate.loss import batches, load_examples
 from recurfit.evaluate.over_training import RunEvaluation
 from recurfit.generation import ExitRule
 from recurfit.model.cache import RecurrentCache
@@ -203,7 +203,7 @@ def exit_depths(model_folder: Path, store: str, rows: int, chunk: int = 4) -> di
     model = load_model(str(model_folder), dtype=torch.float32).eval()
     if not hasattr(model.model, "final_hidden_states_at"):
         return {}
-    ids = torch.tensor(load_examples(store, limit=rows).sequences)
+    ids, _ = next(batches(load_examples(store, limit=rows), rows))
     depths, at_exit, full = [], [], []
     generator = torch.Generator().manual_seed(0)
     for batch in ids.split(chunk):
@@ -226,7 +226,7 @@ def cached_exit_depths(model_folder: Path, store: str) -> dict:
     if not hasattr(model.model, "final_hidden_states_at"):
         return {}
     rule = ExitRule.parse(f"kl:{EXIT_THRESHOLD}", min_steps=EXIT_MIN_STEPS)
-    prompts = torch.tensor(load_examples(store, limit=PROMPTS).sequences)[:, :PROMPT_TOKENS]
+    prompts = next(batches(load_examples(store, limit=PROMPTS), PROMPTS))[0][:, :PROMPT_TOKENS]
     cached, forced = [], []
     for prompt in prompts:
         torch.manual_seed(0)

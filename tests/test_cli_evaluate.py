@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import run_cli
 
+from recurfit.data.store import TokenStore
 from recurfit.evaluate.results import Sweep
 
 
@@ -63,6 +64,10 @@ def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, 
         out,
     )
     assert code == 0, text
+    rows = len(TokenStore(workspace / "prose", "val"))
+    plan = f"Loss plan: {rows:,} rows, {rows * 32:,} predicted tokens; r = 1,2,4 in one pass of 4 recurrences: "
+    assert plan + f"{rows * 32 * 4:,} tokens × recurrences; the parent ({saved / 'parent'}): one pass" in text
+    assert text.index("Loss plan") < text.index("loss at r=1,2,4")  # said before the sweep's progress
     figures = {f"{name}.{suffix}" for name in ("recurrence", "flops") for suffix in ("png", "pdf", "svg")}
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", *figures}
     sweep = Sweep.load(out / "results.json")
@@ -76,8 +81,9 @@ def test_eval_loss_writes_table_results_and_figures_and_never_overwrites(saved, 
 
 
 def test_eval_loss_of_a_fixed_depth_model_is_one_row_and_bad_data_is_an_error(saved, workspace, tmp_path, capsys):
-    code, _ = run_cli(capsys, "eval", "loss", saved / "parent", "--data", workspace / "math", "--out", tmp_path / "p")
-    assert code == 0
+    argv = ["eval", "loss", saved / "parent", "--data", workspace / "math", "--limit", "3", "--out", tmp_path / "p"]
+    code, text = run_cli(capsys, *argv)
+    assert code == 0 and "Loss plan: 3 rows, 96 predicted tokens; one pass (a fixed-depth model)." in text
     sweep = Sweep.load(tmp_path / "p" / "results.json")
     assert len(sweep.rows) == 1 and sweep.rows[0].steps is None
     code, text = run_cli(

@@ -153,10 +153,10 @@ def test_the_recipe_run_by_hand_is_the_demos_retrofit_at_its_defaults():
     from importlib import resources
     from pathlib import Path
 
-    from recurfit.demo.settings import recipe, training_config
+    from recurfit.demo.settings import recipe, training_config, with_shape
 
     packaged = resources.files("recurfit.demo").joinpath("recipe.yaml").read_text()
     assert (Path(__file__).parent.parent / "recipes" / "demo.yaml").read_text() == packaged
-    settings = DemoSettings()
+    settings = with_shape(DemoSettings())  # the shape the demo chooses for the embedded parent
     data = {name: settings.out / "data" / name for name in ("prose", "math")}
     assert training_config(settings, data, settings.out / "recurrent", settings.shape) == recipe()

@@ -4,7 +4,20 @@ import pytest
 import torch
 from conftest import char_tokenizer, recurrent, tiny_parent, token_batch
 
-from recurfit.evaluate.loss import Examples, _windows, batches, evaluate_loss, summed_nll, sweep_nll
+from recurfit import retrofit
+from recurfit.data.store import TokenStore
+from recurfit.errors import RecurfitError
+from recurfit.evaluate.loss import (
+    Examples,
+    _windows,
+    batches,
+    evaluate_loss,
+    load_examples,
+    loss_sweep,
+    summed_nll,
+    sweep_nll,
+    sweep_plan,
+)
 
 
 def ragged(lengths=(12, 7, 3, 10), seed=3) -> Examples:
@@ -73,3 +86,55 @@ def test_summed_nll_ignores_masked_targets():
     expected = torch.nn.functional.cross_entropy(logits[0, :1], ids[0, 1:2], reduction="sum")
     torch.testing.assert_close(cut[0], expected)
     assert full[0] > cut[0]
+
+
+@pytest.fixture
+def row_reads(monkeypatch):
+    """The number of rows of each read from a token store, as it happens."""
+    reads = []
+    getitem = TokenStore.__getitem__
+
+    def counted(store, index):
+        rows = getitem(store, index)
+        reads.append(len(rows) if isinstance(index, slice) else 1)
+        return rows
+
+    monkeypatch.setattr(TokenStore, "__getitem__", counted)
+    return reads
+
+
+def test_a_stores_rows_are_read_a_batch_at_a_time_as_they_are_scored(workspace, row_reads):
+    store = str(workspace / "math")
+    examples = load_examples(store, limit=5)
+    assert row_reads == []  # nothing is read (or held) before scoring
+    assert len(examples) == 5 and examples.tokens == 5 * 32
+    model = recurrent(state_init_std=0.0)
+    streamed = evaluate_loss(model, examples, [1, 2], batch_size=2, show_progress=False)
+    assert row_reads == [2, 2, 1]
+    rows = TokenStore(store, "val")[:5]
+    in_memory = Examples([row.tolist() for row in rows], "the same rows")
+    alone = evaluate_loss(model, in_memory, [1, 2], batch_size=5, show_progress=False)
+    assert {r: streamed[r]["loss"] for r in (1, 2)} == pytest.approx({r: alone[r]["loss"] for r in (1, 2)}, abs=1e-5)
+
+
+def test_a_limit_beyond_the_split_reads_the_whole_split(workspace):
+    examples = load_examples(str(workspace / "math"), limit=10**9)
+    assert len(examples) == len(TokenStore(workspace / "math", "val"))
+
+
+def test_a_store_of_a_larger_vocabulary_is_refused_before_any_row_is_scored(workspace, row_reads):
+    examples = load_examples(str(workspace / "math"))
+    model = retrofit(tiny_parent("llama", vocab_size=examples.vocabulary - 1), (2, 2, 2))
+    with pytest.raises(RecurfitError, match=f"needs a vocabulary of {examples.vocabulary} tokens"):
+        loss_sweep(model, examples, recurrences=[1], show_progress=False)
+    assert row_reads == []
+
+
+def test_the_plan_gives_rows_tokens_and_tokens_times_the_deepest_recurrence():
+    examples = ragged()  # 4 rows, 28 predicted tokens
+    recurrent_plan = sweep_plan(examples, [4, 1, 2], "parent")
+    assert "4 rows, 28 predicted tokens" in recurrent_plan
+    assert "r = 1,2,4 in one pass of 4 recurrences: 112 tokens × recurrences" in recurrent_plan
+    assert "the parent (parent): one pass over the same tokens" in recurrent_plan
+    fixed = sweep_plan(examples, None, None)
+    assert "one pass (a fixed-depth model)" in fixed and "parent" not in fixed

@@ -22,7 +22,12 @@ FIELDS = (
 def add_parsers(commands) -> None:
     p = commands.add_parser("demo", help="the main job: retrofit, heal, train, evaluate; writes OUT/report.md")
     p.add_argument("--model", help=MODEL_HELP)
-    p.add_argument("--shape", type=shape_arg, help=f"P,R,C by the paper's rule ({RECIPE})")
+    p.add_argument(
+        "--shape",
+        type=shape_arg,
+        help="P,R,C by the paper's rule (default: from the parent's layer count L, L//5 for prelude and coda and "
+        "twice that for the core: 6,12,6 for the embedded model's 30 layers)",
+    )
     p.add_argument(
         "--steps", type=int, help=f"optimizer steps: a quarter healing on prose, then prose and math ({RECIPE})"
     )
@@ -55,6 +60,12 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--out", default=str(DEFAULTS["out"]), help="run folder, replaced only with --force")
     p.add_argument("--force", action="store_true", help="start over in an existing --out")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the shape, the memory plan and the training time on this machine (one step of each model, "
+        "timed on random weights), then exit without training",
+    )
     add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
 
@@ -66,6 +77,10 @@ def cmd_demo(args) -> None:
     given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings = DemoSettings(out=Path(args.out), **given)
     _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
+    if args.dry_run:
+        from ..demo.dry_run import dry_run
+
+        return dry_run(settings, console)  # the plan is the result: stdout
     report = run.run_demo(settings, status)  # stages, progress and times: stderr
     if report is not None:
         console.print(f"Wrote {report}.", highlight=False)  # the result: stdout

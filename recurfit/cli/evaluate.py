@@ -7,7 +7,15 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import RecurfitError
-from .common import _placement, add_placement_arguments, add_recurrences, console, positive_int, positive_ints
+from .common import (
+    _placement,
+    add_placement_arguments,
+    add_recurrences,
+    console,
+    positive_int,
+    positive_ints,
+    status,
+)
 
 
 def add_parsers(commands) -> None:
@@ -208,22 +216,26 @@ def _evaluate_run(args, settings: dict, sweep_one, served: bool = False) -> None
 
 
 def cmd_eval_loss(args) -> None:
-    from ..evaluate.loss import load_examples, loss_sweep
+    from ..evaluate.loss import load_examples, loss_sweep, sweep_plan
     from ..evaluate.over_training import find_snapshots
     from ..model.loading import load_tokenizer
+    from ..model.modeling import RecurrentForCausalLM
 
     over_training, out = _evaluations(args)
     tokens_from = args.tokenizer or (str(find_snapshots(args.model)[0].path) if over_training else args.model)
     examples = load_examples(args.data, load_tokenizer(tokens_from), args.seq_len, args.limit, seed=args.seed)
 
     def sweep_one(model, recurrences, name, parent):
+        read_at = recurrences if isinstance(model, RecurrentForCausalLM) else None
+        baseline_name = _model_name(args.baseline)
+        status.print(sweep_plan(examples, read_at, baseline_name if parent is not None else None), highlight=False)
         sweep = loss_sweep(
             model,
             examples,
             recurrences=recurrences,
             name=name,
             baseline=parent,
-            baseline_name=_model_name(args.baseline),
+            baseline_name=baseline_name,
             batch_size=args.batch_size,
             seed=args.seed,
         )

@@ -9,7 +9,9 @@
    a hard one of more steps) at r = 1, 2, 4, 8 and for the parent; GSM8K on a fixed slice of the test set.
 6. Write OUT/report.md: a conclusion in plain words, then the tables, figures, FLOPs and sample generations.
 
-settings.py  DemoSettings (torch-free: the command line takes its defaults from it) and the recipe filled in
+settings.py  DemoSettings (torch-free: the command line takes its defaults from it), the default shape, and the
+             recipe filled in
 run.py       run_demo: the stages, each an ordinary recurfit command's Python API, timed
+dry_run.py   `demo --dry-run`: the shape, the memory plan and the training time on this machine
 report.py    report.md from what the stages measured
 """

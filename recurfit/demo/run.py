@@ -27,10 +27,11 @@ from ..surgery.retrofit import retrofit
 from ..train import load_config, train
 from ..train.optim import newton_schulz_dtype
 from .report import duration, render_report
-from .settings import MATH_TASKS, QUESTION, DemoSettings, training_config
+from .settings import MATH_TASKS, QUESTION, DemoSettings, training_config, with_shape
 
 
 def run_demo(settings: DemoSettings, console: Console) -> Path:
+    settings = with_shape(settings)
     out = settings.out
     if out.exists():
         if not settings.force:

@@ -5,11 +5,13 @@ first time a DemoSettings is made; everything else defaults here."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 from ..defaults import LOSS_RECURRENCES
+from ..errors import RecurfitError
 
 QUESTION = (
     "Question: A baker makes 12 loaves of bread each hour for 5 hours and sells 41 of them. How many loaves "
@@ -50,7 +52,7 @@ def _from_recipe(*keys: str, convert=None):
 class DemoSettings:
     out: Path = Path("runs/demo")
     model: str | None = None  # parent folder or Hub id; None: the embedded SmolLM2-135M-Instruct
-    shape: tuple[int, int, int] = _from_recipe("model", "shape", convert=tuple)
+    shape: tuple[int, int, int] | None = None  # None: chosen from the parent's layer count (`demo_shape`)
     steps: int = _from_recipe("steps")
     heal_steps: int | None = None  # of `steps`, on prose only (then prose and math); None: a quarter of them
     batch: int = _from_recipe("batch", "global")  # sequences per optimizer step
@@ -78,6 +80,29 @@ class DemoSettings:
     def __post_init__(self):
         if self.heal_steps is None:
             self.heal_steps = quarter(self.steps)
+
+
+def demo_shape(layers: int) -> tuple[int, int, int]:
+    """The demo's shape for a parent of `layers` layers: a fifth of them (rounded down) for the prelude and for the
+    coda, twice that for the core. At least a fifth of the layers is dropped, so a recurrence always costs less
+    than the parent: (6, 12, 6) for SmolLM2-135M's 30, (4, 8, 4) for Qwen2.5-0.5B's 24 (all 24 under (6, 12, 6))
+    and TinyLlama's 22 (the paper's headline shape), (3, 6, 3) for Llama-3.2-1B's 16."""
+    unit = layers // 5
+    if unit == 0:
+        raise RecurfitError(
+            f"The parent has {layers} layers, too few for the demo's default shape (at least 5); pass --shape P,R,C."
+        )
+    return unit, 2 * unit, unit
+
+
+def with_shape(settings: DemoSettings) -> DemoSettings:
+    """The settings with their shape chosen from the parent's layer count (its config alone) when none is given."""
+    if settings.shape is not None:
+        return settings
+    from ..model.loading import load_config  # here: it imports transformers
+
+    layers = load_config(settings.model).get_text_config().num_hidden_layers
+    return dataclasses.replace(settings, shape=demo_shape(layers))
 
 
 def quarter(steps: int) -> int:

@@ -4,8 +4,9 @@ A recurrent model is read out at every requested r during one pass through the r
 (`RecurrentModel.final_hidden_states_at`): the prelude runs once and the core max(r) times, all readouts from
 the same s_0.
 A fixed-depth model (the parent) is evaluated once. Data is either a prepared token store (its `val` split,
-rows of seq_len + 1) or any document source `data prepare` accepts, tokenised here into right-padded windows;
-padding is masked out of both attention and loss, so a batch gives the per-row results of its rows alone.
+rows of seq_len + 1, read from the memory map a batch at a time) or any document source `data prepare` accepts,
+tokenised here into right-padded windows; padding is masked out of both attention and loss, so a batch gives the
+per-row results of its rows alone.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,19 +32,62 @@ from .results import Row, Sweep
 
 @dataclass
 class Examples:
-    """Token sequences to score, each at most `seq_len + 1` long (inputs are all but the last token)."""
+    """Token sequences held in memory (windows of text), each at most `seq_len + 1` long (inputs are all but the
+    last token)."""
 
     sequences: list[list[int]]
     description: str
+
+    def __len__(self) -> int:
+        return len(self.sequences)
 
     @property
     def tokens(self) -> int:
         """Predicted tokens: every token of a sequence but its first."""
         return sum(len(s) - 1 for s in self.sequences)
 
+    @property
+    def vocabulary(self) -> int:
+        """The vocabulary the sequences need: their largest id + 1."""
+        return max(max(s) for s in self.sequences) + 1
 
-def load_examples(source: str, tokenizer=None, seq_len: int = 256, limit: int | None = None, seed: int = 1) -> Examples:
-    """A token store's `val` rows, or documents from `source` cut into windows of `seq_len + 1` tokens."""
+    def chunks(self, size: int) -> Iterator[list[list[int]]]:
+        for start in range(0, len(self.sequences), size):
+            yield self.sequences[start : start + size]
+
+
+@dataclass
+class StoreRows:
+    """The first `rows` validation rows of a token store, read from the memory-mapped store one batch at a time:
+    host memory holds a batch, however large the split (a billion tokens as Python lists would take tens of GB)."""
+
+    store: TokenStore
+    rows: int
+    description: str
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @property
+    def tokens(self) -> int:
+        """Predicted tokens: `seq_len` of each row of `seq_len + 1`."""
+        return self.rows * self.store.seq_len
+
+    @property
+    def vocabulary(self) -> int:
+        """The vocabulary of the tokenizer that made the store (as training checks it: no row is read)."""
+        return self.store.vocab_size
+
+    def chunks(self, size: int) -> Iterator[np.ndarray]:
+        for start in range(0, self.rows, size):
+            yield self.store[start : min(start + size, self.rows)]
+
+
+def load_examples(
+    source: str, tokenizer=None, seq_len: int = 256, limit: int | None = None, seed: int = 1
+) -> Examples | StoreRows:
+    """A token store's first `limit` `val` rows (read as they are scored), or documents from `source` cut into
+    windows of `seq_len + 1` tokens."""
     if (Path(source) / META).is_file():
         store = TokenStore(source, "val")
         check_tokenizer(source, store.meta, tokenizer)
@@ -51,8 +96,8 @@ def load_examples(source: str, tokenizer=None, seq_len: int = 256, limit: int | 
                 f"{source} has no validation rows (prepared with --val-fraction {store.meta.get('val_fraction', 0)}); "
                 "prepare it again with a larger --val-fraction, or pass --data a text source."
             )
-        rows = store[: limit or len(store)]
-        return Examples([row.tolist() for row in rows], f"{source} (val split, {store.seq_len + 1}-token rows)")
+        rows = min(limit or len(store), len(store))
+        return StoreRows(store, rows, f"{source} (val split, {store.seq_len + 1}-token rows)")
     if tokenizer is None:
         raise RecurfitError(f"{source} is text, not a token store: a tokenizer is needed (the model folder's).")
     sequences = list(islice(_windows(iter_documents(source, seed=seed), tokenizer, seq_len), limit))
@@ -71,15 +116,14 @@ def _windows(documents: Iterator[str], tokenizer, seq_len: int) -> Iterator[list
             yield ids[start : start + seq_len + 1]
 
 
-def batches(examples: Examples, batch_size: int) -> Iterator[tuple[torch.LongTensor, torch.LongTensor]]:
+def batches(examples: Examples | StoreRows, batch_size: int) -> Iterator[tuple[torch.LongTensor, torch.LongTensor]]:
     """`(input_ids, attention_mask)`, right-padded with zeros."""
-    for start in range(0, len(examples.sequences), batch_size):
-        chunk = examples.sequences[start : start + batch_size]
+    for chunk in examples.chunks(batch_size):
         width = max(len(s) for s in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, sequence in enumerate(chunk):
-            ids[row, : len(sequence)] = torch.tensor(sequence)
+            ids[row, : len(sequence)] = torch.as_tensor(np.asarray(sequence, dtype=np.int64))
             mask[row, : len(sequence)] = 1
         yield ids, mask
 
@@ -103,7 +147,12 @@ def sweep_nll(model, ids, mask, steps: Sequence[int] | None, generator=None, ini
 
 
 def evaluate_loss(
-    model, examples: Examples, steps: Sequence[int], batch_size: int = 8, seed: int = 0, show_progress: bool = True
+    model,
+    examples: Examples | StoreRows,
+    steps: Sequence[int],
+    batch_size: int = 8,
+    seed: int = 0,
+    show_progress: bool = True,
 ) -> dict:
     """`{r or None: {"loss", "perplexity"}}`: mean NLL per predicted token and its exponential."""
     device = next(model.parameters()).device
@@ -111,7 +160,7 @@ def evaluate_loss(
     totals: dict = {}
     label = f"loss at r={','.join(map(str, steps))}" if isinstance(model, RecurrentForCausalLM) else "loss"
     with progress_bar(disable=not show_progress) as progress:
-        task = progress.add_task(label, total=len(examples.sequences))
+        task = progress.add_task(label, total=len(examples))
         for ids, mask in batches(examples, batch_size):
             for r, nll in sweep_nll(model, ids.to(device), mask.to(device), steps, generator).items():
                 totals[r] = totals.get(r, 0.0) + nll.sum().item()
@@ -124,7 +173,7 @@ def evaluate_loss(
 
 def loss_sweep(
     model,
-    examples: Examples,
+    examples: Examples | StoreRows,
     *,
     recurrences: Sequence[int] = LOSS_RECURRENCES,
     name: str = "model",
@@ -147,17 +196,31 @@ def loss_sweep(
         parent_row = Row.measured(baseline, None, metrics, label=f"parent ({baseline_name})")
     details = {
         "data": examples.description,
-        "sequences": len(examples.sequences),
+        "sequences": len(examples),
         "tokens": examples.tokens,
         "seed": seed,
     }
     return Sweep("loss", name, ["loss", "perplexity"], rows, parent_row, None, details)
 
 
-def _check_vocabulary(model, examples: Examples, name: str) -> None:
-    largest = max(max(s) for s in examples.sequences)
-    if largest >= model.config.vocab_size:
+def _check_vocabulary(model, examples: Examples | StoreRows, name: str) -> None:
+    if examples.vocabulary > model.config.vocab_size:
         raise RecurfitError(
-            f"The data holds token id {largest} but {name} has a vocabulary of {model.config.vocab_size}: it was "
-            "tokenised for another model. Prepare it with this model's tokenizer (`recurfit data prepare --tokenizer`)."
+            f"{examples.description} needs a vocabulary of {examples.vocabulary} tokens but {name} has "
+            f"{model.config.vocab_size}: it was tokenised for another model. Prepare it with this model's tokenizer "
+            "(`recurfit data prepare --tokenizer`)."
         )
+
+
+def sweep_plan(examples: Examples | StoreRows, recurrences: Sequence[int] | None, baseline_name: str | None) -> str:
+    """What a loss sweep will compute, said before it starts: rows, predicted tokens and tokens × recurrences
+    (`recurrences` None: a fixed-depth model, read once). Every r is read out of one pass to the largest."""
+    tokens = f"{len(examples):,} rows, {examples.tokens:,} predicted tokens"
+    if recurrences:
+        deepest = max(recurrences)
+        at = ",".join(map(str, sorted(recurrences)))
+        cost = f"r = {at} in one pass of {deepest} recurrences: {examples.tokens * deepest:,} tokens × recurrences"
+    else:
+        cost = "one pass (a fixed-depth model)"
+    parent = f"; the parent ({baseline_name}): one pass over the same tokens" if baseline_name else ""
+    return f"Loss plan: {tokens}; {cost}{parent}."

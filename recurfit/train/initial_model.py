@@ -133,8 +133,13 @@ def check_plan(config: TrainConfig) -> nn.Module | None:
     if config.model.select == "angular" and config.model.shape is None:
         check_part_names(config, True)
         return None
-    model = _restructure(model, config.model, config.depth, "paper", None, config.seed)
-    return planned_parts(model, config)
+    return planned_model(config, model)
+
+
+def planned_model(config: TrainConfig, parent: nn.Module) -> nn.Module:
+    """`parent` (on the meta device, or with weights of any values) made into the model the run trains, without
+    calibration data: pruned and retrofitted as the config asks, its parts frozen as the run freezes them."""
+    return planned_parts(_restructure(parent, config.model, config.depth, "paper", None, config.seed), config)
 
 
 def planned_parts(model: nn.Module, config: TrainConfig) -> nn.Module:
