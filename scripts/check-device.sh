@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU check's CPU smoke under the versions of the lent GPU machine (torch 2.11.0, transformers 5.17.0), in
+# ./.venv-device ($DEVICE_VENV), so that the first minutes on a GPU do not meet a version problem first.
+# Idempotent: a venv with those versions is reused. Exit status: the smoke's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+torch_version=2.11.0
+transformers_version=5.17.0
+venv="${DEVICE_VENV:-.venv-device}"
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+py="$venv/bin/python"
+pip=("$py" -m pip install --quiet --disable-pip-version-check)
+have="$("$py" -c "import torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__)" 2>/dev/null || true)"
+if [ "$have" != "$torch_version $transformers_version" ]; then
+    "${pip[@]}" "torch==$torch_version" "transformers==$transformers_version"
+    "${pip[@]}" -e ".[dev]" "torch==$torch_version" "transformers==$transformers_version"
+fi
+echo "check-device: torch $torch_version, transformers $transformers_version ($venv)"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+if "$py" benchmarks/gpu_check.py --cpu-smoke --out "$out/out" --work "$out/work" >"$out/stdout" 2>&1; then
+    echo "check-device: the GPU check's CPU smoke passed: $(grep -c '"status": "ok"' "$out/out/results.jsonl") steps ok"
+else
+    tail -n 40 "$out/stdout" "$out/out/log.txt" 2>/dev/null || true
+    echo "check-device: the GPU check's CPU smoke failed under torch $torch_version, transformers $transformers_version"
+    exit 1
+fi
