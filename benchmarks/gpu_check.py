@@ -66,7 +66,7 @@ from pathlib import Path
 from gpu_suite import MISSING_ON_DEVICE, REPO, TOY_LLAMA, importable, peaks, step_environment
 
 RECIPE = REPO / "recipes" / "paper" / "tinyllama-484-fineweb.yaml"
-# The smoke's parent, and the sweep's everywhere: a toy Llama, with heads of 32 (vLLM's CPU attention takes no 16).
+# The smoke's parent, and the sweep's everywhere: a toy Llama.
 TOY_PARENT = dict(
     TOY_LLAMA,
     vocab_size=256,
