@@ -11,36 +11,40 @@ Steps, most important first (`--plan` gives their limits):
    bandwidth (benchmarks/device_peaks.py), which the floors and MFU below use.
 2. correctness: a TinyLlama-shaped (4, 8, 4) retrofit built on the device from random weights, its adapter
    perturbed from [0 | I] so that depths differ, s_0 = 0 so that every run draws the same state; teacher-forced
-   on random tokens: bf16 eager and bf16 compiled decoding against the fp32 eager reference (and compiled against
-   eager): next-token agreement and the largest logit error, per r.
-3. decode: the same model in bf16, free-running greedy at r = 4 and 32, batch 1 and 32: tokens/s eager and
-   compiled, against the weight-read floor (the bytes one token reads, every layer once per call, at the measured
-   bandwidth).
+   on random tokens at batch 1: bf16 eager and bf16 compiled decoding against the fp32 eager reference (and
+   compiled against eager): next-token agreement and the largest logit error, per r; then batch 1's decode lines
+   (step 3's measurement), with the graphs this process compiled.
+3. decode: the same model in bf16, free-running greedy at r = 4 and 32, batch 32 (batch 1 in step 2): tokens/s
+   eager and compiled, against the weight-read floor (the bytes one token reads, every layer once per call, at the
+   measured bandwidth).
 4. train: one optimizer step of the paper's TinyLlama recipe (recipes/paper/tinyllama-484-fineweb.yaml: (4, 8, 4),
    r̄ = 32, k̄ = 8, Muon) at (n, k) = (24, 8), micro-batch × 1,024 tokens where the micro-batch is the largest the
    memory plan fits on this device: tokens/s, MFU against the measured bf16 peak, peak memory against the plan.
-5. sweep: compiled decoding with warm starts (each token's recurrence from the previous token's final state)
-   under CUDA graphs, at two prompt lengths, against eager; then 12 (batch, r) keys compiled in one process; a
-   line each.
-6. vllm: serving the step-3 model at r = 8 through vLLM, where vLLM can be imported (a line saying so where not).
+5. sweep: a toy model's compiled decoding with warm starts (each token's recurrence from the previous token's final
+   state) at two prompt lengths, then at r = 1-4 from s_0, against eager; a line each.
+
+Every compiled line says whether CUDA graphs replayed: the tokens captured, replayed and run without a graph, and
+why a capture failed (recurfit.model.compiled.graph_counts). vLLM is not checked here (the device has none, and
+an engine's start would not fit): vLLM on CUDA is covered by the vLLM tests' V2 model runner on the CPU.
 
 Each step appends its results to OUT/results.jsonl as it measures them, one JSON object per line, each with a
 sentence under "text"; after each step the runner adds the step's status line and rewrites OUT/summary.md (the
 sentences, in order). A step killed at its limit keeps the lines it wrote; OUT/log.txt holds every step's output.
 
 The compile budget. Decoding compiles per batch size: a token's prelude, one recurrence step and its coda + head
-(recurfit/model/compiled.py), so a new r compiles nothing. The correctness step compiles the TinyLlama model at
-r = 1 and 4, and the decode step predicts each key's compile from theirs (the seconds per unrolled layer between
-them: none where a new r compiles nothing; a step that unrolled all P + r·R + C layers took 244-259 s at r = 32 of
-a (4, 8, 4) model on a CPU) and compiles a key only where its prediction fits the time it has left (a line says
-when it does not). The 12-key sweep uses a toy model, as its questions (recompile limits, CUDA graphs overwriting
-the fed-back state) do not depend on size. Each (batch, r) is compiled once: the steps share inductor's on-disk
-caches (TORCHINDUCTOR_CACHE_DIR), so the decode step's batch-1 graphs, which the correctness step compiled, cost
-only their trace. The limits are estimates until the first GPU run measures them.
+(recurfit/model/compiled.py), so a new r at a compiled batch size compiles nothing (its first tokens are captured as
+a CUDA graph, in well under a second). Each batch size is compiled in one process only: batch 1 in the correctness
+step, batch 32 in the decode step. A key is compiled only where its predicted compile fits the time its step has
+left (a line says when it does not): none at a batch size this process compiled, else the longest compile measured
+(at another batch size or in another process: the same graphs at other shapes); a first compile, with nothing to go
+by, is tried. The limits leave room for a cold inductor compile of the TinyLlama-shaped pieces of up to
+COLD_COMPILE_S in each of the two steps; they are estimates until a GPU run measures it. The sweep uses a toy
+model, as its questions (warm starts and new depths replaying the captured graphs) do not depend on size; its own
+limit covers no compile, so it runs on the seconds the steps before it left unused (each step may use them).
 
 `--cpu-smoke` runs every step at toy sizes on the CPU with dynamo's "eager" backend (traced and checked as on the
-GPU, without inductor's minutes of compiling), with the packages the device lacks hidden (gpu_suite.py's
-MISSING_ON_DEVICE), so that CI fails here if a step stops running.
+GPU, without inductor's minutes of compiling, and without CUDA graphs), with the packages the device lacks hidden
+(gpu_suite.py's MISSING_ON_DEVICE), so that CI fails here if a step stops running.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from pathlib import Path
 from gpu_suite import MISSING_ON_DEVICE, REPO, TOY_LLAMA, importable, peaks, step_environment
 
 RECIPE = REPO / "recipes" / "paper" / "tinyllama-484-fineweb.yaml"
-# The smoke's parent, and the sweep's everywhere: a toy Llama, with heads of 32 (vLLM's CPU attention takes no 16).
+# The smoke's parent, and the sweep's everywhere: a toy Llama.
 TOY_PARENT = dict(
     TOY_LLAMA,
     vocab_size=256,
@@ -80,13 +84,17 @@ class Step:
     what: str
 
 
+# A cold inductor compile of the TinyLlama-shaped decoder's pieces (prelude, one step, coda + head), the most the
+# limits below leave room for: correctness and decode each compile one batch size, besides STARTUP_S and their runs.
+COLD_COMPILE_S = 90
+STARTUP_S = 15  # a step's imports and model build, before its first compile
+DECODE_MARGIN_S = 10  # a decode key's eager and compiled runs besides the compile (16 tokens, twice, at r <= 32)
 STEPS = (
     Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth"),
-    Step("correctness", 95, "bf16 compiled vs eager vs fp32 decoding of a perturbed TinyLlama (4,8,4), per r"),
-    Step("decode", 75, "tokens/s eager and compiled at r = 4, 32 and batch 1, 32 against the weight-read floor"),
-    Step("train", 35, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
-    Step("sweep", 70, "warm start + compile under CUDA graphs; 12 (batch, r) keys compiled in one process"),
-    Step("vllm", 10, "vLLM serving the decode model at r = 8, where vLLM is importable"),
+    Step("correctness", 125, "batch 1: bf16 compiled vs eager vs fp32 decoding of a TinyLlama (4,8,4); its decoding"),
+    Step("decode", 125, "batch 32: tokens/s eager and compiled at r = 4, 32 against the weight-read floor"),
+    Step("train", 25, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
+    Step("sweep", 10, "a toy model: warm starts and new depths replaying CUDA graphs (on the time left over)"),
 )
 SMOKE_SCALE = 3  # the smoke's limits: a shared CI machine's CPU is slow to import and trace
 
@@ -104,7 +112,7 @@ class Sizes:
     check: dict  # correctness: batch, prompt, new tokens, eager and compiled depths
     decode: dict  # (batch, r) keys in order, prompt, new tokens, repeats
     train: dict  # seq_len, timed steps, config overrides, device memory where none is visible (bytes)
-    sweep: dict = field(default_factory=lambda: dict(batches=(1, 2, 3), depths=(1, 2, 3, 4), prompt=8, new=4))
+    sweep: dict = field(default_factory=lambda: dict(batch=2, depths=(1, 2, 3, 4), prompt=8, new=6))
     sweep_shape: tuple[int, int, int] = (1, 1, 1)
 
 
@@ -118,11 +126,10 @@ def full_sizes() -> Sizes:
         shape=(4, 8, 4),
         compile=True,
         peaks=dict(size=8192, copy_gib=2.0, repeats=10),
-        # Compiled at r = 1 and 4 first: their compile times tell how compile time grows with r, for r = 32 here
-        # and the decode step's keys.
+        # One compile at r = 1; r = 4 and 32 run the same graphs.
         check=dict(batch=1, prompt=32, new=32, eager=(1, 4, 32), compiled=(1, 4, 32)),
-        # The keys that need no new compile first: batch 1 was compiled by the correctness step; batch 32's
-        # compile comes last.
+        # The check's batch size is decoded in its process (its graphs compiled there), the others in the decode
+        # step: batch 32's compile first, at r = 32, then r = 4 with the same graphs.
         decode=dict(keys=((1, 4), (1, 32), (32, 32), (32, 4)), prompt=128, new=16, repeats=2),
         train=dict(seq_len=1024, steps=2, overrides=(), memory=None),
     )
@@ -136,7 +143,7 @@ def smoke_sizes() -> Sizes:
         shape=(1, 2, 1),
         compile="eager",
         peaks=dict(size=256, copy_gib=0.01, repeats=2),
-        check=dict(batch=2, prompt=8, new=6, eager=(1, 2, 4), compiled=(1, 2, 4)),
+        check=dict(batch=1, prompt=8, new=6, eager=(1, 2, 4), compiled=(1, 2, 4)),
         decode=dict(keys=((1, 2), (1, 4), (2, 4), (2, 2)), prompt=8, new=6, repeats=1),
         train=dict(
             seq_len=32,
@@ -351,9 +358,11 @@ def step_correctness(ctx: Context) -> None:
     reference = build_retrofit(ctx, sizes.parent, sizes.shape, torch.float32)
     model = copy.deepcopy(reference).to(torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
     ids = random_rows(ctx, check["batch"], check["prompt"] + check["new"], sizes.parent["vocab_size"])
-    compiles = {}  # r -> seconds, for the predictions of the deeper compiles
+    compiles = {}  # batch size -> seconds, compiled in this process
     for r in sorted({*check["eager"], *check["compiled"]}):
         ctx.attempt("correctness", f"r = {r}", check_depth, ctx, reference, model, ids, r, compiles)
+    del reference
+    decode_keys(ctx, model, compiles, lambda batch: batch == check["batch"])  # with the graphs compiled here
 
 
 def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> None:
@@ -363,20 +372,23 @@ def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> 
 
     from recurfit.model.compiled import decoding_cache
 
-    check, sizes = ctx.sizes.check, ctx.sizes
+    check, sizes, batch = ctx.sizes.check, ctx.sizes, ids.shape[0]
     runs = {"fp32": teacher_forced(reference, ids, check["prompt"], keep_logits=True, num_steps=r)}
     runs["eager"] = teacher_forced(model, ids, check["prompt"], keep_logits=True, num_steps=r)
     pairs = [("eager", "fp32")]
-    figures, compile_s, skipped = {}, None, ""
-    predicted = predicted_compile(compiles, sizes.shape, r)
-    if r in check["compiled"] and predicted is not None and predicted > ctx.seconds_left() - 15:
-        skipped = f"; compiled: not run, its compile (predicted {predicted:.0f} s) does not fit the time left"
+    figures, compile_s, compiled = {}, None, ""
+    predicted = predicted_compile(compiles, batch)
+    if r in check["compiled"] and predicted is not None and predicted > ctx.seconds_left() - DECODE_MARGIN_S:
+        compiled = f"; compiled: not run, its compile (predicted {predicted:.0f} s) does not fit the time left"
     elif r in check["compiled"]:
-        cache = decoding_cache(model, ids.shape[0], ids.shape[1], r, compile=sizes.compile)
+        before = graph_use(model)
+        cache = decoding_cache(model, batch, ids.shape[1], r, compile=sizes.compile)
         start = time.perf_counter()
         runs["compiled"] = teacher_forced(model, ids, check["prompt"], cache=cache, keep_logits=True, num_steps=r)
         compile_s = time.perf_counter() - start - check["new"] * runs["compiled"]["ms_per_token"] / 1e3
-        compiles[r] = compile_s
+        compiles[batch] = max(compiles.get(batch, 0.0), compile_s)
+        figures["graph_use"] = graph_use(model, before)
+        compiled = f"; compile ≈ {compile_s:.0f} s; {graphs_text(figures['graph_use'])}"
         pairs += [("compiled", "eager"), ("compiled", "fp32")]
     scale = runs["fp32"]["logits"].abs().max().item()
     names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
@@ -386,11 +398,12 @@ def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> 
         error = (runs[a]["logits"] - runs[b]["logits"]).abs().max().item()
         figures[f"{a}_vs_{b}"] = {"agreement": agree, "max_logit_error": error}
         parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree, max logit error {error:.3g}")
-    tokens = check["batch"] * check["new"]
-    compiled = f"; compile ≈ {compile_s:.0f} s" if compile_s is not None else ""
+    tokens = batch * check["new"]
     ctx.record(
         "correctness",
-        f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}{skipped}",
+        f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
+        ok=not figures.get("graph_use", {}).get("failures"),
+        batch=batch,
         r=r,
         tokens=tokens,
         logit_scale=scale,
@@ -399,36 +412,61 @@ def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> 
     )
 
 
-def layers_per_token(shape, r: int) -> int:
-    prelude, core, coda = shape
-    return prelude + r * core + coda
+def graph_use(model, before: dict | None = None) -> dict:
+    """The tokens `model`'s compiled decoding captured as CUDA graphs, replayed and ran without one (since
+    `before`), and why captures failed."""
+    from recurfit.model.compiled import graph_counts
+
+    now = graph_counts(model)
+    failures = {str(key): why for key, why in now["failures"].items()}
+    if before is None:
+        return {**now, "failures": failures}
+    counts = {name: now[name] - before[name] for name in ("ran", "captured", "replayed")}
+    return {**counts, "failures": {key: why for key, why in failures.items() if key not in before["failures"]}}
+
+
+def graphs_text(use: dict) -> str:
+    text = (
+        f"CUDA graphs: {use['captured']} captured, {use['replayed']} token(s) replayed, {use['ran']} run "
+        "without a graph"
+    )
+    failed = "; ".join(f"{key}: {why}" for key, why in use["failures"].items())
+    return text + (f"; captures failed: {failed}" if failed else "")
 
 
 def step_decode(ctx: Context) -> None:
     import torch
 
     torch.set_grad_enabled(False)
-    sizes, decode = ctx.sizes, ctx.sizes.decode
+    sizes = ctx.sizes
     model = build_retrofit(ctx, sizes.parent, sizes.shape, torch.bfloat16 if sizes.dtype == "bf16" else torch.float32)
+    # Nothing compiled in this process yet; the correctness step's compile tells how long one takes.
+    earlier = [r["compile_s"] for r in ctx.results("correctness") if r.get("compile_s") is not None]
+    decode_keys(ctx, model, {}, lambda batch: batch != sizes.check["batch"], earlier)
+
+
+def decode_keys(ctx: Context, model, compiles: dict, chosen, earlier=()) -> None:
+    """The decode measurement at each key whose batch size is `chosen`, in the keys' order."""
+    decode = ctx.sizes.decode
+    keys = [(batch, r) for batch, r in decode["keys"] if chosen(batch)]
+    if not keys:
+        return
     bandwidth = ctx.peaks()["bandwidth_bytes"] / 1e9
-    prompts = random_rows(ctx, max(b for b, _ in decode["keys"]), decode["prompt"], sizes.parent["vocab_size"])
-    # r -> the longest compile measured at it (a cold one): the correctness step's, of the same model, to begin with
-    compiles = {r["r"]: r["compile_s"] for r in ctx.results("correctness") if r.get("compile_s") is not None}
-    for batch, r in decode["keys"]:
-        ctx.attempt(
-            "decode", f"batch {batch}, r = {r}", decode_key, ctx, model, prompts[:batch], r, bandwidth, compiles
-        )
+    prompts = random_rows(ctx, max(b for b, _ in keys), decode["prompt"], ctx.sizes.parent["vocab_size"])
+    for batch, r in keys:
+        label = f"batch {batch}, r = {r}"
+        ctx.attempt("decode", label, decode_key, ctx, model, prompts[:batch], r, bandwidth, compiles, earlier)
 
 
-def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: dict) -> None:
+def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: dict, earlier=()) -> None:
     """Free-running greedy tokens/s at (batch, r), eager and (when its compile fits the time left) compiled."""
     from decode import decode_ms, weight_floor_ms
 
     sizes, decode, batch = ctx.sizes, ctx.sizes.decode, rows.shape[0]
     floor_ms = weight_floor_ms(model, bandwidth, r)
-    predicted = predicted_compile(compiles, sizes.shape, r)
-    # Time for the eager and compiled decoding itself besides the compile: generous, as it is not measured.
-    affordable = predicted is None or predicted < ctx.seconds_left() - 15
+    predicted = predicted_compile(compiles, batch, earlier)
+    affordable = predicted is None or predicted < ctx.seconds_left() - DECODE_MARGIN_S
+    before = graph_use(model)
     times = decode_ms(model, rows, r, decode["new"], decode["repeats"], compile=sizes.compile if affordable else False)
     rate = {mode: batch * 1e3 / times[f"{mode}_ms"] for mode in ("eager", "compiled") if f"{mode}_ms" in times}
     text = (
@@ -436,13 +474,15 @@ def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: di
         f"weight-read floor {floor_ms:.2f} ms/step ({batch * 1e3 / floor_ms:.0f} tokens/s at "
         f"{bandwidth:.0f} GB/s)"
     )
+    use = None
     if "compiled" in rate:
-        compiles[r] = max(compiles.get(r, 0.0), times["compile_s"])
+        compiles[batch] = max(compiles.get(batch, 0.0), times["compile_s"])
+        use = graph_use(model, before)
         text += (
             f"; compiled {rate['compiled']:.1f} tokens/s, {times['compiled_ms'] / floor_ms:.2f}× the floor, "
             f"{times['compiled_ms'] / times['eager_ms']:.2f}× eager's time, same tokens as eager: "
-            f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s), compile "
-            f"{times['compile_s']:.0f} s"
+            f"{'yes' if times['same_tokens'] else 'no'}, {times['graphs']} graph(s) traced, compile "
+            f"{times['compile_s']:.0f} s; {graphs_text(use)}"
         )
     else:
         text += (
@@ -452,30 +492,27 @@ def decode_key(ctx: Context, model, rows, r: int, bandwidth: float, compiles: di
     ctx.record(
         "decode",
         text,
+        ok=not (use or {}).get("failures"),
         batch=batch,
         r=r,
         floor_ms=floor_ms,
         eager_tokens_s=rate["eager"],
         compiled_tokens_s=rate.get("compiled"),
         predicted_compile_s=predicted,
+        graph_use=use,
         **times,
     )
 
 
-def predicted_compile(compiles: dict, shape, r: int) -> float | None:
-    """Seconds to compile the decoding step at r (None: nothing to go by), from the compiles measured so far
-    (r -> seconds): as long as at r at another batch size; else, from two depths, the longest compile plus the
-    seconds per unrolled layer between the shallowest and the deepest (none where compile time does not grow with
-    r: decoding that compiles one recurrence step and runs it r times); from one depth, scaled by the layers."""
-    if r in compiles:
-        return compiles[r]
-    if not compiles:
-        return None
-    low, high = min(compiles), max(compiles)
-    if low == high:
-        return compiles[high] * layers_per_token(shape, r) / layers_per_token(shape, high)
-    per_layer = (compiles[high] - compiles[low]) / (layers_per_token(shape, high) - layers_per_token(shape, low))
-    return max(compiles.values()) + max(0.0, per_layer) * (layers_per_token(shape, r) - layers_per_token(shape, high))
+def predicted_compile(compiles: dict, batch: int, earlier=()) -> float | None:
+    """Seconds that compiling decoding at `batch` will take in this process (None: nothing to go by), from the
+    compiles measured in it (batch size -> seconds) and in `earlier` steps: none at a batch size compiled here (a
+    new r runs the same graphs, captured anew in well under a second); else as long as the longest measured (the
+    same graphs at other shapes, or in another process)."""
+    if batch in compiles:
+        return 0.0
+    measured = [*compiles.values(), *earlier]
+    return max(measured) if measured else None
 
 
 def step_train(ctx: Context) -> None:
@@ -563,86 +600,39 @@ def step_sweep(ctx: Context) -> None:
     sweep, backend = ctx.sizes.sweep, ctx.sizes.compile
     # fp32: compiled and eager tokens must then be equal, so a difference is a defect, not a near-tie.
     model = build_retrofit(ctx, TOY_PARENT, ctx.sizes.sweep_shape, torch.float32, perturb=0.5)
-    prompts = random_rows(ctx, max(sweep["batches"]), sweep["prompt"] + 3, TOY_PARENT["vocab_size"])
+    rows = random_rows(ctx, sweep["batch"], sweep["prompt"] + 3, TOY_PARENT["vocab_size"])
 
     def greedy(rows, r, compile, **kwargs):
         settings = dict(max_new_tokens=sweep["new"], do_sample=False, pad_token_id=0, num_steps=r)
         return model.generate(rows, compile=compile, **settings, **kwargs)
 
     def compiled_key(label: str, rows, r: int, **kwargs) -> None:
-        graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
+        graphs, before, start = counters["stats"]["unique_graphs"], graph_use(model), time.perf_counter()
         compiled = greedy(rows, r, backend, **kwargs)
         seconds = time.perf_counter() - start
+        use = graph_use(model, before)
         same = torch.equal(compiled, greedy(rows, r, False, **kwargs))
         traced = counters["stats"]["unique_graphs"] - graphs
         ctx.record(
             "sweep",
             f"{label}: {seconds:.1f} s (compile and decode), {traced} graph(s) traced, tokens equal to eager: "
-            f"{'yes' if same else 'no'}",
-            ok=same,
+            f"{'yes' if same else 'no'}; {graphs_text(use)}",
+            ok=same and not use["failures"],
             key=label,
             seconds=seconds,
             graphs=traced,
             same_tokens=same,
+            graph_use=use,
         )
 
     def attempt(label: str, rows, r: int, **kwargs) -> None:  # an error is the finding: recorded, the sweep goes on
         ctx.attempt("sweep", label, compiled_key, label, rows, r, **kwargs)
 
-    for length in (sweep["prompt"], sweep["prompt"] + 3):  # a second prompt length: the same graph expected
-        attempt(f"warm start, batch 2, r = 4, prompt {length}", prompts[:2, :length], 4, warm_start=True)
-    # The keys alone against dynamo's recompile limit, on a model of their own: none of its compiled steps or
-    # caches were made before the reset.
-    torch._dynamo.reset()
-    model = build_retrofit(ctx, TOY_PARENT, ctx.sizes.sweep_shape, torch.float32, perturb=0.5)
-    for key, (r, batch) in enumerate(((r, b) for r in sweep["depths"] for b in sweep["batches"]), 1):
-        attempt(f"key {key} (batch {batch}, r = {r})", prompts[:batch, : sweep["prompt"]], r)
-
-
-def step_vllm(ctx: Context) -> None:
-    if not importable("vllm"):
-        ctx.record("vllm", "vLLM: not importable here, so serving is not checked", importable=False)
-        return
-    # recurfit need not be installed, and then vLLM's plugin entry point is not registered: it is registered in this
-    # process, and vLLM's engine kept in it.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import torch
-    import vllm
-    from vllm.inputs import TokensPrompt
-
-    import recurfit.serving
-
-    recurfit.serving.register()
-    dtype = torch.bfloat16 if ctx.sizes.dtype == "bf16" else torch.float32
-    model = build_retrofit(ctx, ctx.sizes.parent, ctx.sizes.shape, dtype)
-    folder = ctx.work / "served"
-    model.save_pretrained(folder)
-    del model
-    ctx.record("vllm", f"vLLM {vllm.__version__}: importable; serving the decode step's model at r = 8")
-    start = time.perf_counter()
-    engine = vllm.LLM(
-        str(folder),
-        skip_tokenizer_init=True,
-        dtype=str(dtype).removeprefix("torch."),
-        hf_overrides={"mean_recurrence": 8},
-        enforce_eager=True,
-        gpu_memory_utilization=0.5,
-        max_model_len=512,
-    )
-    load = time.perf_counter() - start
-    rows = random_rows(ctx, 32, 128, ctx.sizes.parent["vocab_size"]).tolist()
-    settings = vllm.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, detokenize=False)
-    start = time.perf_counter()
-    outputs = engine.generate([TokensPrompt(prompt_token_ids=row) for row in rows], settings)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-    ctx.record(
-        "vllm",
-        f"vLLM (eager) at r = 8: 32 prompts of 128 tokens, {tokens} new tokens in {seconds:.1f} s = "
-        f"{tokens / seconds:.0f} tokens/s (engine start {load:.0f} s)",
-        tokens_s=tokens / seconds,
-        load_s=load,
-    )
+    batch = sweep["batch"]
+    for length in (sweep["prompt"], sweep["prompt"] + 3):  # a second prompt length: the same graphs expected
+        attempt(f"warm start, batch {batch}, r = 4, prompt {length}", rows[:, :length], 4, warm_start=True)
+    for r in sweep["depths"]:  # new depths at a compiled batch size: no new trace, a capture each
+        attempt(f"batch {batch}, r = {r}", rows[:, : sweep["prompt"]], r)
 
 
 STEP_FUNCTIONS = {
@@ -651,7 +641,6 @@ STEP_FUNCTIONS = {
     "decode": step_decode,
     "train": step_train,
     "sweep": step_sweep,
-    "vllm": step_vllm,
 }
 
 

@@ -8,6 +8,8 @@ from conftest import GREEDY_TOKENS, AdapterProducts, model_with_state_for_cache,
 
 import recurfit
 from recurfit.generation.exit import ExitRule
+from recurfit.model import compiled
+from recurfit.model.compiled import TokenGraph, graph_counts
 from recurfit.model.modeling import _truncated_normal_by_inverse_cdf
 
 
@@ -148,11 +150,133 @@ def test_a_sweep_of_twelve_batch_sizes_and_depths_compiles_each_shape_once():
     assert counter.frame_count == 3 * 12
 
 
+HOST_SYNCS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero"}  # operators that wait on the device
+
+
+class RecordedOperators(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator dispatched under it, with the tensors it ran on and its outputs. What it writes is put back
+    when the mode exits (a CUDA graph's capture runs nothing), and what it made anew is filled with NaN (or -1):
+    read before a replay has written it, it shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.operators, self.overwritten = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in HOST_SYNCS:
+            raise RuntimeError(f"operation not permitted when stream is capturing ({func})")
+        for argument, value in zip(func._schema.arguments, [*args, *kwargs.values()], strict=False):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                self.overwritten.append((value, value.clone()))
+        outputs = func(*args, **kwargs)
+        self.operators.append((func, args, kwargs, outputs))
+        return outputs
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        for tensor, before in reversed(self.overwritten):
+            tensor.copy_(before)
+        inputs = {
+            t.untyped_storage().data_ptr() for _, args, kwargs, _ in self.operators for t in tensors(args, kwargs)
+        }
+        for _, _, _, outputs in self.operators:
+            for made in (t for t in tensors(outputs) if t.untyped_storage().data_ptr() not in inputs):
+                made.fill_(float("nan") if made.is_floating_point() else -1)
+
+
+def tensors(*values) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
+class CapturedOnTheCPU(TokenGraph):
+    """`TokenGraph` with a CUDA graph's rules, on the CPU (graphs compiled by a backend that runs them eagerly, so
+    that every operator is dispatched): capturing records the operators a token dispatches, on the tensors they
+    ran on, and leaves the tensors as they were; a replay runs those operators again on those same tensors,
+    writing each result where the capture's went, without the decoder's Python (its choice of slots, its guards).
+    A token that reached the captured work other than through the graph's input buffers, or through host state,
+    replays the capture's values; a host sync fails the capture, as under CUDA."""
+
+    @staticmethod
+    def serves(model, compile) -> bool:
+        return True
+
+    def _capture(self, decode):
+        with RecordedOperators() as recorded:
+            logits = decode()
+        self.operators = recorded.operators
+        return logits
+
+    def _replay(self) -> None:
+        for func, args, kwargs, outputs in self.operators:
+            for before, after in zip(tensors(outputs), tensors(func(*args, **kwargs)), strict=True):
+                if (before.data_ptr(), before.stride()) != (after.data_ptr(), after.stride()):
+                    before.copy_(after)
+
+
+def teacher_forced_logits(model, cache, ids, mask, prompt: int, r: int, **kwargs) -> torch.Tensor:
+    """The logits of each token past `prompt`, fed one at a time through `cache` after the prompt."""
+    from recurfit.model.compat import cache_kwargs
+
+    def forward(end: int, width: int):
+        step = dict(num_steps=r, **cache_kwargs(cache), **kwargs)
+        return model(ids[:, end - width : end], attention_mask=mask[:, :end], **step).logits[:, -1]
+
+    with torch.no_grad():
+        forward(prompt, prompt)
+        return torch.stack([forward(end, 1) for end in range(prompt + 1, ids.shape[1] + 1)])
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_each_token_replays_the_one_graph_captured_for_its_cache_and_depth(monkeypatch):
+    """A key's (cache, r, prelude) first token runs uncaptured, its second is captured, and every later token, in
+    this and later calls, replays that capture: eager's logits for tokens fed one at a time (random ones, which a
+    replay reading a stale token or position would miss), and no capture past a key's first."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(compiled, "TokenGraph", CapturedOnTheCPU)
+    counter = CompileCounter()
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache(length=16)
+    for r, warm_start in ((2, False), (3, True)):
+        for prompt in (8, 11):  # a second prompt length: the same cache, so the same graphs
+            eager = compiled.decoding_cache(model, 2, 16, r, compile=False)
+            expected = teacher_forced_logits(model, eager, ids, mask, prompt, r, warm_start=warm_start)
+            cache = compiled.decoding_cache(model, 2, 16, r, compile=counter)
+            got = teacher_forced_logits(model, cache, ids, mask, prompt, r, warm_start=warm_start)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # 8 + 5 tokens at each depth: a key's first uncaptured, its second captured, the rest replayed
+    assert graph_counts(model) == dict(ran=2, captured=2, replayed=2 * 12, failures={})
+    assert counter.frame_count == 4  # prelude, warm prelude, step, coda: traced once each
+    assert torch.equal(greedy(model, ids, mask, 2, compile=counter), greedy(model, ids, mask, 2))  # recurfit's loop
+
+
+class SyncingOnTheCPU(CapturedOnTheCPU):
+    """A capture that meets a host sync, as a token that read a device value on the host would."""
+
+    def _capture(self, decode):
+        return super()._capture(lambda: decode() + torch.ones(()).item())
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_a_key_whose_capture_fails_says_why_and_decodes_without_a_graph(monkeypatch):
+    monkeypatch.setattr(compiled, "TokenGraph", SyncingOnTheCPU)
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    assert torch.equal(greedy(model, ids, mask, 2, compile="eager"), greedy(model, ids, mask, 2))
+    counts = graph_counts(model)
+    assert counts["ran"] == 7 and counts["captured"] == counts["replayed"] == 0  # tried once, at the second token
+    ((where, why),) = counts["failures"].items()
+    assert where == (2, compiled.MIN_LENGTH_BUCKET, "all", 2, "_prelude")
+    assert why.startswith("RuntimeError: operation not permitted when stream is capturing")
+
+
 class OverwrittenOutputs:
-    """A compile backend standing in for CUDA graph trees on the CPU: graphs run eagerly, and when a token's first
-    graph (the decoder's prelude, compiled first) runs again, every tensor the graphs handed out for the previous
-    token is overwritten with NaN, as replaying a CUDA graph tree from its root reuses its outputs' memory. Outputs
-    that alias an input (a cache buffer) are not the graphs' own and stay."""
+    """A compile backend whose graphs' outputs do not outlive their token, on the CPU: graphs run eagerly, and when a
+    token's first graph (the decoder's prelude, compiled first) runs again, every tensor the graphs handed out for
+    the previous token is overwritten with NaN, as a CUDA graph's replay reuses its outputs' memory. Outputs that
+    alias an input (a cache buffer) are not the graphs' own and stay. (`CapturedOnTheCPU` emulates the capture
+    compiled decoding makes.)"""
 
     def __init__(self):
         self.graphs, self.handed_out = 0, []
@@ -179,9 +303,9 @@ class OverwrittenOutputs:
 
 @pytest.mark.float32_only(GREEDY_TOKENS)
 def test_warm_start_survives_graphs_whose_outputs_are_overwritten():
-    """Warm start reads the previous token's s_r. Kept as a graph's output, it would be overwritten by the next
-    replay (CUDA graph trees: "accessing tensor output of CUDAGraphs that has been overwritten"); the cache keeps it
-    in a buffer of its own, written in place. Prompts of other lengths reuse the graphs (fixed strides)."""
+    """Warm start reads the previous token's s_r. Kept as a graph's output, it could be overwritten before it is
+    read (CUDA graphs reuse their outputs' memory); the cache keeps it in a buffer of its own, written in place.
+    Prompts of other lengths reuse the graphs (fixed strides)."""
     model = model_with_state_for_cache("llama")
     ids, mask = prompts_for_cache()
     backend = OverwrittenOutputs()

@@ -10,8 +10,19 @@ host value, so its pieces compile: `CompiledDecoder` holds three graphs,
     coda:     coda layers, final norm, head; s_r kept in the cache's state buffer
 
 and runs the step graph r times from the host. No graph depends on r, so compile time does not grow with it and a
-new r costs no compile (one graph of the whole unrolled loop took minutes at r = 32). On CUDA,
-`mode="reduce-overhead"` replays each piece as a CUDA graph. Prompts (prefill) run eagerly into the same cache.
+new r costs no compile (one graph of the whole unrolled loop took minutes at r = 32). Prompts (prefill) run eagerly
+into the same cache.
+
+On CUDA a whole token (prelude, r steps, coda) is then captured as one `torch.cuda.CUDAGraph` per cache, r and
+prelude, and replayed for every later token with those (`TokenGraph`, the way gpt-fast and vLLM capture a decoding
+step): one launch per token instead of a few hundred, and replay by construction. A replay repeats the recorded
+kernels on the addresses they were recorded with, so everything a token reads or writes has a fixed address: the
+weights, the cache's buffers, each step's slots (chosen on the host at capture, the same at every later token), the
+graph's own input buffers (the token and its padding flag, copied in before each replay) and its intermediates and
+logits (its private memory pool; the logits are copied out after the replay). Host work (choosing slots, dynamo's
+guards) runs at capture only. CUDA graph trees (`mode="reduce-overhead"`) are not used: they would record one node
+per compiled call, and a node replays only while its inputs keep their recorded addresses, which the step's inputs
+do not (another step's slots at every call).
 
 Dynamo keeps its graphs, and its recompile budget (8 by default, a hard error under `fullgraph=True`), per code
 object. Each decoder compiles copies of the three functions with code objects of their own, one decoder per batch
@@ -30,8 +41,10 @@ way (other logits processors or stopping criteria, a streamer, scores or a dict 
 
 from __future__ import annotations
 
+import functools
 import types
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 import torch
 from transformers import GenerationConfig, GenerationMixin
@@ -113,6 +126,40 @@ def _graphs_of(code: types.CodeType) -> list:
     return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
 
 
+class TokenGraph:
+    """One token's decoding captured as one CUDA graph, replayed for every later token of its key (see the module's
+    docstring). `decode(token, new_real)` is run once, under capture, on the graph's own input buffers: a replay
+    reads whatever was last copied into them, and writes its logits where the capture put them."""
+
+    @staticmethod
+    def serves(model, compile) -> bool:
+        """Whether tokens of `model` compiled with `compile` are captured: inductor's kernels on a GPU."""
+        return model.device.type == "cuda" and compile is True
+
+    def __init__(self, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], token, new_real):
+        self.token, self.new_real = token.clone(), new_real.clone()
+        self.logits = self._capture(lambda: decode(self.token, self.new_real))
+
+    def _capture(self, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Record `decode`'s kernels without running them; return its output (written by each replay)."""
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # a private memory pool: the intermediates' addresses stay the graph's
+            return decode()
+
+    def _replay(self) -> None:
+        self.graph.replay()
+
+    def __call__(self, token: torch.LongTensor, new_real: torch.Tensor) -> torch.Tensor:
+        self.token.copy_(token)
+        self.new_real.copy_(new_real)
+        self._replay()
+        return self.logits.clone()  # the next replay overwrites the graph's own
+
+
+WARMED_UP = "warmed up"  # a key whose first token ran uncaptured: its next one is captured
+UNCAPTURED = "uncaptured"  # a key whose capture failed: its tokens run without a graph
+
+
 class CompiledDecoder:
     """One decoding step of one token per row, compiled in pieces; called by the model's forward.
 
@@ -121,17 +168,25 @@ class CompiledDecoder:
     not evaluated (`skip_guard_eval_unsafe`): they would only re-check what cannot change, at r + 2 calls a token
     (measured on the CPU: a sixth of a tiny model's decoding time at r = 16). A warm start has a prelude of its own
     rather than a branch on a flag, which would be a second graph that skipped guards could not choose between.
-    After `torch._dynamo.reset()` a piece has no graph, and is traced again with its guards."""
+    After `torch._dynamo.reset()` a piece has no graph, and is traced again with its guards.
+
+    Where `TokenGraph.serves` (inductor on a GPU), a key's (cache, r, prelude) first token runs the pieces
+    uncaptured (they compile and tune there, outside any capture), its second is captured, and every later one
+    replays that graph. `counts` says how many tokens each way went ("ran" uncaptured, "captured", "replayed": a
+    capture is replayed at once, so captured tokens count as replayed too); `failures` says why a key's capture
+    failed (its tokens then run uncaptured)."""
 
     def __init__(self, model, compile: bool | str | object = True):
-        # CUDA graphs replay each piece without a launch per kernel. `compile` may name another torch.compile backend.
-        mode = "reduce-overhead" if model.device.type == "cuda" and compile is True else None
+        # `compile` may name another torch.compile backend.
         backend = "inductor" if compile is True else compile
-        options = dict(fullgraph=True, dynamic=False, mode=mode, backend=backend)
+        options = dict(fullgraph=True, dynamic=False, backend=backend)
         self._code, self._pieces = {}, {}
         for piece in (_prelude, _warm_prelude, _step, _coda):
             own = own_code(piece)
             self._code[piece.__name__], self._pieces[piece.__name__] = own.__code__, torch.compile(own, **options)
+        self.captures = TokenGraph.serves(model, compile)
+        self.counts: Counter = Counter()
+        self.failures: dict[tuple, str] = {}
 
     def _run(self, name: str, *args):
         if len(_graphs_of(self._code[name])) == 1:
@@ -139,11 +194,7 @@ class CompiledDecoder:
                 return self._pieces[name](*args)
         return self._pieces[name](*args)
 
-    def __call__(self, model, cache: StaticRecurrentCache, token, new_real, num_steps: int, warm_start: bool):
-        """Next-token logits (batch, 1, vocab) after `num_steps` recurrences."""
-        if num_steps > cache.max_steps:
-            raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
-        prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
+    def _token(self, model, cache: StaticRecurrentCache, prelude: str, num_steps: int, token, new_real):
         with packed_sdpa(model):  # grouped-query attention without copies of K and V (recurfit.model.attention)
             part, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
             for step in range(1, num_steps + 1):
@@ -151,6 +202,43 @@ class CompiledDecoder:
                 state = self._run("_step", model.model, cache, state, part, layer_kwargs)
             cache.end_core(num_steps)
             return self._run("_coda", model, cache, state, layer_kwargs)
+
+    def __call__(self, model, cache: StaticRecurrentCache, token, new_real, num_steps: int, warm_start: bool):
+        """Next-token logits (batch, 1, vocab) after `num_steps` recurrences."""
+        if num_steps > cache.max_steps:
+            raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
+        prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
+        key = (num_steps, prelude)
+        graph = cache.token_graphs.get(key) if self.captures else UNCAPTURED
+        if graph == WARMED_UP:
+            graph = cache.token_graphs[key] = self._capture(model, cache, prelude, num_steps, token, new_real)
+        if isinstance(graph, TokenGraph):
+            self.counts["replayed"] += 1
+            return graph(token, new_real)
+        if graph is None:
+            cache.token_graphs[key] = WARMED_UP  # compiled and tuned by this token: the next one is captured
+        self.counts["ran"] += 1
+        return self._token(model, cache, prelude, num_steps, token, new_real)
+
+    def _capture(self, model, cache: StaticRecurrentCache, prelude: str, num_steps: int, token, new_real):
+        """A `TokenGraph` of this key's tokens, or UNCAPTURED (with the reason in `failures`) if capture failed."""
+        try:
+            graph = TokenGraph(functools.partial(self._token, model, cache, prelude, num_steps), token, new_real)
+        except Exception as error:  # reported by `graph_counts`; the key's tokens run uncaptured
+            where = (cache.real.shape[0], cache.max_length, cache.policy, num_steps, prelude)
+            self.failures[where] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+            return UNCAPTURED
+        self.counts["captured"] += 1
+        return graph
+
+
+def graph_counts(model) -> dict:
+    """The compiled decoders' token counts summed over `model`'s decoders (see `CompiledDecoder`), and each failed
+    capture's reason by (batch, length bucket, policy, r, prelude)."""
+    decoders = model.__dict__.get("_compiled_decoders", {}).values()
+    counts = sum((decoder.counts for decoder in decoders), Counter())
+    failures = {key: why for decoder in decoders for key, why in decoder.failures.items()}
+    return {"ran": counts["ran"], "captured": counts["captured"], "replayed": counts["replayed"], "failures": failures}
 
 
 def decoding_cache(

@@ -77,8 +77,10 @@ class StaticRecurrentCache(Cache):
         self.steps_stored = 1
         self._new_positions: torch.Tensor | None = None
         self.compiled_step = None  # a recurfit.model.compiled.CompiledDecoder: the model's one-token calls go there
+        # recurfit.model.compiled.TokenGraph per (r, prelude): captured with this cache's addresses, freed with it
+        self.token_graphs: dict = {}
         for buffer in (*self.keys, *self.values, self.real, self.length, self.state):
-            torch._dynamo.mark_static_address(buffer)  # fixed addresses: CUDA graphs replay without copies
+            torch._dynamo.mark_static_address(buffer)  # fixed addresses, read in place by a captured token
 
     # ------------------------------------------------------------ slots
 
