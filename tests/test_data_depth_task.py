@@ -52,3 +52,9 @@ def test_too_many_chains_or_an_unknown_split_is_refused():
         next(examples("train", 1, [8], chains=4))
     with pytest.raises(RecurfitError, match="Unknown split"):
         next(examples("valid", 1, [2]))
+
+
+def test_answers_cannot_be_had_by_elimination():
+    """Values are drawn per chain: some examples repeat one, so 'the digit not yet given' is not the answer."""
+    repeats = sum(len({a for _, a, _ in e.answers}) < 3 for e in examples("train", 200, [2], chains=3))
+    assert 0.1 < repeats / 200 < 0.5  # 1 - (9/10)(8/10) = 28 % of examples share a value

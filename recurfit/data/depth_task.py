@@ -6,9 +6,11 @@ at a digit and every later variable names the one before it. Then one variable o
     n=c,c=7,u=4,k=n,e=u.k=7,e=4
 
 `k` is three hops from its value (k -> n -> c -> 7), `e` two. The queried variables' values are the answers: one
-supervised token per chain, so every example gives several. Chains are independent (distinct names and values),
-so an answer already given never shortens another. Every character is one token for SmolLM2's tokenizer
-(`answer_positions` counts on that; the study checks it).
+supervised token per chain, so every example gives several. Chains are independent (distinct names), so an answer
+already given never shortens another; each chain's value is drawn on its own (chains may share one), so the
+answers cannot be had by elimination either (with distinct values, the last query's answer is the one digit not
+yet given, and a model that only learns that scores about 61 % on three chains). Every character is one token
+for SmolLM2's tokenizer (the study counts on that, and checks it).
 
 Decontamination by construction: a chain's path (its value, then its names from the root to a variable) falls in
 the test or the training part by a hash of the path. Every path of a training example, every prefix of every
@@ -65,10 +67,10 @@ def examples(
     if split not in SPLITS:
         raise RecurfitError(f"Unknown split {split!r}; the depth task has {', '.join(SPLITS)}.")
     longest = max(hops) + extra
-    if chains > len(VALUES) or chains * longest > len(NAMES):
+    if chains * longest > len(NAMES):
         raise RecurfitError(
-            f"{chains} chains of up to {longest} variables need {chains * longest} names and {chains} values; "
-            f"there are {len(NAMES)} names and {len(VALUES)} values: use fewer chains or hops."
+            f"{chains} chains of up to {longest} variables need {chains * longest} names; there are "
+            f"{len(NAMES)}: use fewer chains or hops."
         )
     rng = random.Random(f"{split}:{seed}")  # a string seed: the two splits' streams are unrelated
     for _ in range(count):
@@ -92,7 +94,7 @@ def _example(rng: random.Random, split: str, hops: list[int], chains: int, extra
 def _program(rng: random.Random, split: str, hops: list[int], chains: int, extra: int):
     """The statements of `chains` chains and each one's query (name, value, hops), or None where a chain of the
     split could not be drawn from the names left."""
-    names, values = rng.sample(NAMES, len(NAMES)), rng.sample(VALUES, chains)
+    names, values = rng.sample(NAMES, len(NAMES)), [rng.choice(VALUES) for _ in range(chains)]
     statements, queries = [], []
     for value in values:
         depth = rng.choice(hops)
