@@ -27,8 +27,8 @@ def test_a_dry_run_prints_the_shape_the_plan_and_the_time_and_trains_nothing(wor
     assert code == 0, text
     assert not out.exists()
     assert (
-        "Shape (1, 2, 1), chosen for the parent's layer count: prelude = parent layers [0], core = [3, 4], coda = [5]; 4 of the parent's 6 layers kept"
-        in text
+        "Shape (1, 2, 1), chosen for the parent's layer count: prelude = parent layers [0], core = [3, 4], "
+        "coda = [5]; 4 of the parent's 6 layers kept" in text
     )
     assert timed == [[1, 2, 1], None]  # the retrofit, then the parent trained on the same tokens
     settings = DemoSettings(model=parent, shape=(1, 2, 1), steps=8)
