@@ -188,8 +188,11 @@ def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence
 
 
 def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[float, list[list[int]]]:
-    """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args)."""
+    """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args), each prompt
+    with that depth's cache salt."""
     import vllm
+
+    from recurfit.serving.depth import cache_salt
 
     params = [
         vllm.SamplingParams(
@@ -202,7 +205,10 @@ def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[floa
         for i, n in enumerate(work.budgets)
     ]
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    if depths is not None:
+        prompts = [dict(prompt, cache_salt=cache_salt(llm, depth)) for prompt, depth in zip(prompts, depths)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
 

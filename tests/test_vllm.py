@@ -21,6 +21,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -247,13 +248,17 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def served_by_depth(llm, batch: list[list[int]], depths: list[int], cached: list | None = None) -> list[list[int]]:
-    """One `generate` call: request i asks for depth depths[i] (SamplingParams.extra_args); `cached` gets each
-    request's number of prompt tokens read from the prefix cache."""
+    """One `generate` call: request i asks for depth depths[i] (SamplingParams.extra_args), its prompt with that
+    depth's cache salt; `cached` gets each request's number of prompt tokens read from the prefix cache."""
+    from recurfit.serving.depth import cache_salt
+
     params = [
         vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True, extra_args={"num_steps": r})
         for r in depths
     ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    salts = [cache_salt(llm, r) if type(r) is int and r > 0 else None for r in depths]  # bad depths: refused
+    prompts = [{"prompt_token_ids": p, "cache_salt": salt} for p, salt in zip(batch, salts)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     if cached is not None:
         cached[:] = [o.num_cached_tokens for o in outputs]
     return [list(o.outputs[0].token_ids) for o in outputs]
@@ -502,32 +507,238 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
 
 
 def test_token_depths_are_written_where_a_graph_reads_them():
-    """A CUDA graph replays reading the addresses it was captured with, so every forward's token depths are written
-    into one buffer (the same address, warm-up runs included); a batch without requests (vLLM's profiling, warm-up
-    and capture runs) has every token at max_recurrence and no deepest request; rows follow vLLM's moves."""
-    from types import SimpleNamespace
-
+    """V1 runner: a CUDA graph replays reading the addresses it was captured with, so every forward's token depths
+    are written into one buffer (the same address, warm-up runs included); a batch without requests (vLLM's
+    profiling, warm-up and capture runs) has every token at max_recurrence and no deepest request; rows follow
+    vLLM's moves; a forward without attention metadata while requests are live is an error, not a warm-up."""
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from recurfit.serving.depth import RequestDepth
+    from recurfit.serving.depth import RequestDepth, table_for
+
+    class Config(SimpleNamespace):  # an engine's config (vLLM's object is one per engine, weakly referenced)
+        pass
 
     served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
-    engine = SimpleNamespace(
+    engine = Config(
         model_config=SimpleNamespace(hf_config=served),
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
     )
     table = RequestDepth(engine, torch.device("cpu"), False)
+    assert table_for(engine) is table
     warm, deepest = table.token_depths(None, 5)
     assert warm.tolist() == [8] * 5 and deepest is None
     asks = vllm.SamplingParams(extra_args={"num_steps": 4})
     table.update_state(BatchUpdate(2, [], [(0, asks, None, []), (1, vllm.SamplingParams(), None, [])], []))
     depths, deepest = table.token_depths(torch.tensor([0, 3, 4]), 6)  # row 0: 3 tokens, row 1: 1, 2 of padding
     assert depths.tolist() == [4, 4, 4, 2, 1, 1] and deepest == 4 and depths.data_ptr() == warm.data_ptr()
+    with pytest.raises(RuntimeError, match="has no attention metadata"):
+        table.token_depths(None, 4)
     table.update_state(BatchUpdate(1, [0], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     depths, deepest = table.token_depths(torch.tensor([0, 1]), 1)
     assert depths.tolist() == [2] and deepest == 2 and depths.data_ptr() == warm.data_ptr()
     table.update_state(BatchUpdate(0, [0], [], []))
     assert table.token_depths(torch.tensor([0, 1]), 1)[1] is None
+    other = Config(**vars(engine))  # another engine in the same process: not this table's
+    with pytest.raises(RuntimeError, match="runs without recurfit's depth logits processor"):
+        table_for(other)
+
+
+def engine_config(folder, v2_runner: bool, **overrides):
+    """The VllmConfig `vllm serve folder` builds (its config hook run; no engine started), under Model Runner V2
+    or the V1 runner (VLLM_USE_V2_MODEL_RUNNER). vLLM refuses V2 configs where Triton is missing, as here (the CPU
+    build's Triton has no CPU backend): the config check is told Triton is there, as it is on CUDA."""
+    import vllm.config.vllm as config_module
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
+        patch.setattr(config_module, "HAS_TRITON", True)
+        args = EngineArgs(str(folder), hf_overrides=overrides, dtype="float32", max_model_len=64, max_num_seqs=4)
+        return args.create_engine_config()
+
+
+def test_each_runners_frontend_validator_takes_the_plugin_and_checks_its_own_engines_depths(tmp_path):
+    """The frontend builds its request validator from the engine's logits processors with the loader of the runner
+    the engine uses; Model Runner V2's (the default on CUDA) takes classes of its own interface only. Each loads
+    recurfit's, and two engines of different max_recurrence in one process each refuse depths past their own."""
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    folder = saved(served_model("llama", mean_recurrence=2), tmp_path / "llama")
+    validators = {}
+    for v2_runner in (True, False):
+        for maximum in (4, 16):
+            config = engine_config(folder, v2_runner, max_recurrence=maximum)
+            processors = config.model_config.logits_processors
+            name = "DepthParamsUpTo" if v2_runner else "RequestDepthUpTo"
+            assert processors == [f"recurfit.serving.depth:{name}{maximum}"], processors
+            if v2_runner:
+                validators[v2_runner, maximum] = build_custom_logits_processors_params_validator(processors)
+            else:
+                validators[v2_runner, maximum] = lambda params, p=processors: validate_logits_processors_parameters(
+                    p, params
+                )
+    for (_, maximum), validate in validators.items():
+        for depth in (None, 1, maximum):
+            validate(vllm.SamplingParams(extra_args=None if depth is None else {"num_steps": depth}))
+        for bad in (0, maximum + 1, "deep", 2.0):
+            with pytest.raises(VLLMValidationError, match=rf"num_steps .* integer in \[1, {maximum}\].* got {bad!r}"):
+                validate(vllm.SamplingParams(extra_args={"num_steps": bad}))
+
+
+def v2_batch(requests: list[tuple[str, int, int]], padded: int):
+    """A Model Runner V2 `InputBatch` (vLLM's own, as its runner fills it) of `requests` (id, slot, tokens
+    scheduled) in batch order, padded to `padded` tokens."""
+    import dataclasses
+
+    import numpy as np
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    lengths = np.array([n for _, _, n in requests], dtype=np.int32)
+    dummy = InputBatch.make_dummy(len(requests), padded, InputBuffers(8, 64, torch.device("cpu")))
+    return dataclasses.replace(
+        dummy,
+        req_ids=[r for r, _, _ in requests],
+        idx_mapping_np=np.array([slot for _, slot, _ in requests], dtype=np.intp),
+        num_scheduled_tokens=lengths,
+        query_start_loc_np=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        num_tokens=int(lengths.sum()),
+        num_tokens_after_padding=padded,
+    )
+
+
+def test_model_runner_v2s_model_state_gives_each_token_its_requests_depth(tmp_path):
+    """Model Runner V2 asks the model for its state (`get_model_state_cls`), gives it each new request
+    (`add_request`, vLLM's `NewRequestData`) and each batch (`prepare_inputs`, vLLM's `InputBatch`): each token
+    gets its request's depth (padding tokens 1) in one buffer, for requests added, removed and reordered between
+    batches; the capture runs (`prepare_dummy_inputs`) and the runner's dummy batches get max_recurrence in the
+    same buffer; a batch mixing live requests with unknown ones is an error."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    from recurfit.serving.model_state import RecurfitModelState
+    from recurfit.serving.vllm_model import RecurfitForCausalLM
+
+    folder = saved(served_model("llama", mean_recurrence=2), tmp_path / "llama")
+    config = engine_config(folder, v2_runner=True, max_recurrence=8)
+    assert RecurfitForCausalLM.get_model_state_cls() is RecurfitModelState
+    state = RecurfitModelState(config, torch.nn.Module(), None, torch.device("cpu"))
+
+    def add(req_id: str, slot: int, depth: int | None):
+        params = vllm.SamplingParams(extra_args=None if depth is None else {"num_steps": depth})
+        data = NewRequestData(req_id, [2, 5, 7], [], params, None, ([],), 0, None, prefill_token_ids=[2, 5, 7])
+        state.add_request(slot, data)
+
+    def depths(requests, padded=None):
+        batch = v2_batch(requests, padded or sum(n for _, _, n in requests))
+        inputs = state.prepare_inputs(batch, None)
+        return inputs["token_depths"].tolist(), inputs["deepest"], inputs["token_depths"].data_ptr()
+
+    warm = state.prepare_dummy_inputs(2, 6)
+    assert warm["token_depths"].tolist() == [8] * 6 and warm["deepest"] is None
+    buffer = warm["token_depths"].data_ptr()
+    add("a", 0, 4)
+    add("b", 1, None)  # the default: r̄ = 2
+    add("c", 2, 1)
+    assert depths([("a", 0, 3), ("b", 1, 1), ("c", 2, 2)], padded=8) == ([4, 4, 4, 2, 1, 1, 1, 1], 4, buffer)
+    assert depths([("c", 2, 1), ("a", 0, 1)]) == ([1, 4], 4, buffer)  # reordered
+    state.remove_request("a")
+    add("d", 0, 8)  # a's slot, reused
+    assert depths([("b", 1, 2), ("d", 0, 1), ("c", 2, 1)]) == ([2, 2, 8, 1], 8, buffer)
+    assert depths([("warm-up-0", 0, 2), ("warm-up-1", 1, 2)]) == ([8] * 4, None, buffer)  # the runner's dummy run
+    with pytest.raises(RuntimeError, match="never saw"):
+        depths([("b", 1, 1), ("a", 0, 1)])  # a was removed
+
+
+def test_every_request_gets_its_depth_and_that_depths_cache_salt_or_a_400():
+    """What EffortToDepth does to each OpenAI request body: the depth it names, else its reasoning effort (chat's
+    `reasoning_effort`, the Responses API's `reasoning.effort`), else the default, in `vllm_xargs.num_steps`, and a
+    cache salt of that depth, max_recurrence and cache policy after the client's own; refused (a 400 naming the
+    field): a depth out of range, an effort not in the table, beam search at another depth than the default
+    (vLLM's beam search drops per-request arguments), a client salt that leaves no room for the depth's."""
+    from recurfit.serving.depth import Limits, RefusedDepth, with_depth
+
+    limits = Limits(default=4, maximum=16, effort={"low": 2, "high": 16}, compiled=(2, 4, 16), policy="all")
+    body = {"model": "m", "prompt": "hi"}
+    assert with_depth(body, limits) == {**body, "vllm_xargs": {"num_steps": 4}, "cache_salt": "recurfit-r4-max16-all"}
+    named = with_depth({**body, "vllm_xargs": {"num_steps": 8, "theirs": 1}, "cache_salt": "tenant"}, limits)
+    assert (
+        named["vllm_xargs"] == {"num_steps": 8, "theirs": 1} and named["cache_salt"] == "tenant;recurfit-r8-max16-all"
+    )
+    assert with_depth({**body, "reasoning_effort": "low"}, limits)["vllm_xargs"] == {"num_steps": 2}
+    assert with_depth({**body, "reasoning": {"effort": "high"}}, limits)["cache_salt"] == "recurfit-r16-max16-all"
+    assert with_depth({**body, "reasoning_effort": "low", "vllm_xargs": {"num_steps": 3}}, limits)["vllm_xargs"] == {
+        "num_steps": 3
+    }
+    assert with_depth({**body, "use_beam_search": True}, limits)["vllm_xargs"] == {"num_steps": 4}
+    other = Limits(default=4, maximum=32, effort={}, compiled=(4, 32), policy="latest")
+    assert with_depth(body, other)["cache_salt"] == "recurfit-r4-max32-latest"  # another server's defaults
+    refused = [
+        ({"vllm_xargs": {"num_steps": 17}}, "num_steps", r"integer in \[1, 16\].* got 17"),
+        ({"vllm_xargs": {"num_steps": "deep"}}, "num_steps", "got 'deep'"),
+        ({"reasoning_effort": "max"}, "reasoning_effort", r"must be one of \['high', 'low'\]"),
+        ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "got 'minimal'"),
+        ({"use_beam_search": True, "vllm_xargs": {"num_steps": 8}}, "use_beam_search", "default depth \\(4\\)"),
+        ({"use_beam_search": True, "reasoning_effort": "high"}, "use_beam_search", "depth 16 would not run"),
+        ({"cache_salt": "x" * 120}, "cache_salt", "at most 106 characters"),
+    ]
+    for extra, parameter, message in refused:
+        with pytest.raises(RefusedDepth, match=message) as error:
+            with_depth({**body, **extra}, limits)
+        assert error.value.parameter == parameter
+
+
+def test_the_middleware_without_a_recurfit_engine_fails_loudly():
+    """EffortToDepth reads its limits from the server's own engine (the app's state): behind a server of another
+    model, or none, each generation request is a 500 naming recurfit, not a request served at no depth."""
+    import asyncio
+
+    from recurfit.serving.depth import EffortToDepth
+
+    served = []
+
+    async def app(scope, receive, send):
+        served.append(scope["path"])
+
+    def call(app_state, path="/v1/completions"):
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [], "app": SimpleNamespace(state=app_state)}
+        asyncio.run(EffortToDepth(app)(scope, receive, send))
+        return sent
+
+    for state in (SimpleNamespace(), SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(
+        architectures=["LlamaForCausalLM"]
+    )))):  # fmt: skip
+        start, body = call(state)
+        assert (
+            start["status"] == 500 and b"EffortToDepth: this server's engine serves no recurfit folder" in body["body"]
+        )
+    assert served == []
+    call(SimpleNamespace(), path="/v1/models")  # not a generation request: passed through
+    assert served == ["/v1/models"]
+
+
+def test_two_engines_of_different_limits_in_one_process_keep_their_own(tmp_path):
+    """Two engines in one process (as tests and benchmarks run them): each checks depths against its own
+    max_recurrence, and each model reads its own engine's depths, so each request gets recurfit's tokens at its
+    own depth from either engine."""
+    model = served_model("llama", mean_recurrence=2)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    shallow, deep = vllm_engine(folder, max_recurrence=4), vllm_engine(folder, max_recurrence=8)
+    try:
+        with pytest.raises(VLLMValidationError, match=r"integer in \[1, 4\].* got 8"):
+            served_by_depth(shallow, batch[:1], [8])
+        served = served_by_depth(deep, batch, [8, 1, 8]), served_by_depth(shallow, batch, [4, 3, 1])
+    finally:
+        del shallow, deep
+        gc.collect()
+    assert served == (expected_by_depth(model, batch, [8, 1, 8]), expected_by_depth(model, batch, [4, 3, 1]))
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
@@ -612,8 +823,9 @@ def depth_server(tmp_path, *args: str):
 
 def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
     """`vllm serve` driven by the `openai` package: completions at the server's r (3) and per request through
-    vllm_xargs, chat (reasoning_effort through EffortToDepth), streaming, n = 2, stop sequences, 32 concurrent
-    requests of depths 1-16; then bad inputs, each a 400 naming the problem, and correct answers afterwards."""
+    vllm_xargs, chat (reasoning_effort through EffortToDepth) and the Responses API (reasoning.effort), beam search,
+    streaming, n = 2, stop sequences, 32 concurrent requests of depths 1-16; then bad inputs, each a 400 naming the
+    problem, and correct answers afterwards."""
     import openai
 
     model, server, url = depth_server(tmp_path)
@@ -663,6 +875,28 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         assert high.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 8, new_tokens=16)[0]
         named = chat(reasoning_effort="high", extra_body={"vllm_xargs": {"num_steps": 2}})  # num_steps wins
         assert named.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 2, new_tokens=16)[0]
+
+        # The Responses API: reasoning.effort picks the depth as chat's reasoning_effort does.
+        def respond(effort: str) -> str:
+            answer = client.responses.create(
+                model="tiny", input="The cat sat", reasoning={"effort": effort}, temperature=0, max_output_tokens=16,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return answer.output_text
+
+        by_effort = {effort: respond(effort) for effort in ("low", "high")}
+        assert by_effort == {e: chat(reasoning_effort=e).choices[0].message.content for e in ("low", "high")}
+        assert by_effort["low"] != by_effort["high"]
+
+        # Beam search passes no per-request arguments to the model: it runs at the server's default depth, and a
+        # request that names another is refused.
+        beam = dict(greedy, prompt=prompts()[1], n=2)
+        beamed = client.completions.create(**beam, extra_body={"use_beam_search": True})
+        assert len(beamed.choices) == 2
+        with pytest.raises(
+            openai.BadRequestError, match=r"use_beam_search runs every request at .* default depth \(3\)"
+        ):
+            client.completions.create(**beam, extra_body={"use_beam_search": True, "vllm_xargs": {"num_steps": 8}})
 
         # 32 concurrent requests of depths 1-16, each answered at its own depth.
         batch = (mixed_prompts() * 4)[:32]
@@ -751,8 +985,8 @@ def test_a_trained_folder_carries_depth_for_effort_and_the_server_reads_it(tmp_p
 
     def served_effort(**overrides) -> dict:
         args = EngineArgs(str(final), hf_overrides=overrides, dtype="float32", enforce_eager=True, max_model_len=64)
-        args.create_engine_config()  # runs the config hook, which sets the server's limits; starts no engine
-        return depth._frontend.effort
+        # The config hook runs when the config is built (no engine starts), and the server reads its limits there.
+        return depth.engine_limits(args.create_engine_config()).effort
 
     assert settings["mean_recurrence"] == 4 and settings["depth_for_effort"] == {"low": 2, "medium": 4, "high": 8}
     assert served_effort() == {"low": 2, "medium": 4, "high": 8}
@@ -842,6 +1076,9 @@ def test_lm_evals_requests_get_the_sweeps_depth_and_no_bar_that_tqdm_disabled(mo
     from recurfit.evaluate.vllm_backend import AtDepth
 
     class Engine:
+        served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
+        llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(hf_config=served)))
+
         def generate(self, prompts, sampling_params=None, **kwargs):
             self.sent = (prompts, sampling_params, kwargs)
             return "answers"
@@ -854,12 +1091,16 @@ def test_lm_evals_requests_get_the_sweeps_depth_and_no_bar_that_tqdm_disabled(mo
     llm = AtDepth(Engine(), num_steps=4)
     assert llm.generate(["a", "b"], sampling_params=[params, params], use_tqdm=True) == "answers"
     prompts, sent, kwargs = llm.llm.sent
-    assert prompts == ["a", "b"] and kwargs == {"use_tqdm": not quiet}
+    salt = "recurfit-r4-max8-all"  # each prompt carries its depth's cache salt
+    assert prompts == [{"prompt": "a", "cache_salt": salt}, {"prompt": "b", "cache_salt": salt}]
+    assert kwargs == {"use_tqdm": not quiet}
     assert [p.extra_args for p in sent] == [{"theirs": 1, "num_steps": 4}] * 2 and sent[0] is sent[1]
     assert params.extra_args == {"theirs": 1} and sent[0].max_tokens == 1
     llm.num_steps = None  # a fixed-depth model: its requests as lm-eval built them
     llm.generate(["a"], sampling_params=params)
-    assert llm.llm.sent[1] is params and llm.sent == llm.llm.sent  # everything else is the engine's
+    assert (
+        llm.llm.sent[0] == ["a"] and llm.llm.sent[1] is params and llm.sent == llm.llm.sent
+    )  # everything else is the engine's
 
 
 def test_one_eager_engine_serves_a_sweep_with_the_scores_of_one_engine_per_r(tmp_path, monkeypatch):

