@@ -29,6 +29,7 @@ from conftest import FAMILIES, VOCAB, char_tokenizer, run_cli, small_run, tiny_p
 
 import recurfit
 from recurfit.evaluate.results import Sweep
+from recurfit.generation import prompt_ids
 from recurfit.model.cache import RecurrentCache
 from recurfit.model.compat import cache_kwargs
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer
@@ -849,6 +850,13 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         text = answer.choices[0].text
         assert len(text) > 20, text
 
+        # A text prompt means one thing: the server's completion of it is `recurfit generate --prompt`'s (its raw
+        # text, through prompt_ids), at the same depth.
+        raw = completion("The cat sat on", depth=5).choices[0]
+        tokenizer = load_tokenizer(tmp_path / "llama")
+        assert raw.prompt_token_ids == prompt_ids(tokenizer, "The cat sat on")[0].tolist()
+        assert raw.token_ids == recurfit_greedy(model, [raw.prompt_token_ids], 5, new_tokens=16)[0]
+
         # Streaming gives the same text in pieces.
         pieces = [c.choices[0].text for c in completion(prompts()[1], max_tokens=NEW_TOKENS, stream=True)]
         assert len(pieces) > 1 and "".join(pieces) == text
@@ -869,12 +877,12 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
             return client.chat.completions.create(messages=messages, extra_body=body, **dict(greedy, **kwargs))
 
         plain = chat()
-        prompt_ids = plain.prompt_token_ids
-        assert plain.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 3, new_tokens=16)[0]
+        chat_prompt = plain.prompt_token_ids
+        assert plain.choices[0].token_ids == recurfit_greedy(model, [chat_prompt], 3, new_tokens=16)[0]
         high = chat(reasoning_effort="high")
-        assert high.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 8, new_tokens=16)[0]
+        assert high.choices[0].token_ids == recurfit_greedy(model, [chat_prompt], 8, new_tokens=16)[0]
         named = chat(reasoning_effort="high", extra_body={"vllm_xargs": {"num_steps": 2}})  # num_steps wins
-        assert named.choices[0].token_ids == recurfit_greedy(model, [prompt_ids], 2, new_tokens=16)[0]
+        assert named.choices[0].token_ids == recurfit_greedy(model, [chat_prompt], 2, new_tokens=16)[0]
 
         # The Responses API: reasoning.effort picks the depth as chat's reasoning_effort does.
         def respond(effort: str) -> str:
