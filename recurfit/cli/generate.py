@@ -12,7 +12,7 @@ def add_parsers(commands) -> None:
         ("chat", "chat in the terminal, each turn through the tokenizer's chat template"),
     )
     for name, help_text in commands_help:
-        p = commands.add_parser(name, help=help_text, description=help_text)
+        p = commands.add_parser(name, help=help_text)
         p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the text to continue")
