@@ -51,9 +51,9 @@ def test_keeping_all_30_layers_is_the_parent(smollm2):
 
 
 def test_demo_shape_keeps_parity_and_the_retrofit_command_reports_it(tmp_path, capsys):
-    from recurfit.demo.settings import DemoSettings
+    from recurfit.demo.settings import DemoSettings, with_shape
 
-    shape = DemoSettings().shape
+    shape = with_shape(DemoSettings()).shape  # the shape the demo cuts from the embedded parent
     assert main(["retrofit", "--shape", ",".join(map(str, shape)), "--out", str(tmp_path / "r")]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "✓ equal" in text
