@@ -18,7 +18,7 @@ from ..errors import RecurfitError
 from ..evaluate.figures import plot_flops, plot_recurrence, plot_training
 from ..evaluate.loss import load_examples, loss_sweep
 from ..evaluate.suite import task_sweep
-from ..generation import GenerationSettings, generate_text
+from ..generation import GenerationSettings, generate_text, prompt_ids
 from ..io.runs import read_log
 from ..model.accounting import inference_flops_per_token
 from ..model.loading import load_model, load_tokenizer, resolve_placement
@@ -223,7 +223,7 @@ def _retrofit_check(parent, tokenizer, shape, console: Console) -> dict:
 
 
 def _samples(model, tokenizer, depths: list[int], max_new_tokens: int) -> dict[int, str]:
-    ids = tokenizer(QUESTION, return_tensors="pt").input_ids
+    ids = prompt_ids(tokenizer, QUESTION)  # raw text, as `recurfit generate` and a server's completion read it
     return {
         r: generate_text(model, tokenizer, ids, GenerationSettings(recurrence=r, max_new_tokens=max_new_tokens)).text
         for r in depths
