@@ -1,4 +1,4 @@
-"""How much `embedded:math` shares with the GSM8K and MATH test sets (docs/how-to/data.md, "Where the math comes from").
+"""How much `embedded:math` shares with the GSM8K and MATH test sets (docs/results/README.md, the errata note).
 
     .venv/bin/python scripts/math_overlap.py [--problems 2000]
 

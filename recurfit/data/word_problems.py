@@ -3,7 +3,8 @@
 Each template draws its names, objects and numbers from a seeded generator and writes the solution step by
 step, every step a sentence with its arithmetic, in the layout the GSM8K chain-of-thought prompt uses. The
 templates were written for this module, not taken from any benchmark, and every problem passes through
-`data prepare`'s decontamination like any other document; docs/how-to/data.md gives the overlap check's numbers.
+`data prepare`'s decontamination like any other document; docs/results/README.md (the errata note) gives the
+overlap check's numbers.
 
 Held-out problems (`held_out_problems`, the demo's math accuracy) come from another seed and draw every number
 above the range the training problems draw it from, so none can equal a training problem: the `easy` split from
