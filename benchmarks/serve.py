@@ -20,12 +20,12 @@ and compile time (not counted), and how many rows came out identical to recurfit
 
 With `--depth-mix N` (default 64; 0 leaves it out) it also serves a mixed-depth workload: N requests drawn as in
 the mixed-traffic case (without the stop, so that every run makes the same tokens), each asking for its own
-recurrence, drawn from `--mix-depths` (2, 4, 8, 16), through one engine (`max_recurrence` = the deepest) with
+recurrence, drawn from `--mix-depths` (1, 2, 4, 16), through one engine (`max_recurrence` = the deepest) with
 depth per request, against (a) the same engine serving every request at the deepest r, and (b) the FLOPs-ideal
 ratio: Σ over requests of tokens × (P + R·r + C) layers at their own r, over the same sum with every r at the
-deepest. `--depth-mix-modes` (default eager) chooses the engines: eager, where the core runs each step on the
-tokens still short of their depth, and compiled, with a graph for each depth drawn from (`compiled_depths`), where
-each batch runs through the graph of its deepest request.
+deepest; and each depth's median time to first token (vLLM's per-request stats), in both runs.
+`--depth-mix-modes` (default compiled, vLLM's default mode) chooses the engines: in either, the core runs each
+step on the tokens still short of their depth.
 
 The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
 engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -170,7 +171,7 @@ def recurfit_run(model, tokenizer, work: Workload, r: int, device) -> tuple[floa
     return seconds, [trimmed(row, n, bool(work.stop), tokenizer, work.stop) for row, n in zip(rows, work.budgets)]
 
 
-def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence: int | None = None, **overrides):
+def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence: int | None = None, **engine_args):
     import vllm
 
     start = time.perf_counter()
@@ -180,16 +181,18 @@ def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence
         dtype=DTYPES[args.dtype][0],
         enforce_eager=mode == "eager",
         max_model_len=max_length,
-        hf_overrides={"mean_recurrence": r, "max_recurrence": max_recurrence or r, **overrides},
+        hf_overrides={"mean_recurrence": r, "max_recurrence": max_recurrence or r},
         seed=0,
         **extra,
+        **engine_args,
     )
     return llm, time.perf_counter() - start
 
 
-def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[float, list[list[int]]]:
+def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[float, list[list[int]], list]:
     """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args), each prompt
-    with that depth's cache salt."""
+    with that depth's cache salt. Returns the seconds, each request's tokens and its time to first token (None
+    for an engine that keeps no per-request stats)."""
     import vllm
 
     from recurfit.serving.depth import cache_salt
@@ -209,7 +212,9 @@ def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[floa
     if depths is not None:
         prompts = [dict(prompt, cache_salt=cache_salt(llm, depth)) for prompt, depth in zip(prompts, depths)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+    seconds = time.perf_counter() - start
+    first = [o.metrics.first_token_latency if o.metrics is not None else None for o in outputs]
+    return seconds, [list(o.outputs[0].token_ids) for o in outputs], first
 
 
 def main() -> None:
@@ -229,9 +234,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds alternating vLLM and recurfit")
     parser.add_argument("--state-init-std", type=float, default=0.0, help="the embedded retrofit's σ (0: s_0 = 0)")
     parser.add_argument("--depth-mix", type=int, default=64, help="mixed-depth workload: requests (0: leave it out)")
-    parser.add_argument("--mix-depths", default="2,4,8,16", help="mixed-depth workload: the depths drawn from")
+    parser.add_argument("--mix-depths", default="1,2,4,16", help="mixed-depth workload: the depths drawn from")
     parser.add_argument(
-        "--depth-mix-modes", default="eager", help="mixed-depth workload: vLLM's eager, compiled or both"
+        "--depth-mix-modes", default="compiled", help="mixed-depth workload: vLLM's eager, compiled or both"
     )
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
@@ -282,7 +287,7 @@ def main() -> None:
                     llm, loaded = vllm_engine(folder, r, mode, max_length, args)
                     print(f"r={r} vLLM {mode} engine loaded (and compiled) in {loaded:.1f} s", flush=True)
                     for work in workloads:
-                        record(work, f"vLLM {mode}", r, *vllm_run(llm, work))
+                        record(work, f"vLLM {mode}", r, *vllm_run(llm, work)[:2])
                     llm.llm_engine.engine_core.shutdown()  # an idle engine's worker still takes a core
                     del llm
                 recurfit_round(r)
@@ -303,7 +308,7 @@ def main() -> None:
 def depth_mix(folder, tokenizer, args) -> None:
     """For each of --depth-mix-modes, one engine: the mixed-depth workload with depth per request, and the same
     requests all at the deepest depth, alternating for --repeats rounds; the throughput ratio beside the FLOPs-ideal
-    one. A compiled engine has a graph for each depth drawn from (compiled_depths)."""
+    one, and each depth's median time to first token in both."""
     from recurfit.model.loading import load_config
 
     choices = [int(x) for x in args.mix_depths.split(",")]
@@ -315,14 +320,15 @@ def depth_mix(folder, tokenizer, args) -> None:
     P, R, C = load_config(folder).shape
     print(f"depth-mix: {len(own)} requests, depths {dict(sorted((r, own.count(r)) for r in set(own)))}")
     for mode in args.depth_mix_modes.split(","):
-        llm, loaded = vllm_engine(
-            folder, deepest, mode, work.max_length, args, max_recurrence=deepest, compiled_depths=choices
-        )
+        llm, loaded = vllm_engine(folder, deepest, mode, work.max_length, args, deepest, disable_log_stats=False)
         print(f"depth-mix: vLLM {mode} engine (max_recurrence {deepest}) loaded in {loaded:.1f} s", flush=True)
         best: dict[str, float] = {}
+        first_token: dict[str, list] = {}
         for _ in range(args.repeats):
             for name, depths in (("own depths", own), (f"all at r={deepest}", [deepest] * len(own))):
-                seconds, produced = vllm_run(llm, work, depths)
+                seconds, produced, first = vllm_run(llm, work, depths)
+                if seconds <= best.get(name, seconds):
+                    first_token[name] = first
                 tokens = sum(map(len, produced))
                 best[name] = min(best.get(name, seconds), seconds)
                 cost = sum((len(p) + len(row)) * (P + R * r + C) for p, row, r in zip(work.prompts, produced, depths))
@@ -335,6 +341,13 @@ def depth_mix(folder, tokenizer, args) -> None:
         ideal = best[f"all at r={deepest} cost"] / best["own depths cost"]
         print(f"summary depth-mix {mode}: own depths {best['own depths']:.1f} s, all at r={deepest} "
               f"{best[f'all at r={deepest}']:.1f} s: {measured:.2f}x faster (FLOPs-ideal {ideal:.2f}x)")  # fmt: skip
+        for r in sorted(set(own)):
+            medians = {
+                name: statistics.median(first[i] for i, d in enumerate(own) if d == r)
+                for name, first in first_token.items()
+            }
+            print(f"summary depth-mix {mode} time to first token, requests of r={r}: "
+                  + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in medians.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

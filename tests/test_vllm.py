@@ -8,6 +8,7 @@ process (VLLM_ENABLE_V1_MULTIPROCESSING=0), with a small fixed KV-cache budget s
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -49,7 +50,9 @@ except Exception as error:  # not installed, or installed with wheels that fail 
     )
 
 
+from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.forward_context import get_forward_context, override_forward_context  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("vLLM runs here on its own device selection, not --device")
 
@@ -137,31 +140,33 @@ def vllm_engine(folder, compiled: bool = False, engine_args: dict | None = None,
     return vllm.LLM(str(folder), dtype="float32", enforce_eager=not compiled, hf_overrides=overrides, **settings)
 
 
+PIECES = ("prelude", "core_step", "coda")
+
+
 def compile_state(model) -> dict:
-    """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker): its compiled
-    depths, whether each compiles and has compiled, and whether the family body's own compiled forward is used."""
+    """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker): whether each of its
+    pieces compiles and has compiled, and whether the family body's own compiled forward is used."""
+    pieces = [getattr(model.model.pieces, name) for name in PIECES]
     return dict(
-        depths=[graph.steps for graph in model.graphs],
-        compiles=[not graph.do_not_compile for graph in model.graphs],
-        compiled=[bool(getattr(graph, "compiled", False)) for graph in model.graphs],
+        compiles=[not piece.do_not_compile for piece in pieces],
+        compiled=[bool(getattr(piece, "compiled", False)) for piece in pieces],
         body_compiles=not model.model.body.do_not_compile,
     )
 
 
-def assert_compiled(llm, compiled: bool) -> list[int]:
-    """In compiled mode every depth's graph compiled (when the engine started), in eager mode none; the family
-    body's own compiled forward never. Returns the compiled depths."""
+def assert_compiled(llm, compiled: bool) -> None:
+    """In compiled mode the three pieces compiled (when the engine started), in eager mode none; the family body's
+    own compiled forward never."""
     (state,) = llm.apply_model(compile_state)
-    assert state["compiles"] == state["compiled"] == [compiled] * len(state["depths"]), state
+    assert state["compiles"] == state["compiled"] == [compiled] * len(PIECES), state
     assert not state["body_compiles"]
-    return state["depths"]
 
 
 def vllm_greedy(
     folder, batch: list[list[int]], compiled: bool = False, engine_args: dict | None = None, **overrides
 ) -> list[list[int]]:
-    """Greedy tokens from an engine on `folder`, after checking that in compiled mode every depth's graph was
-    compiled, and that the family body's own compiled forward is never used."""
+    """Greedy tokens from an engine on `folder`, after checking that in compiled mode every piece was compiled, and
+    that the family body's own compiled forward is never used."""
     llm = vllm_engine(folder, compiled, engine_args, **overrides)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -207,9 +212,9 @@ def test_greedy_tokens_equal_recurfit_at_r_1_4_8(tmp_path):
 
 @pytest.mark.parametrize("family, r", [("llama", 4), ("gemma", 3)])
 def test_compiled_engine_gives_recurfits_tokens(tmp_path, family, r):
-    """vLLM's default mode (no enforce_eager): the recurrence, unrolled for each compiled depth, is a graph that
-    vLLM traces (fullgraph) and compiles (inductor on a CPU; vllm_greedy checks that each did). Gemma scales its
-    embeddings, inside the graph."""
+    """vLLM's default mode (no enforce_eager): the prelude, the core step and the coda are graphs that vLLM traces
+    (fullgraph) and compiles (inductor on a CPU; vllm_greedy checks that each did). Gemma scales its embeddings,
+    inside the prelude's graph."""
     model = served_model(family, mean_recurrence=2)
     folder, batch = saved(model, tmp_path / family), prompts()
     assert vllm_greedy(folder, batch, compiled=True, mean_recurrence=r, max_recurrence=r) == recurfit_greedy(
@@ -314,57 +319,109 @@ def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tm
     assert len({tuple(row) for row in rounds[0][1]}) == len(batch)
 
 
-class CountedGraph:
-    """Stands in for one of a model's compiled depths, counting the forwards it runs."""
+class RecordedPiece:
+    """Stands in for one of a model's compiled pieces, recording each call: its tokens, the addresses of its
+    state inputs, and whether CUDA graphs were on (`vllm_model.cuda_graphs_replay`)."""
 
-    def __init__(self, graph):
-        self.graph, self.steps, self.calls = graph, graph.steps, 0
+    def __init__(self, piece, name: str, calls: list):
+        self.piece, self.name, self.calls = piece, name, calls
 
     def __call__(self, *args):
-        self.calls += 1
-        return self.graph(*args)
+        from recurfit.serving.vllm_model import cuda_graphs_replay
+
+        states = {"core_step": args[1:], "coda": args[1:]}.get(self.name, ())
+        tokens = args[1].shape[0] if self.name != "prelude" else args[1].shape[-1]
+        self.calls.append((self.name, tokens, tuple(t.data_ptr() for t in states), cuda_graphs_replay()))
+        return self.piece(*args)
 
 
-def count_graph_calls(model) -> None:
-    model.graphs = [CountedGraph(graph) for graph in model.graphs]
+def record_pieces(model) -> None:
+    model.calls = []
+    for name in PIECES:
+        setattr(model.model.pieces, name, RecordedPiece(getattr(model.model.pieces, name), name, model.calls))
 
 
-def graph_calls(model) -> dict[int, int]:
-    """Forwards each compiled depth ran since the last call (then set back to 0)."""
-    calls = {graph.steps: graph.calls for graph in model.graphs}
-    for graph in model.graphs:
-        graph.calls = 0
+def recorded_calls(model) -> list[tuple]:
+    """The pieces' calls since the last call (then forgotten)."""
+    calls, model.calls[:] = list(model.calls), []
     return calls
 
 
-def test_a_compiled_engine_runs_each_batch_through_the_shallowest_graph_that_covers_it(tmp_path):
-    """Compiled, a batch pays for its deepest request, not for max_recurrence: r̄ = 2 served up to 8 has graphs
-    for depths 1, 2 and 8 (depth_for_effort's low, medium and high), all compiled when the engine starts, and a
-    batch whose deepest request asks for d runs through the shallowest graph of depth >= d, with each request's
-    tokens those of recurfit's `generate` at its own depth."""
+def test_a_compiled_engine_compiles_three_pieces_and_each_token_pays_its_own_depth(tmp_path):
+    """Compiled, the engine compiles the prelude, one core step and the coda when it starts, whatever depths it
+    serves (up to 8 here), and a batch pays each request's own depth: with requests of depths 8, 2 and 1, every
+    forward runs the core step 8 times, on the tokens of all three requests, then of two, then of one, and each
+    request gets recurfit's tokens at its depth. A request without a depth runs at r̄."""
     model = served_model("llama", mean_recurrence=2)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     llm = vllm_engine(folder, compiled=True, max_recurrence=8)
     try:
-        assert assert_compiled(llm, True) == [1, 2, 8]
-        llm.apply_model(count_graph_calls)
+        assert_compiled(llm, True)
+        llm.apply_model(record_pieces)
         served = {}
-        for depths in ([1, 1, 1], [2, 1, 1], [1, 4, 1], [8, 2, 1]):
-            served[tuple(depths)] = served_by_depth(llm, batch, depths), llm.apply_model(graph_calls)[0]
+        for depths in ([1, 1, 1], [8, 2, 1]):
+            served[tuple(depths)] = served_by_depth(llm, batch, depths), llm.apply_model(recorded_calls)[0]
         params = vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True)  # no depth: r̄
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         default = [list(o.outputs[0].token_ids) for o in outputs]
-        default_calls = llm.apply_model(graph_calls)[0]
+        default_calls = llm.apply_model(recorded_calls)[0]
     finally:
         del llm
         gc.collect()
-    ran = {depths: next(d for d, n in calls.items() if n) for depths, (_, calls) in served.items()}
-    assert ran == {(1, 1, 1): 1, (2, 1, 1): 2, (1, 4, 1): 8, (8, 2, 1): 8}
-    for depths, (tokens, calls) in served.items():
-        assert sum(n > 0 for n in calls.values()) == 1, (depths, calls)  # one graph for every forward of the batch
+    for depths, (tokens, _) in served.items():
         assert tokens == expected_by_depth(model, batch, list(depths)), depths
-    assert [d for d, n in default_calls.items() if n] == [2]
+    # The last forward decodes one token per request: its core steps' tokens
+    steps = [tokens for name, tokens, _, _ in served[(8, 2, 1)][1] if name == "core_step"]
+    assert steps[-8:] == [3, 2, 1, 1, 1, 1, 1, 1], steps[-8:]
+    assert all(tokens == 3 for name, tokens, _, _ in served[(1, 1, 1)][1][-2:])
+    assert [name for name, *_ in served[(1, 1, 1)][1][-3:]] == ["prelude", "core_step", "coda"]
     assert default == expected_by_depth(model, batch, [2, 2, 2])
+    assert [tokens for name, tokens, _, _ in default_calls if name == "core_step"][-2:] == [3, 3]
+
+
+def under_piecewise_cuda_graphs(model) -> None:
+    """Run every forward under vLLM's PIECEWISE CUDA-graph mode (the GPU default recurfit chooses), as far as the
+    model can tell on a CPU: its forward context says graphs run, no graph is captured."""
+    forward = model.forward
+
+    def forward_under_graphs(*args, **kwargs):
+        context = dataclasses.replace(get_forward_context(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+        with override_forward_context(context):
+            return forward(*args, **kwargs)
+
+    model.forward = forward_under_graphs
+
+
+def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_run_without_graphs(tmp_path):
+    """vLLM replays a piece's CUDA graph for a batch size reading the addresses it was captured with, and keeps its
+    outputs in a pool later graphs reuse. So under graphs, every call of a piece with graphs on reads its states
+    from the same addresses for the same number of tokens (the core step runs several times a forward, on its
+    own output), and a step over some of the batch's tokens runs without graphs. Tokens stay recurfit's."""
+    model = served_model("llama", mean_recurrence=2)
+    folder, batch, depths = saved(model, tmp_path / "llama"), prompts(), [4, 2, 1]
+    llm = vllm_engine(folder, compiled=True, max_recurrence=4)
+    try:
+        llm.apply_model(under_piecewise_cuda_graphs)
+        llm.apply_model(record_pieces)
+        served = served_by_depth(llm, batch, depths)
+        calls = llm.apply_model(recorded_calls)[0]
+    finally:
+        del llm
+        gc.collect()
+    assert served == expected_by_depth(model, batch, depths)
+    batch_tokens = None
+    addresses: dict[tuple[str, int], set] = {}
+    for name, tokens, states, graphs in calls:
+        if name == "prelude":
+            batch_tokens = tokens
+            assert graphs
+        elif tokens < batch_tokens:
+            assert name == "core_step" and not graphs, (name, tokens, batch_tokens)
+        else:
+            assert graphs, (name, tokens)
+            addresses.setdefault((name, tokens), set()).add(states)
+    assert {name for name, _ in addresses} == {"core_step", "coda"}
+    assert all(len(seen) == 1 for seen in addresses.values()), addresses
 
 
 def count_attended_requests(model) -> None:
@@ -383,13 +440,14 @@ def count_attended_requests(model) -> None:
             attention.impl.forward = counted
 
 
-def test_an_eager_step_attends_for_the_requests_still_recurring_only(tmp_path):
-    """Eagerly, the requests past their depth drop out of a step's attention too, not only out of its matrix
-    products: with requests of depths 8, 2 and 1 in every forward, step 1 attends for three, step 2 for two and
-    steps 3-8 for one, and each request still gets recurfit's tokens at its depth."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_step_attends_for_the_requests_still_recurring_only(tmp_path, compiled):
+    """The requests past their depth drop out of a step's attention too, not only out of its matrix products,
+    eagerly and compiled: with requests of depths 8, 2 and 1 in every forward, step 1 attends for three, step 2
+    for two and steps 3-8 for one, and each request still gets recurfit's tokens at its depth."""
     model = served_model("llama", mean_recurrence=2)
     folder, batch, depths = saved(model, tmp_path / "llama"), prompts(), [8, 2, 1]
-    llm = vllm_engine(folder, compiled=False, max_recurrence=8)
+    llm = vllm_engine(folder, compiled=compiled, max_recurrence=8)
     try:
         llm.apply_model(count_attended_requests)
         served = served_by_depth(llm, batch, depths)
@@ -455,11 +513,6 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
             r"recurfit on vLLM: cache_policy 'latest' .* turn off enable_prefix_caching and enable_chunked_prefill ",
         ),
         ("llama", {"max_recurrence": 1, "mean_recurrence": 2}, "max_recurrence must be an integer >= mean_rec"),
-        (
-            "llama",
-            {"compiled_depths": [0, 2]},
-            r"compiled_depths must be a list of integers in \[1, 64\], got \[0, 2\]",
-        ),
     ],
 )
 def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):
@@ -509,8 +562,8 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
 
 def test_token_depths_are_written_where_a_graph_reads_them():
     """V1 runner: a CUDA graph replays reading the addresses it was captured with, so every forward's token depths
-    are written into one buffer (the same address, warm-up runs included); a batch without requests (vLLM's
-    profiling, warm-up and capture runs) has every token at max_recurrence and no deepest request; rows follow
+    are written into one buffer (the same address, warm-up runs included), with the batch's distinct depths
+    (its stops); a batch without requests (vLLM's profiling, warm-up and capture runs) has none; rows follow
     vLLM's moves; a forward without attention metadata while requests are live is an error, not a warm-up."""
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
@@ -526,17 +579,17 @@ def test_token_depths_are_written_where_a_graph_reads_them():
     )
     table = RequestDepth(engine, torch.device("cpu"), False)
     assert table_for(engine) is table
-    warm, deepest = table.token_depths(None, 5)
-    assert warm.tolist() == [8] * 5 and deepest is None
+    warm, stops = table.token_depths(None, 5)
+    assert stops is None
     asks = vllm.SamplingParams(extra_args={"num_steps": 4})
     table.update_state(BatchUpdate(2, [], [(0, asks, None, []), (1, vllm.SamplingParams(), None, [])], []))
-    depths, deepest = table.token_depths(torch.tensor([0, 3, 4]), 6)  # row 0: 3 tokens, row 1: 1, 2 of padding
-    assert depths.tolist() == [4, 4, 4, 2, 1, 1] and deepest == 4 and depths.data_ptr() == warm.data_ptr()
+    depths, stops = table.token_depths(torch.tensor([0, 3, 4]), 6)  # row 0: 3 tokens, row 1: 1, 2 of padding
+    assert depths.tolist() == [4, 4, 4, 2, 1, 1] and stops == (2, 4) and depths.data_ptr() == warm.data_ptr()
     with pytest.raises(RuntimeError, match="has no attention metadata"):
         table.token_depths(None, 4)
     table.update_state(BatchUpdate(1, [0], [], [(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
-    depths, deepest = table.token_depths(torch.tensor([0, 1]), 1)
-    assert depths.tolist() == [2] and deepest == 2 and depths.data_ptr() == warm.data_ptr()
+    depths, stops = table.token_depths(torch.tensor([0, 1]), 1)
+    assert depths.tolist() == [2] and stops == (2,) and depths.data_ptr() == warm.data_ptr()
     table.update_state(BatchUpdate(0, [0], [], []))
     assert table.token_depths(torch.tensor([0, 1]), 1)[1] is None
     other = Config(**vars(engine))  # another engine in the same process: not this table's
@@ -612,8 +665,9 @@ def test_model_runner_v2s_model_state_gives_each_token_its_requests_depth(tmp_pa
     """Model Runner V2 asks the model for its state (`get_model_state_cls`), gives it each new request
     (`add_request`, vLLM's `NewRequestData`) and each batch (`prepare_inputs`, vLLM's `InputBatch`): each token
     gets its request's depth (padding tokens 1) in one buffer, for requests added, removed and reordered between
-    batches; the capture runs (`prepare_dummy_inputs`) and the runner's dummy batches get max_recurrence in the
-    same buffer; a batch mixing live requests with unknown ones is an error."""
+    batches, with the batch's distinct depths (its stops); the capture runs (`prepare_dummy_inputs`) and the
+    runner's dummy batches get no stops (one step) and the same buffer; a batch mixing live requests with unknown
+    ones is an error."""
     from vllm.v1.core.sched.output import NewRequestData
 
     from recurfit.serving.model_state import RecurfitModelState
@@ -632,20 +686,20 @@ def test_model_runner_v2s_model_state_gives_each_token_its_requests_depth(tmp_pa
     def depths(requests, padded=None):
         batch = v2_batch(requests, padded or sum(n for _, _, n in requests))
         inputs = state.prepare_inputs(batch, None)
-        return inputs["token_depths"].tolist(), inputs["deepest"], inputs["token_depths"].data_ptr()
+        return inputs["token_depths"].tolist(), inputs["depth_stops"], inputs["token_depths"].data_ptr()
 
     warm = state.prepare_dummy_inputs(2, 6)
-    assert warm["token_depths"].tolist() == [8] * 6 and warm["deepest"] is None
+    assert warm["depth_stops"] is None
     buffer = warm["token_depths"].data_ptr()
     add("a", 0, 4)
     add("b", 1, None)  # the default: r̄ = 2
     add("c", 2, 1)
-    assert depths([("a", 0, 3), ("b", 1, 1), ("c", 2, 2)], padded=8) == ([4, 4, 4, 2, 1, 1, 1, 1], 4, buffer)
-    assert depths([("c", 2, 1), ("a", 0, 1)]) == ([1, 4], 4, buffer)  # reordered
+    assert depths([("a", 0, 3), ("b", 1, 1), ("c", 2, 2)], padded=8) == ([4, 4, 4, 2, 1, 1, 1, 1], (1, 2, 4), buffer)
+    assert depths([("c", 2, 1), ("a", 0, 1)]) == ([1, 4], (1, 4), buffer)  # reordered
     state.remove_request("a")
     add("d", 0, 8)  # a's slot, reused
-    assert depths([("b", 1, 2), ("d", 0, 1), ("c", 2, 1)]) == ([2, 2, 8, 1], 8, buffer)
-    assert depths([("warm-up-0", 0, 2), ("warm-up-1", 1, 2)]) == ([8] * 4, None, buffer)  # the runner's dummy run
+    assert depths([("b", 1, 2), ("d", 0, 1), ("c", 2, 1)]) == ([2, 2, 8, 1], (1, 2, 8), buffer)
+    assert depths([("warm-up-0", 0, 2), ("warm-up-1", 1, 2)])[1:] == (None, buffer)  # the runner's dummy run
     with pytest.raises(RuntimeError, match="never saw"):
         depths([("b", 1, 1), ("a", 0, 1)])  # a was removed
 
@@ -658,7 +712,7 @@ def test_every_request_gets_its_depth_and_that_depths_cache_salt_or_a_400():
     (vLLM's beam search drops per-request arguments), a client salt that leaves no room for the depth's."""
     from recurfit.serving.depth import Limits, RefusedDepth, with_depth
 
-    limits = Limits(default=4, maximum=16, effort={"low": 2, "high": 16}, compiled=(2, 4, 16), policy="all")
+    limits = Limits(default=4, maximum=16, effort={"low": 2, "high": 16}, policy="all")
     body = {"model": "m", "prompt": "hi"}
     assert with_depth(body, limits) == {**body, "vllm_xargs": {"num_steps": 4}, "cache_salt": "recurfit-r4-max16-all"}
     named = with_depth({**body, "vllm_xargs": {"num_steps": 8, "theirs": 1}, "cache_salt": "tenant"}, limits)
@@ -671,7 +725,7 @@ def test_every_request_gets_its_depth_and_that_depths_cache_salt_or_a_400():
         "num_steps": 3
     }
     assert with_depth({**body, "use_beam_search": True}, limits)["vllm_xargs"] == {"num_steps": 4}
-    other = Limits(default=4, maximum=32, effort={}, compiled=(4, 32), policy="latest")
+    other = Limits(default=4, maximum=32, effort={}, policy="latest")
     assert with_depth(body, other)["cache_salt"] == "recurfit-r4-max32-latest"  # another server's defaults
     refused = [
         ({"vllm_xargs": {"num_steps": 17}}, "num_steps", r"integer in \[1, 16\].* got 17"),
@@ -856,6 +910,15 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         tokenizer = load_tokenizer(tmp_path / "llama")
         assert raw.prompt_token_ids == prompt_ids(tokenizer, "The cat sat on")[0].tolist()
         assert raw.token_ids == recurfit_greedy(model, [raw.prompt_token_ids], 5, new_tokens=16)[0]
+
+        # Each answer says the depth it ran at, and the server's metrics count the requests per depth.
+        for depth, asked in ((5, 5), (3, None)):
+            extra = dict(ids, **({"vllm_xargs": {"num_steps": asked}} if asked else {}))
+            reply = client.completions.with_raw_response.create(prompt="The cat", extra_body=extra, **greedy)
+            assert reply.headers["x-recurfit-depth"] == str(depth)
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        counts = dict(re.findall(r'^recurfit:requests_total\{depth="(\d+)"\} (\S+)$', metrics, re.M))
+        assert float(counts["5"]) >= 2 and float(counts["3"]) >= 2, counts
 
         # Streaming gives the same text in pieces.
         pieces = [c.choices[0].text for c in completion(prompts()[1], max_tokens=NEW_TOKENS, stream=True)]

@@ -7,8 +7,7 @@ request it sends names the sweep's current depth (`SamplingParams.extra_args["nu
 
 Each request runs to its own depth, so one engine started with `hf_overrides={"mean_recurrence": m,
 "max_recurrence": m}` (m the deepest r; no KV caches for deeper steps) serves every r of the sweep
-(`sweep_engines`): one start instead of one per r. A compiled engine gets `compiled_depths` = the sweep's rs, so
-that a batch of one r runs through that r's graph. An engine is shut down before the next starts: an idle CPU
+(`sweep_engines`): one start instead of one per r. An engine is shut down before the next starts: an idle CPU
 engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (each
 prompt carries its depth's cache salt, recurfit.serving.depth.cache_salt).
 
@@ -146,7 +145,6 @@ def vllm_lm(
     if served.recurrent:
         deepest = max(served.depth(r) for r in depths)
         overrides["mean_recurrence"] = overrides["max_recurrence"] = deepest  # no deeper steps' KV caches
-        overrides["compiled_depths"] = sorted({served.depth(r) for r in depths})  # a compiled engine's graphs
         if state_init == "zeros":
             overrides["state_init_std"] = 0.0
     lm = VLLM(

@@ -34,6 +34,7 @@ table was made for its own depths.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -62,14 +63,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
-    """A served folder's depths: the default (r̄), the server's maximum, reasoning_effort's table, the depths
-    a compiled engine has a graph for (`compiled_depths`, default: the table's, r̄ and the maximum), and the
-    cache policy."""
+    """A served folder's depths: the default (r̄), the server's maximum, reasoning_effort's table, and the cache
+    policy."""
 
     default: int
     maximum: int
     effort: dict
-    compiled: tuple[int, ...]
     policy: str = "all"
 
     @classmethod
@@ -88,15 +87,7 @@ class Limits:
         bad = {k: v for k, v in dict(effort).items() if not (type(v) is int and 1 <= v <= maximum)}
         if bad:
             raise ValueError(f"recurfit on vLLM: depth_for_effort must map to integers in [1, {maximum}], got {bad}.")
-        compiled = getattr(config, "compiled_depths", None)
-        if compiled is None:
-            compiled = list(dict(effort).values())
-        if not isinstance(compiled, (list, tuple)) or not all(type(v) is int and 1 <= v <= maximum for v in compiled):
-            raise ValueError(
-                f"recurfit on vLLM: compiled_depths must be a list of integers in [1, {maximum}], got {compiled!r}."
-            )
-        policy = getattr(config, "cache_policy", "all")
-        return cls(default, maximum, dict(effort), tuple(sorted({*compiled, default, maximum})), policy)
+        return cls(default, maximum, dict(effort), getattr(config, "cache_policy", "all"))
 
     def depth(self, extra_args: dict | None) -> int:
         """The depth a request asks for (extra_args["num_steps"]), or the default; a ValueError naming the field
@@ -220,11 +211,16 @@ def depth_problem(value, maximum: int | None) -> str | None:
     )
 
 
+# The core layers' attention (recurfit.serving.vllm_model.stepped_attention): which step's KV cache it uses is chosen
+# when it runs, so vLLM's piecewise graphs split there, as at its own attention.
+STEPPED_ATTENTION = "recurfit::stepped_attention"
+
+
 def _piecewise_cuda_graphs(compilation) -> None:
-    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE), not of whole forwards (its FULL modes, the
-    default when none is named): the depth each batch runs at, and so which compiled graph runs, is chosen on the
-    host at every forward (`RecurfitForCausalLM.forward`), which a graph of the whole forward would replay as
-    captured. A FULL mode named by the user is refused rather than changed."""
+    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE, split at every attention, the core's included),
+    not of whole forwards (its FULL modes, the default when none is named): how many core steps run, and on which
+    tokens, is chosen on the host at every forward (`RecurrentModel._recur`), which a graph of the whole forward
+    would replay as captured. A FULL mode named by the user is refused rather than changed."""
     mode = compilation.cudagraph_mode
     if mode is None:
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
@@ -233,6 +229,9 @@ def _piecewise_cuda_graphs(compilation) -> None:
             f"recurfit on vLLM: cudagraph_mode {mode.name} captures whole forwards, but each batch's depth is chosen "
             "on the host at every forward: use PIECEWISE (-cc.cudagraph_mode=PIECEWISE) or NONE."
         )
+    ops = compilation.splitting_ops
+    ops = list(type(compilation)._attention_ops) if ops is None else list(ops)
+    compilation.splitting_ops = ops if STEPPED_ATTENTION in ops else [*ops, STEPPED_ATTENTION]
 
 
 class TokenDepths:
@@ -263,11 +262,16 @@ class TokenDepths:
         return self.device[:num_tokens].copy_(host, non_blocking=True)
 
     def warm_up(self, num_tokens: int) -> torch.Tensor:
-        """A batch of no request (vLLM's profiling, warm-up and CUDA-graph capture runs): every token at
-        max_recurrence, so that the deepest graph is measured and captured."""
+        """A batch of no request (vLLM's profiling, warm-up and CUDA-graph capture runs): every token at depth 1.
+        One step compiles and captures every piece (the core step is the same at every depth)."""
         if num_tokens > self.device.numel():
             self.__init__(num_tokens, self.maximum, self.device.device)
-        return self.device[:num_tokens].fill_(self.maximum)
+        return self.device[:num_tokens].fill_(1)
+
+
+def depth_stops(request_depths) -> tuple[int, ...]:
+    """A batch's distinct depths, increasing, as host integers: the steps at which some of its tokens stop."""
+    return tuple(sorted({int(depth) for depth in request_depths}))
 
 
 # Each V1 engine's RequestDepth, by the identity of its VllmConfig (the model is built with the same object): weak
@@ -328,11 +332,11 @@ class RequestDepth(LogitsProcessor):
             if direction != MoveDirectionality.SWAP:
                 self.live[first] = False
 
-    def token_depths(self, query_start_loc: torch.Tensor | None, num_tokens: int) -> tuple[torch.Tensor, int | None]:
-        """Each token's depth (its request's; padding tokens 1) and the batch's deepest request's. A batch without
-        requests (vLLM's profiling, warm-up and CUDA-graph capture runs) has every token at `max_recurrence`, and
-        None for its deepest. Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets, from the forward's
-        attention metadata); a forward without it while requests are live is an error, not a warm-up."""
+    def token_depths(self, query_start_loc, num_tokens: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        """Each token's depth (its request's; padding tokens 1) and the batch's distinct depths (`depth_stops`). A
+        batch without requests (vLLM's profiling, warm-up and CUDA-graph capture runs) has None for its stops.
+        Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets, from the forward's attention metadata); a
+        forward without it while requests are live is an error, not a warm-up."""
         if query_start_loc is None:
             if self.live.any():
                 raise RuntimeError(
@@ -346,7 +350,7 @@ class RequestDepth(LogitsProcessor):
         rows = self.rows[:num_reqs]
         lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
         per_token = torch.repeat_interleave(rows, lengths).numpy()
-        return self.tokens.write(per_token, num_tokens), int(rows.max())
+        return self.tokens.write(per_token, num_tokens), depth_stops(rows.tolist())
 
 
 class DepthParams:
@@ -442,11 +446,24 @@ def served_limits(scope) -> Limits:
     return engine_limits(vllm_config)
 
 
+DEPTH_HEADER = "x-recurfit-depth"  # each answer's header: the depth its request ran at
+
+
+@functools.cache
+def requests_by_depth():
+    """The server's count of requests per depth, on vLLM's own `/metrics` (its Prometheus registry) as
+    `recurfit:requests_total{depth="d"}`."""
+    from prometheus_client import Counter
+
+    return Counter("recurfit:requests", "Generation requests by the depth they run at", ["depth"])
+
+
 class EffortToDepth:
     """ASGI middleware (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`): every generation request
     (completions, chat, responses) gets its depth resolved and checked, and that depth's cache salt
-    (`with_depth`); a refused one is a 400 naming the field. Its engine is the server's own (its app state), so
-    each server, and each API server process, reads its own limits."""
+    (`with_depth`); a refused one is a 400 naming the field. The answer says the depth it ran at (its
+    `x-recurfit-depth` header), and `/metrics` counts the requests per depth. Its engine is the server's own (its
+    app state), so each server, and each API server process, reads its own limits."""
 
     def __init__(self, app):
         self.app = app
@@ -476,6 +493,7 @@ class EffortToDepth:
                 return await _error(send, 400, str(refused), refused.parameter)
             body = json.dumps(request).encode()
             scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
+            send = _reporting(send, request["vllm_xargs"][NUM_STEPS])
         sent = False
 
         async def replay():
@@ -486,6 +504,19 @@ class EffortToDepth:
             return {"type": "http.request", "body": body, "more_body": False}
 
         return await self.app(scope, replay, send)
+
+
+def _reporting(send, depth: int):
+    """`send` that adds the depth to the answer's headers, and counts the request once its answer starts."""
+
+    async def send_with_depth(message):
+        if message["type"] == "http.response.start":
+            headers = [*message.get("headers", []), (DEPTH_HEADER.encode(), str(depth).encode())]
+            message = {**message, "headers": headers}
+            requests_by_depth().labels(depth=str(depth)).inc()
+        await send(message)
+
+    return send_with_depth
 
 
 def _with_length(headers, length: int):

@@ -3,9 +3,9 @@
 Model Runner V2 asks a model for the state it keeps per request (`get_model_state_cls`) and calls it around
 every forward: `add_request` with each new request's sampling parameters, `prepare_inputs` with each batch (its
 requests' slots and token offsets, on the host), and `prepare_dummy_inputs` for the CUDA-graph capture runs.
-`RecurfitModelState` keeps each slot's depth and hands the model each token's depth, and the batch's deepest,
-as forward arguments (`token_depths`, `deepest`). Imported by vLLM's V2 runner only (the V1 runner carries the
-depths through recurfit.serving.depth.RequestDepth).
+`RecurfitModelState` keeps each slot's depth and hands the model each token's depth, and the batch's distinct
+depths, as forward arguments (`token_depths`, `depth_stops`). Imported by vLLM's V2 runner only (the V1 runner
+carries the depths through recurfit.serving.depth.RequestDepth).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-from .depth import TokenDepths, engine_limits
+from .depth import TokenDepths, depth_stops, engine_limits
 
 
 class RecurfitModelState(DefaultModelState):
@@ -42,22 +42,22 @@ class RecurfitModelState(DefaultModelState):
     def prepare_inputs(self, input_batch, req_states) -> dict[str, Any]:
         """The default inputs, and each token's depth from its request's slot (`idx_mapping_np`) and offsets
         (`query_start_loc_np`), both on the host: no device sync. A batch of no live request is one of vLLM's
-        dummy runs (profiling, warm-up, data-parallel padding): every token at max_recurrence. A batch that mixes
+        dummy runs (profiling, warm-up, data-parallel padding): one step. A batch that mixes
         live requests with unknown ones is an error, not a warm-up."""
         inputs = super().prepare_inputs(input_batch, req_states)
         num_reqs, padded = input_batch.num_reqs, input_batch.num_tokens_after_padding
         known = [req_id in self.slots for req_id in input_batch.req_ids[:num_reqs]]
         if not any(known):
-            return {**inputs, "token_depths": self.tokens.warm_up(padded), "deepest": None}
+            return {**inputs, "token_depths": self.tokens.warm_up(padded), "depth_stops": None}
         if not all(known):
             unknown = [r for r, k in zip(input_batch.req_ids, known) if not k]
             raise RuntimeError(f"recurfit on vLLM: a batch holds requests this model state never saw: {unknown}.")
         rows = self.slot_depths[input_batch.idx_mapping_np[:num_reqs]]
         lengths = np.diff(input_batch.query_start_loc_np[: num_reqs + 1])
         per_token = np.repeat(rows, lengths)[: input_batch.num_tokens]
-        return {**inputs, "token_depths": self.tokens.write(per_token, padded), "deepest": int(rows.max())}
+        return {**inputs, "token_depths": self.tokens.write(per_token, padded), "depth_stops": depth_stops(rows)}
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, Any]:
-        """CUDA-graph capture: every token at max_recurrence, in the buffer real batches write."""
+        """CUDA-graph capture: one step (every piece captured), depths in the buffer real batches write."""
         inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)
-        return {**inputs, "token_depths": self.tokens.warm_up(num_tokens), "deepest": None}
+        return {**inputs, "token_depths": self.tokens.warm_up(num_tokens), "depth_stops": None}

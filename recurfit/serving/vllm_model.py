@@ -14,13 +14,14 @@ windows and per-kind rotary embeddings set on its sliding layers. Each request n
 (`recurfit.serving.depth`; default `mean_recurrence`, at most `max_recurrence`), and each token runs to its own
 request's r:
 
-- eagerly (`--enforce-eager`), step s computes the tokens still short of their depth only (gathered, computed,
-  scattered back), their attention included (`RecurringRequests`: vLLM's CPU attention backend; with another
-  backend, attention runs for every token up to the batch's deepest);
-- compiled (vLLM's default), a graph's shapes cannot follow the data, so there is one graph per compiled depth
-  (`AtDepth`; `compiled_depths`, default the folder's `depth_for_effort` depths, `mean_recurrence` and
-  `max_recurrence`), each a fixed number of steps unrolled with the tokens past their depth masked, and each batch
-  runs through the shallowest one that covers its deepest request. All compile when the engine starts.
+Step s computes the tokens still short of their depth only (gathered, computed, scattered back), their
+attention included (`RecurringRequests`: vLLM's CPU attention backend; with another backend, attention runs for
+every token up to the batch's deepest). vLLM compiles three pieces (its default mode; `--enforce-eager` runs them
+as they are): the prelude, one core step and the coda, each once whatever the depths served. A core layer's
+attention is one opaque op (`recurfit::stepped_attention`) that runs the current step's vLLM `Attention` when it
+is called, so one compiled core step serves every step and every depth. On a GPU the pieces are captured as
+vLLM's piecewise CUDA graphs: a step over the whole batch replays them, reading its inputs from buffers of fixed
+address (`Pieces`); a step over fewer tokens runs the compiled pieces without graphs.
 
 KV cache, `cache_policy` "all" (default): each core layer's attention runs through r vLLM `Attention` layers,
 one per step (its own name, hence its own paged KV cache): a token at step s attends to the earlier tokens'
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Iterable, Iterator
@@ -42,8 +44,8 @@ import vllm
 from torch import nn
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.config import CUDAGraphMode, VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available, override_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -53,11 +55,10 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from ..defaults import ADAPTERS, CACHE_POLICIES
-from ..model.compiled import own_code
 from ..model.families import attention_types
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
-from .depth import Limits, table_for
+from .depth import STEPPED_ATTENTION, Limits, table_for
 
 # The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
 # class, whose weight mapper loads the body where the body has no `load_weights` of its own).
@@ -159,23 +160,41 @@ def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
     return inner
 
 
-class SteppedAttention(nn.Module):
-    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based).
+@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=())
+def stepped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: str) -> torch.Tensor:
+    """A core layer's attention at the current step: opaque to the compiler, so that one compiled core step runs
+    whichever step's `Attention` (KV cache) the step loop chose (`SteppedAttention.step`) when it is called."""
+    return get_forward_context().no_compile_layers[layer].attend(query, key, value)
 
-    Eagerly, a step that runs the core on some rows only (`rows`: the tokens not yet at their depth) gets their
-    queries, keys and values; attention runs on every token of the batch (vLLM's metadata describes them all), the
+
+@stepped_attention.register_fake
+def _(query, key, value, layer):
+    return query.new_empty(query.shape)  # attention's output has the queries' shape (heads × head size)
+
+
+class SteppedAttention(nn.Module):
+    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based), through
+    `stepped_attention`, which finds it by its `layer_name` in the engine's forward context.
+
+    A step that runs the core on some rows only (`rows`: the tokens not yet at their depth) gets their queries,
+    keys and values; where the backend's metadata is not narrowed, attention runs on every token of the batch, the
     other tokens with the keys and values they had at their last step (`keep`), so what they write is what they
     wrote then (recurfit's latest-step rule), and only the rows' outputs go back."""
 
-    def __init__(self, steps: list[nn.Module]):
+    def __init__(self, steps: list[nn.Module], vllm_config: VllmConfig):
         super().__init__()
         self.steps = nn.ModuleList(steps)
+        self.layer_name = f"{steps[0].layer_name}.stepped"
+        vllm_config.compilation_config.static_forward_context[self.layer_name] = self
         self.step = 0
         self.rows: torch.Tensor | None = None
         self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.tracking = False  # keep each token's latest keys and values (eager forwards only)
+        self.tracking = False  # keep each token's latest keys and values (steps on some rows only, not narrowed)
 
     def forward(self, query, key, value):
+        return stepped_attention(query, key, value, self.layer_name)
+
+    def attend(self, query, key, value):
         attention = self.steps[self.step]
         if self.rows is None:
             if self.tracking:
@@ -296,9 +315,8 @@ def _uncompiled(body_class: type) -> type:
 
 
 class RecurrentModel(nn.Module):
-    """prelude -> steps x (adapter + core) -> coda -> norm. Run eagerly, each step computes the tokens still short
-    of their depth only; compiled (`AtDepth`), a fixed number of steps unrolls into one graph whose attention calls
-    each name their own KV cache, the tokens past their depth masked."""
+    """prelude -> steps x (adapter + core) -> coda -> norm, each step on the tokens still short of their depth
+    only, through the compiled `Pieces`."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -345,7 +363,9 @@ class RecurrentModel(nn.Module):
                     _attention_like(own, f"{body_prefix}.recurrence.{total + (step - 2) * R + i}.attn", vllm_config)
                     for step in range(2, self.max_recurrence + 1)
                 ]
-            attn_holder.attn = SteppedAttention(steps)
+            attn_holder.attn = SteppedAttention(steps, vllm_config)
+        # Outside the module tree (they hold this module, not weights of their own)
+        self.__dict__["pieces"] = Pieces(self, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         embedded = self.body.embed_tokens(input_ids)
@@ -383,51 +403,56 @@ class RecurrentModel(nn.Module):
         """The adapter's output at a step, W_s s + `part` (`_embedded_part`)."""
         return state + part if self.adapter_state is None else self.adapter_state(state)[0] + part
 
+    def prelude(self, input_ids, positions, inputs_embeds) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding and prelude: s_0 and the adapter's embedded part (`_embedded_part`)."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        e = self._apply_layers(0, self.shape[0], positions, hidden)
+        return self.initial_state(e), self._embedded_part(e)
+
+    def core_step(self, positions, state, part) -> torch.Tensor:
+        """One recurrence: adapter and core (each core layer's attention the step its `SteppedAttention` is at)."""
+        P, R, _ = self.shape
+        return self._apply_layers(P, R, positions, self._adapt(state, part))
+
+    def coda(self, positions, state) -> torch.Tensor:
+        P, R, C = self.shape
+        return self.body.norm(self._apply_layers(P + R, C, positions, state))
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor | None,
         depths: torch.Tensor,
-        steps: int,
-        gather: bool,
+        stops: tuple[int, ...] | None,
     ) -> torch.Tensor:
-        """Embedding to final norm with `steps` recurrences, each token stopping at its own `depths`: `gather`
-        computes a step on the tokens still recurring only (eager), else on every token, those past their depth
-        masked (a compiled graph, whose shapes cannot follow the data)."""
-        P, R, C = self.shape
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        e = self._apply_layers(0, P, positions, hidden)
-        state, part = self.initial_state(e), self._embedded_part(e)
-        core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
-        if gather:
-            state = self._recur_eagerly(positions, state, part, depths, steps, core)
-        else:
-            frozen: list = [None] * R
-            for step in range(steps):
-                for stepped in core:
-                    stepped.step = step if self.policy == "all" else 0
-                active = None if step == 0 else (depths > step).unsqueeze(-1)
-                state = self._core_step(positions, state, part, active, frozen)
-        for stepped in core:
-            stepped.step = 0
-        return self.body.norm(self._apply_layers(P + R, C, positions, state))
+        """Embedding to final norm, each token recurring to its own `depths`; `stops` are the batch's distinct depths
+        (on the host), None for vLLM's runs without requests (profiling, warm-up, graph capture), which run one
+        step: the compiled pieces are the same at every step."""
+        pieces = self.pieces
+        state, part = pieces.prelude(input_ids, positions, inputs_embeds)
+        state, part = pieces.fixed("state", state), pieces.fixed("part", part)
+        state = self._recur(positions, state, part, depths, stops or (1,))
+        return pieces.coda(positions, pieces.fixed("state", state))
 
-    def _recur_eagerly(self, positions, state, part, depths, deepest: int, core: list) -> torch.Tensor:
-        """Steps 1..deepest, each on the tokens not yet at their depth only: the batch pays each request's own
+    def _recur(self, positions, state, part, depths, stops: tuple[int, ...]) -> torch.Tensor:
+        """Steps 1..max(stops), each on the tokens not yet at their depth only: the batch pays each request's own
         depth, attention included where the backend's metadata narrows (`RecurringRequests`), else attention for
         every token up to the deepest. Each time some tokens reach their depth, the others (`rows`) are gathered
-        with their adapter parts and positions, and the states of all scattered back."""
+        with their adapter parts and positions, and the states of all scattered back. A step over the whole batch
+        reads and writes the pieces' fixed buffers (its CUDA graphs replay); a step over fewer tokens runs
+        without graphs."""
         P, R, _ = self.shape
+        pieces = self.pieces
+        core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
         layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
         narrow = RecurringRequests.narrowable(layers[0][0])
-        stops = set(torch.unique(depths).tolist())  # a token of depth d runs steps 0..d-1
         rows = None  # the running tokens (None: all)
         running, running_part, running_positions, running_depths = state, part, positions, depths
         try:
             for stepped in core:
                 stepped.tracking = not narrow
-            for step in range(deepest):
+            for step in range(stops[-1]):
                 if step in stops:
                     state = running if rows is None else state.index_copy(0, rows, running)
                     kept = (running_depths > step).nonzero().squeeze(1)
@@ -440,29 +465,16 @@ class RecurrentModel(nn.Module):
                 for stepped in core:
                     stepped.step = slot
                     stepped.rows = None if narrow else rows
+                if rows is None:
+                    running = pieces.fixed("state", pieces.core_step(running_positions, running, running_part))
+                    continue
                 names = [names[slot] for names in layers]
-                with self.requests.only(names) if narrow and rows is not None else contextlib.nullcontext():
-                    running = self._apply_layers(P, R, running_positions, self._adapt(running, running_part))
+                with self.requests.only(names) if narrow else contextlib.nullcontext(), without_cuda_graphs():
+                    running = pieces.core_step(running_positions, running, running_part)
         finally:
             for stepped in core:
-                stepped.tracking, stepped.rows, stepped.keep = False, None, None
+                stepped.step, stepped.tracking, stepped.rows, stepped.keep = 0, False, None, None
         return running if rows is None else state.index_copy(0, rows, running)
-
-    def _core_step(self, positions, state, part, active, frozen: list) -> torch.Tensor:
-        """One step of the core. A row past its depth (`active` False) keeps its state, and each core layer gets
-        the input it had at the row's last step, so the keys and values it writes are its last step's: under
-        `latest` its cache entry stays as it was, under `all` the deeper steps' slots hold its latest keys."""
-        P, R, _ = self.shape
-        hidden, residual = self._adapt(state, part), None
-        for i, layer in enumerate(self.body.layers[P : P + R]):
-            if active is not None:
-                hidden = torch.where(active, hidden, frozen[i][0])
-                if residual is not None:
-                    residual = torch.where(active, residual, frozen[i][1])
-            frozen[i] = (hidden, residual)
-            hidden, residual = self._layer(layer, positions, hidden, residual)
-        new = hidden if residual is None else hidden + residual
-        return new if active is None else torch.where(active, new, state)
 
     # ------------------------------------------------------------ weights
 
@@ -500,30 +512,81 @@ class RecurrentModel(nn.Module):
         return None
 
 
-class AtDepth(nn.Module):
-    """`RecurrentModel` at a fixed number of steps, as one forward that vLLM compiles (and on a GPU captures as CUDA
-    graphs). Built through `at_depth`, which gives each depth a class and a forward code object of its own: vLLM
-    keeps one compiled graph per code object, and its compile cache tells graphs apart by the forward's name."""
+def cuda_graphs_replay() -> bool:
+    """Whether this forward runs under vLLM's CUDA graphs (captured or replayed; never on a CPU)."""
+    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel, steps: int):
+
+@contextlib.contextmanager
+def without_cuda_graphs() -> Iterator[None]:
+    """Within the block, compiled pieces run without CUDA graphs: a graph is captured per batch size (vLLM's
+    batch descriptor), and a step over some of the batch's tokens has another size than the batch."""
+    if not cuda_graphs_replay():
+        yield
+        return
+    context = dataclasses.replace(get_forward_context(), cudagraph_runtime_mode=CUDAGraphMode.NONE)
+    with override_forward_context(context):
+        yield
+
+
+# Each piece's token dimension, which vLLM compiles as dynamic.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
+class CompiledPrelude(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
         super().__init__()
         self.recurrence = recurrence
-        self.steps = steps
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds, depths: torch.Tensor):
-        return self.recurrence(input_ids, positions, inputs_embeds, depths, self.steps, gather=False)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
+        return self.recurrence.prelude(input_ids, positions, inputs_embeds)
 
 
-def at_depth(steps: int, recurrence: RecurrentModel, vllm_config: VllmConfig) -> AtDepth:
-    """An `AtDepth` of `steps` steps compiled by vLLM on its first call (unless the engine runs eagerly), under a
-    model tag of its own so that its compiled artifacts are cached apart from the other depths'."""
-    name = f"RecurrentAtDepth{steps}"
-    forward = own_code(AtDepth.forward)
-    forward.__qualname__ = f"{name}.forward"
-    dynamic = {"input_ids": 0, "positions": -1, "inputs_embeds": 0, "depths": 0}
-    cls = support_torch_compile(dynamic_arg_dims=dynamic)(type(name, (AtDepth,), {"forward": forward}))
-    with set_model_tag(f"recurfit_depth_{steps}"):
-        return cls(vllm_config=vllm_config, recurrence=recurrence, steps=steps)
+@support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0, "part": 0})
+class CompiledCoreStep(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
+        super().__init__()
+        self.recurrence = recurrence
+
+    def forward(self, positions: torch.Tensor, state: torch.Tensor, part: torch.Tensor):
+        return self.recurrence.core_step(positions, state, part)
+
+
+@support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0})
+class CompiledCoda(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
+        super().__init__()
+        self.recurrence = recurrence
+
+    def forward(self, positions: torch.Tensor, state: torch.Tensor):
+        return self.recurrence.coda(positions, state)
+
+
+class Pieces:
+    """The recurrence's three pieces as vLLM compiles them (each once, on its first call, whatever the depths served;
+    under `--enforce-eager` they run as they are), and the buffers whose addresses their CUDA graphs read.
+
+    Under vLLM's piecewise CUDA graphs a piece's graph replays reading the input addresses it was captured with,
+    and its outputs live in a pool later graphs reuse. The core step runs several times per forward on the
+    previous step's output, so every piece reads its state from a buffer of fixed address, and each output is
+    copied there before the next piece runs (`fixed`; on a CPU, without graphs, nothing is copied)."""
+
+    def __init__(self, recurrence: RecurrentModel, vllm_config: VllmConfig):
+        self.size = vllm_config.scheduler_config.max_num_batched_tokens
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, cls in (("prelude", CompiledPrelude), ("core_step", CompiledCoreStep), ("coda", CompiledCoda)):
+            with set_model_tag(f"recurfit_{name}"):  # its compiled artifacts cached apart from the others'
+                setattr(self, name, cls(vllm_config=vllm_config, recurrence=recurrence))
+        self.compiled = not self.prelude.do_not_compile
+
+    def fixed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` in the first rows of the buffer `name` while CUDA graphs run, else `tensor` itself."""
+        if not cuda_graphs_replay():
+            return tensor
+        buffer = self.buffers.get(name)
+        if buffer is None:  # vLLM's batches hold at most max_num_batched_tokens tokens: allocated once
+            size = max(self.size, tensor.shape[0])
+            buffer = self.buffers[name] = tensor.new_empty((size, *tensor.shape[1:]))
+        view = buffer[: tensor.shape[0]]
+        return view if view.data_ptr() == tensor.data_ptr() else view.copy_(tensor)
 
 
 class RecurfitForCausalLM(nn.Module):
@@ -543,10 +606,6 @@ class RecurfitForCausalLM(nn.Module):
         module, _, causal_lm = VLLM_FAMILIES[text.model_type]
         self.body_mapper = getattr(getattr(importlib.import_module(module), causal_lm), "hf_to_vllm_mapper", None)
         self.model = RecurrentModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        # Compiled forwards, one per depth in limits.compiled, shallowest first; a plain list, outside the module
-        # tree, since they hold no weights of their own.
-        self.graphs = [at_depth(steps, self.model, vllm_config) for steps in self.limits.compiled]
-        self.compiled = not self.graphs[0].do_not_compile
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.body.embed_tokens)
@@ -569,32 +628,19 @@ class RecurfitForCausalLM(nn.Module):
         intermediate_tensors=None,
         inputs_embeds=None,
         token_depths: torch.Tensor | None = None,
-        deepest: int | None = None,
+        depth_stops: tuple[int, ...] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to:
-        eagerly, each step on the tokens still short of their depth; compiled, through the graph of the shallowest
-        compiled depth that covers the batch's deepest request. Model Runner V2 passes the depths
-        (`RecurfitModelState.prepare_inputs`; `deepest` None for a batch of no request); under the V1 runner they
-        come from the engine's `RequestDepth`."""
-        if token_depths is not None:
-            depths = token_depths
-        else:
-            depths, deepest = self.token_depths(positions.shape[-1])
-        if not self.compiled:
-            return self.model(input_ids, positions, inputs_embeds, depths, deepest or self.limits.maximum, gather=True)
-        if deepest is None:
-            # vLLM's runs without requests (profiling, warm-up, CUDA-graph capture): every graph compiles (and is
-            # captured) now, not when a request first needs it.
-            for graph in self.graphs[:-1]:
-                graph(input_ids, positions, inputs_embeds, depths)
-            return self.graphs[-1](input_ids, positions, inputs_embeds, depths)
-        graph = next(graph for graph in self.graphs if graph.steps >= deepest)
-        return graph(input_ids, positions, inputs_embeds, depths)
+        """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to.
+        Model Runner V2 passes the depths (`RecurfitModelState.prepare_inputs`; `depth_stops` None for a batch of
+        no request); under the V1 runner they come from the engine's `RequestDepth`."""
+        if token_depths is None:
+            token_depths, depth_stops = self.token_depths(positions.shape[-1])
+        return self.model(input_ids, positions, inputs_embeds, token_depths, depth_stops)
 
-    def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, int | None]:
-        """Under the V1 runner: each token's depth and the batch's deepest (None for a batch without requests),
-        from the depths the engine's `RequestDepth` keeps per batch row."""
+    def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        """Under the V1 runner: each token's depth and the batch's distinct depths (None for a batch without
+        requests), from the depths the engine's `RequestDepth` keeps per batch row."""
         meta = get_forward_context().attn_metadata if is_forward_context_available() else None
         query_start_loc = next(iter(meta.values())).query_start_loc if isinstance(meta, dict) and meta else None
         return table_for(self.vllm_config).token_depths(query_start_loc, num_tokens)
