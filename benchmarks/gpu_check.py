@@ -1023,7 +1023,7 @@ def step_sweep(ctx: Context) -> None:
 
 def step_prepare(ctx: Context) -> None:
     prepare_train(ctx.work, ctx.smoke)
-    ctx.record("prepare", f"parent, tokenizer, token store and {ctx.work / 'train.yaml'} in {ctx.work}")
+    ctx.record("prepare", f"a parent, tokenizer, token store and train.yaml in {ctx.work}")
 
 
 # Losses of a resumed run against the straight one. Exact on the CPU. On a GPU flash/efficient attention's
