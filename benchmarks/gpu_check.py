@@ -469,7 +469,8 @@ def plan_lines(part: int = 1) -> list[str]:
 def run_part(part: int, out: Path, work: Path, smoke: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "peaks.json").unlink(missing_ok=True)  # a step's MFU must not use an earlier run's peak
+    for name in ARTIFACTS:  # a step's MFU must not use an earlier run's peak, nor a part pack another's outputs
+        (work / name).unlink(missing_ok=True)
     if smoke and part > 1 and not (work / "parent").exists():
         prepare_train(work, smoke=True)  # the tiny parent the smoke's benchmarks load
     results, steps = output(out, "results.jsonl", part), PARTS[part].steps
@@ -1160,7 +1161,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results folder ($OUT on the device machine)")
     parser.add_argument(
-        "--part", choices=[*map(str, PARTS), "all"], default="1", help="1: the five-minute check (default); 2-4 later"
+        "--part",
+        choices=[*map(str, PARTS), "all"],
+        default="1",
+        help="1: the five-minute check (default); 2-4: later, one a command; all: each in turn (the smoke, --plan)",
     )
     parser.add_argument("--plan", action="store_true", help="print the part's steps, their time limits and the total")
     parser.add_argument("--cpu-smoke", action="store_true", help="the part's steps at toy sizes on the CPU (CI)")
