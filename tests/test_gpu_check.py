@@ -145,8 +145,8 @@ def test_decode_times_eagerly_the_keys_whose_predicted_compile_does_not_fit_the_
     assert all(math.isfinite(r["eager_tokens_s"]) for r in decode)  # the sign is noise's at 6 toy tokens
 
 
-# Per part: its timeout (part 1: ~1 min on 2 idle cores, the steps' own limits 3 × the GPU's; parts 2-4: minutes
-# each, limits 6 × the GPU's) and why it is left out of the ISA caps' runs.
+# Per part: its timeout (on 2 cores, part 1 ~1-2 min, the steps' own limits 3 × the GPU's; parts 2-4 ~2-3 min each,
+# 8.5 min for the four together, limits 6 × the GPU's) and why it is left out of the ISA caps' runs.
 SMOKE_PARTS = [
     pytest.param(1, marks=[pytest.mark.timeout(600), pytest.mark.not_under_isa_caps(
         "the smoke computes in float32; bf16 only times the device's peak, asserted > 0")]),
