@@ -1,7 +1,7 @@
 """Decoding with the step-aware KV cache: speed, cache memory, and the quality and speed of each decoding mode.
 
     python benchmarks/decode.py [MODEL]          # default: the embedded SmolLM2 retrofitted to (4,8,4)
-    python benchmarks/decode.py --parent tinyllama --device cuda --dtype bf16 --sequences 32   # GPU suite
+    python benchmarks/decode.py --parent tinyllama --device cuda --dtype bf16 --sequences 32   # GPU check
 
 Teacher-forced decoding of English passages (embedded:prose): each sequence's first `--prompt` tokens are a
 prefill, then the next `--decode` tokens are fed one at a time through the cache, scoring each prediction.

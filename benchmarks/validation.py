@@ -2,7 +2,7 @@
 
     python benchmarks/validation.py [--recurrence 1,2,4,8,16,32] [--rows 64] [--repeats 3]
 
-On the GPU suite's tiny training set-up (a random 16-layer llama retrofitted to (4, 8, 4), sequences of 32),
+On train_setup.py's tiny training set-up (a random 16-layer llama retrofitted to (4, 8, 4), sequences of 32),
 times `Trainer.validate` (the prelude once, the core max(r) times per micro-batch) and the forward-per-r way
 validation ran before (the core Σr times), alternating, best of --repeats, in this one run; checks that both give
 the same losses; prints the measured ratio beside the one the layer counts predict,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from gpu_suite import prepare_train
+from train_setup import prepare_train
 
 from recurfit.train import Trainer, load_config
 

@@ -1,8 +1,8 @@
 """Tiny random parents of every supported family, and the reference they must match after surgery.
 
 `pytest --device cuda [--dtype bfloat16]` runs the model, cache, generation and training tests on that device
-and precision (the GPU suite, benchmarks/gpu_suite.py); the other tests are skipped there, as are the tests
-marked `cpu_only`. Without the options every test runs on the CPU in float32.
+and precision (part 2 of the GPU check, benchmarks/gpu_check.py); the other tests are skipped there, as are the
+tests marked `cpu_only`. Without the options every test runs on the CPU in float32.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def workspace(tmp_path_factory):
     tokenizer.save_pretrained(root / "parent")
     for name, seed, words in (("prose", 0, WORDS), ("math", 1, list("0123456789") + ["plus", "is"])):
         write_documents(root / f"{name}.jsonl", 300, seed, words)
-        # Words drawn from a short list hold no evaluation item, and the GPU suite's machine has no eval sets.
+        # Words drawn from a short list hold no evaluation item, and the GPU check's machine has no eval sets.
         prepare(tokenizer, [str(root / f"{name}.jsonl")], 32, root / name, show_progress=False, val_fraction=0.05,
                 decontaminate="none")  # fmt: skip
     return root

@@ -1,5 +1,5 @@
 """The test modules that `pytest --device` and `--dtype` move off the CPU and float32, read by tests/conftest.py
-and by benchmarks/gpu_suite.py (which runs them on the GPU). Torch-free: the suite reads it before installing.
+and by benchmarks/gpu_check.py (whose part 2 runs them on the GPU). Torch-free: the check reads it at import.
 """
 
 # The test modules that follow --device (training runs through `recurfit train`, which picks the GPU itself)

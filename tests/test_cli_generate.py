@@ -116,7 +116,7 @@ def test_generate_continues_the_raw_prompt_as_a_vllm_completion_and_chat_wraps_i
     assert refused.value.code == 2 and "invalid choice: 'auto'" in capsys.readouterr().err
 
 
-@pytest.mark.cpu_only("drives lm-eval, which the GPU machine of the suite does not have")
+@pytest.mark.cpu_only("drives lm-eval, which the GPU check's machine does not have")
 def test_warm_start_runs_in_the_cli_and_lm_eval(workspace, tmp_path, capsys):
     from lm_eval.api.instance import Instance
 

@@ -78,8 +78,8 @@ def core_gradients(model, ids, cache_enabled: bool) -> dict[str, torch.Tensor]:
     return {name: p.grad for name, p in model.named_parameters() if name.startswith(trained)}
 
 
-# Skipped under --device cuda: the GPU suite (benchmarks/gpu_suite.py) runs one NCCL process instead.
-TWO_PROCESSES = "2 processes need 2 GPUs under --device cuda, and the suite's machine has 1"
+# Skipped under --device cuda: the GPU check's parts 3 and 4 (benchmarks/gpu_check.py) run one NCCL process instead.
+TWO_PROCESSES = "2 processes need 2 GPUs under --device cuda, and the GPU check's machine has 1"
 
 
 # AdamW in float32: 2 processes differ from 1 by the float rounding of the all-reduce only, which AdamW's update
@@ -231,7 +231,7 @@ def test_bf16_autocast_keeps_the_cores_gradient_after_steps_without_it():
     EPYC with AVX512-BF16 (no AMX), natively and under ONEDNN_MAX_CPU_ISA=AVX512_CORE and =AVX2 (the bound 5.3x
     above)."""
     model = recurfit.retrofit(tiny_parent("llama", place=False), shape=(2, 2, 1), adapter_init="torch-default")
-    model = model.to(PLACEMENT.device)  # fp32 master weights, as training holds them; the suite runs it on CUDA
+    model = model.to(PLACEMENT.device)  # fp32 master weights, as training holds them; the GPU check runs it on CUDA
     ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(0)).to(PLACEMENT.device)
     cached, uncached = core_gradients(model, ids, True), core_gradients(model, ids, False)
     assert cached.keys() == uncached.keys() and any(name.startswith("model.adapter.") for name in cached)

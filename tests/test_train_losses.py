@@ -17,7 +17,7 @@ from recurfit.train.metrics import read_log
 
 
 def micro_batch(trainer: Trainer, rows: int = 2) -> torch.Tensor:
-    """Rows on the trainer's device (the GPU under the suite's --device cuda)."""
+    """Rows on the trainer's device (the GPU under the GPU check's --device cuda)."""
     return trainer.stream.next_batch(rows, 0, 1).to(trainer.processes.device)
 
 
