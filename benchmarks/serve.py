@@ -13,7 +13,7 @@ Needs vLLM (scripts/setup-vllm.sh). Two workloads, each at every r in `--depths`
 recurfit's `generate` takes each workload as one left-padded batch with the `all` cache; in the mixed one a row
 ends at its own budget or stop sequence, but the batch runs until its longest row is done. vLLM takes the same
 requests through `vllm.LLM` on the saved folder with `hf_overrides={"mean_recurrence": r}`, once eager
-(`enforce_eager=True`) and once in its default compiled mode (on a CPU: the whole recurrence traced once and
+(`enforce_eager=True`) and once in its default compiled mode (on a CPU: the prelude, one core step and the coda
 compiled by inductor; on a GPU: compiled, with CUDA graphs), and schedules them itself. Prints the seconds and
 tokens/s of each, recurfit's time over each vLLM mode's time (the ratio; > 1: vLLM is faster), each engine's load
 and compile time (not counted), and how many rows came out identical to recurfit's.
