@@ -96,7 +96,10 @@ def answer_logits(model, head, hidden, answers):
 def train(model, head, tokenizer, args, recurrent: bool) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    adapter = [p for name, p in model.named_parameters() if p.requires_grad and "adapter" in name]
+    rest = [p for name, p in model.named_parameters() if p.requires_grad and "adapter" not in name]
+    groups = [{"params": rest}] + ([{"params": adapter, "lr": args.lr * args.adapter_lr}] if adapter else [])
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     data = examples(
         "train",
@@ -193,6 +196,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--adapter-lr", type=float, default=1.0, help="the adapter's learning rate, times --lr")
     parser.add_argument("--train-hops", type=int, default=4)
     parser.add_argument("--chains", type=int, default=4)
     parser.add_argument("--test-chains", type=int, default=3)
@@ -216,6 +220,7 @@ def main() -> None:
     parser.add_argument("--backprop", type=int, default=4, help="recurrences with gradient")
     parser.add_argument("--recurrences", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-parent", action="store_true")
+    parser.add_argument("--no-retrofit", action="store_true", help="train and score the parent only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--device", default="cpu")
@@ -225,7 +230,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(None)
     result = {"args": vars(args), "accuracy": {}, "seconds": {}, "training": {}}
-    models = [("retrofit", tuple(args.shape))] + ([] if args.no_parent else [("parent", None)])
+    models = ([] if args.no_retrofit else [("retrofit", tuple(args.shape))]) + (
+        [] if args.no_parent else [("parent", None)]
+    )
     for name, shape in models:
         start = time.perf_counter()
         parent = load_model(None, dtype=torch.float32)
