@@ -8,6 +8,15 @@ The loss is the cross-entropy of the answer tokens only (a few per example). rec
 every token of a packed store, which here would mostly be the programs' random names, so the study steps the
 models itself: AdamW on the answers, the recurrence of each step drawn uniformly from 1..--train-r with the last
 --backprop of them taking gradient.
+
+Made cheap enough for a CPU: the head is cut to the task's tokens (letters, digits, "=,.": the loss and the argmax
+over those rows of the parent's head, at the answer positions only) and the embeddings are frozen, so neither the
+49k-row head nor the embedding's gradient is computed (`--head full --train-embeddings` restores them). Training
+examples can ask every variable (`--queries all`), and `--depth-supervision` also reads the coda out after every
+recurrence that takes gradient, supervising after recurrence i (the last one included) only the answers of at
+most `--hops-per-step` times i hops; with `--trace`, every answer there, its target the variable the query points
+to after i hops (its value once i reaches its hop count): the trace of a one-hop-per-recurrence lookup.
+The JSON records the seconds per step and their split into forward, backward and optimizer.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import time
 import torch
 
 import recurfit
-from recurfit.data.depth_task import examples
+from recurfit.data.depth_task import NAMES, VALUES, examples
 from recurfit.model.loading import load_model, load_tokenizer
 
 
@@ -38,51 +47,144 @@ def batch_tensors(batch, tokenizer, device):
     return input_ids.to(device), mask.to(device), answers
 
 
-def answer_logits(model, input_ids, mask, answers, **kwargs):
-    """The logits at the answer positions only (the head over every position would cost more than the core)."""
-    keep = sorted({position for _, position, _, _ in answers})
-    column = {position: j for j, position in enumerate(keep)}
-    logits = model(input_ids, attention_mask=mask, logits_to_keep=torch.tensor(keep), **kwargs).logits
+def pointer_targets(batch, tokenizer, head, device, steps=64):
+    """For every answer, the variable its query points to after 1, 2, ... hops (its value from its hop count on),
+    as rows of the head: answers × steps."""
+    rows = []
+    for e in batch:
+        binds = dict(statement.split("=") for statement in e.text.split(".")[0].split(","))
+        for index, _, _ in e.answers:
+            name, row = e.text[index - 2], []
+            for _ in range(steps):
+                name = binds.get(name, name)
+                row.append(tokenizer.convert_tokens_to_ids(name))
+            rows.append(row)
+    ids = torch.tensor(rows, device=device)
+    return head.targets(ids.flatten()).view(ids.shape)
+
+
+class TaskHead(torch.nn.Module):
+    """The rows of the parent's head for the task's tokens: logits over those only, and the vocabulary id of each."""
+
+    def __init__(self, lm_head, tokenizer):
+        super().__init__()
+        ids = [tokenizer.convert_tokens_to_ids(c) for c in NAMES + VALUES + "=,."]
+        self.register_buffer("ids", torch.tensor(ids))
+        self.weight = torch.nn.Parameter(lm_head.weight.detach()[self.ids].clone())
+
+    def forward(self, hidden):
+        return hidden @ self.weight.T
+
+    def targets(self, vocab_ids):
+        """Vocabulary ids as rows of this head."""
+        return (vocab_ids[:, None] == self.ids[None]).int().argmax(-1)
+
+
+def hidden_states(model, input_ids, mask, recurrent, **kwargs):
+    """The final normed hidden states (and, for a retrofit with readout_steps, those read out after them)."""
+    out = model.model(input_ids, attention_mask=mask, **kwargs)
+    return out.last_hidden_state, (out.readout_hidden_states or ()) if recurrent else ()
+
+
+def answer_logits(model, head, hidden, answers):
+    """The head at the answer positions only (the head over every position would cost more than the core)."""
     rows = torch.tensor([row for row, _, _, _ in answers])
-    return logits[rows, torch.tensor([column[p] for _, p, _, _ in answers])]
+    positions = torch.tensor([position for _, position, _, _ in answers])
+    return head(hidden[rows, positions])
 
 
-def train(model, tokenizer, args, recurrent: bool) -> list[float]:
+def train(model, head, tokenizer, args, recurrent: bool) -> dict:
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    adapter = [p for name, p in model.named_parameters() if p.requires_grad and "adapter" in name]
+    rest = [p for name, p in model.named_parameters() if p.requires_grad and "adapter" not in name]
+    groups = [{"params": rest}] + ([{"params": adapter, "lr": args.lr * args.adapter_lr}] if adapter else [])
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
-    data = examples("train", args.steps * args.batch, range(1, args.train_hops + 1), args.chains, seed=args.seed)
-    rng, losses = random.Random(args.seed), []
+    data = examples(
+        "train",
+        args.steps * args.batch,
+        range(1, args.train_hops + 1),
+        args.chains,
+        seed=args.seed,
+        queries=args.queries,
+    )
+    rng, losses, times = random.Random(args.seed), [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    answers_seen = 0
     for step in range(args.steps):
         batch = [next(data) for _ in range(args.batch)]
         input_ids, mask, answers = batch_tensors(batch, tokenizer, args.device)
+        answers_seen += len(answers)
+        targets = head.targets(torch.tensor([a[2] for a in answers]).to(args.device))
+        hops = torch.tensor([a[3] for a in answers])
+        trace = pointer_targets(batch, tokenizer, head, args.device) if args.trace else None
         kwargs = {}
+        t0 = time.perf_counter()
         if recurrent:
             r = rng.randint(args.min_train_r, args.train_r)
-            kwargs["num_steps"] = (r - min(r, args.backprop), min(r, args.backprop))
-        logits = answer_logits(model, input_ids, mask, answers, **kwargs)
-        loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor([a[2] for a in answers]).to(args.device))
+            n, k = r - min(r, args.backprop), min(r, args.backprop)
+            kwargs["num_steps"] = (n, k)
+            if args.depth_supervision:
+                kwargs["readout_steps"] = list(range(n + 1, r))
+        final, readouts = hidden_states(model, input_ids, mask, recurrent, **kwargs)
+        readings = list(zip(kwargs.get("readout_steps", []), readouts)) + [
+            (kwargs["num_steps"][0] + kwargs["num_steps"][1] if recurrent else None, final)
+        ]
+        terms, count = [], 0
+        for i, hidden in readings:  # with depth supervision, answers of at most hops_per_step * i hops after step i
+            if trace is not None and i is not None:  # every query, its pointer after i hops (the value once there)
+                logits = answer_logits(model, head, hidden, answers)
+                terms.append(torch.nn.functional.cross_entropy(logits.float(), trace[:, i - 1], reduction="sum"))
+                count += len(answers)
+                continue
+            due = list(range(len(answers)))
+            if args.depth_supervision and i is not None:
+                due = (hops <= args.hops_per_step * i).nonzero().flatten().tolist()
+            if due:
+                logits = answer_logits(model, head, hidden, [answers[j] for j in due])
+                terms.append(torch.nn.functional.cross_entropy(logits.float(), targets[due], reduction="sum"))
+                count += len(due)
+        loss = sum(terms) / count
+        t1 = time.perf_counter()
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
+        t3 = time.perf_counter()
+        for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key] += seconds
         losses.append(loss.item())
         if (step + 1) % args.log_every == 0:
-            print(f"  step {step + 1}/{args.steps}: loss {sum(losses[-args.log_every :]) / args.log_every:.3f}")
-    return losses
+            spent = sum(times.values()) / (step + 1)
+            print(
+                f"  step {step + 1}/{args.steps}: loss {sum(losses[-args.log_every :]) / args.log_every:.3f}"
+                f"  {spent:.2f} s/step",
+                flush=True,
+            )
+    steps = max(args.steps, 1)
+    return {
+        "loss": losses,
+        "seconds per step": sum(times.values()) / steps,
+        "split": {key: value / steps for key, value in times.items()},
+        "answers per step": answers_seen / steps,
+    }
 
 
 @torch.no_grad()
-def accuracy(model, tokenizer, args, hops: int, **kwargs) -> float:
-    """Teacher-forced accuracy of the answers on held-out chains of `hops` hops (argmax over the vocabulary)."""
+def accuracy(model, head, tokenizer, args, hops: int, recurrent: bool, **kwargs) -> float:
+    """Teacher-forced accuracy of the answers on held-out chains of `hops` hops (argmax over the task's tokens,
+    or over the vocabulary with --head full)."""
     model.eval()
     right = total = 0
     test = list(examples("test", args.test_examples, [hops], args.test_chains, seed=args.seed))
-    for start in range(0, len(test), args.batch):
-        input_ids, mask, answers = batch_tensors(test[start : start + args.batch], tokenizer, args.device)
-        predicted = answer_logits(model, input_ids, mask, answers, **kwargs).argmax(-1).tolist()
-        right += sum(p == a[2] for p, a in zip(predicted, answers))
+    for start in range(0, len(test), args.eval_batch):
+        input_ids, mask, answers = batch_tensors(test[start : start + args.eval_batch], tokenizer, args.device)
+        final, _ = hidden_states(model, input_ids, mask, recurrent, **kwargs)
+        predicted = answer_logits(model, head, final, answers).argmax(-1)
+        targets = head.targets(torch.tensor([a[2] for a in answers]).to(args.device))
+        right += (predicted == targets).sum().item()
         total += len(answers)
     return right / total
 
@@ -94,38 +196,72 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--adapter-lr", type=float, default=1.0, help="the adapter's learning rate, times --lr")
     parser.add_argument("--train-hops", type=int, default=4)
     parser.add_argument("--chains", type=int, default=4)
     parser.add_argument("--test-chains", type=int, default=3)
     parser.add_argument("--test-hops", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--test-examples", type=int, default=64)
+    parser.add_argument("--eval-batch", type=int, default=64)
+    parser.add_argument("--queries", choices=["one", "all"], default="one", help="training queries per chain")
+    parser.add_argument("--head", choices=["task", "full"], default="task")
+    parser.add_argument("--train-embeddings", action="store_true")
+    parser.add_argument("--depth-supervision", action="store_true")
+    parser.add_argument("--hops-per-step", type=int, default=1)
+    parser.add_argument(
+        "--trace", action="store_true", help="with --depth-supervision: after recurrence i, the pointer after i hops"
+    )
+    parser.add_argument("--prelude", type=int, nargs="+", help="layer indices (with --core, --coda): by hand")
+    parser.add_argument("--core", type=int, nargs="+")
+    parser.add_argument("--coda", type=int, nargs="+")
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-r", type=int, default=8, help="largest recurrence drawn in training")
     parser.add_argument("--min-train-r", type=int, default=1)
     parser.add_argument("--backprop", type=int, default=4, help="recurrences with gradient")
     parser.add_argument("--recurrences", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--no-parent", action="store_true")
+    parser.add_argument("--no-retrofit", action="store_true", help="train and score the parent only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="JSON file of the results")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(None)
-    result = {"args": vars(args), "accuracy": {}, "seconds": {}}
-    models = [("retrofit", tuple(args.shape))] + ([] if args.no_parent else [("parent", None)])
+    result = {"args": vars(args), "accuracy": {}, "seconds": {}, "training": {}}
+    models = ([] if args.no_retrofit else [("retrofit", tuple(args.shape))]) + (
+        [] if args.no_parent else [("parent", None)]
+    )
     for name, shape in models:
         start = time.perf_counter()
         parent = load_model(None, dtype=torch.float32)
-        model = (recurfit.retrofit(parent, shape) if shape else parent).to(args.device)
-        print(f"Training the {name}")
-        result.setdefault("loss", {})[name] = train(model, tokenizer, args, recurrent=shape is not None)
+        if shape and args.core:
+            model = recurfit.retrofit(parent, prelude=args.prelude, core=args.core, coda=args.coda)
+        else:
+            model = recurfit.retrofit(parent, shape) if shape else parent
+        model = model.to(args.device)
+        if args.head == "task":
+            head = TaskHead(model.lm_head, tokenizer).to(args.device)
+            model.lm_head = head  # the 49k-row head leaves the model (and the optimizer)
+        else:
+            head = model.lm_head
+            head.targets = lambda ids: ids
+        if not args.train_embeddings:
+            model.get_input_embeddings().weight.requires_grad_(False)
+        print(f"Training the {name}", flush=True)
+        result["training"][name] = train(model, head, tokenizer, args, recurrent=shape is not None)
         result["seconds"][f"train {name}"] = time.perf_counter() - start
+        print(f"  {json.dumps({k: v for k, v in result['training'][name].items() if k != 'loss'})}", flush=True)
         start = time.perf_counter()
         for r in args.recurrences if shape else [None]:
             key = f"r={r}" if r else "parent"
             kwargs = {"num_steps": r} if r else {}
-            result["accuracy"][key] = {h: accuracy(model, tokenizer, args, h, **kwargs) for h in args.test_hops}
-            print(f"  {key}: " + "  ".join(f"{h} hops {a:.0%}" for h, a in result["accuracy"][key].items()))
+            recurrent = shape is not None
+            result["accuracy"][key] = {
+                h: accuracy(model, head, tokenizer, args, h, recurrent, **kwargs) for h in args.test_hops
+            }
+            print(f"  {key}: " + "  ".join(f"{h} hops {a:.0%}" for h, a in result["accuracy"][key].items()), flush=True)
         result["seconds"][f"evaluate {name}"] = time.perf_counter() - start
     print(json.dumps(result["seconds"]))
     if args.out:

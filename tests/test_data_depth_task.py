@@ -58,3 +58,16 @@ def test_answers_cannot_be_had_by_elimination():
     """Values are drawn per chain: some examples repeat one, so 'the digit not yet given' is not the answer."""
     repeats = sum(len({a for _, a, _ in e.answers}) < 3 for e in examples("train", 200, [2], chains=3))
     assert 0.1 < repeats / 200 < 0.5  # 1 - (9/10)(8/10) = 28 % of examples share a value
+
+
+def test_all_queries_ask_every_variable_up_to_the_drawn_hop_count():
+    for example in examples("train", 50, range(1, 5), chains=2, queries="all", seed=4):
+        for index, answer, _ in example.answers:
+            assert resolve(example.text, example.text[index - 2]) == answer
+        asked = [example.text[index - 2] for index, _, _ in example.answers]
+        assert len(asked) == len(set(asked))
+        hops = sorted(h for _, _, h in example.answers)
+        assert hops.count(1) == 2 and all(hops.count(h) >= hops.count(h + 1) for h in range(1, 4))
+        assert [len(path) - 1 for path in queried_paths(example)] == [h for _, _, h in example.answers]
+    with pytest.raises(RecurfitError, match="for training examples"):
+        next(examples("test", 1, [2], queries="all"))

@@ -33,6 +33,7 @@ NAMES = string.ascii_lowercase
 VALUES = string.digits
 TEST_SHARE = 8  # one path in TEST_SHARE is held out for testing
 SPLITS = ("train", "test")
+QUERIES = ("one", "all")  # one query per chain, or every variable of each chain up to the drawn hop count
 ATTEMPTS = 64  # draws of a chain before the program is drawn again
 
 
@@ -60,12 +61,16 @@ def examples(
     chains: int = 4,
     extra: int = 1,
     seed: int = 0,
+    queries: str = "one",
 ) -> Iterator[DepthExample]:
     """`count` examples of `chains` chains each; each chain's queried variable is `hops` hops from its value (drawn
     from `hops` per chain), and the chain runs on for up to `extra` more variables past it (its later variables
-    are distractors). The same arguments give the same examples."""
+    are distractors). With `queries="all"` (training only) every variable of a chain up to the queried one is
+    asked, in a shuffled order. The same arguments give the same examples."""
     if split not in SPLITS:
         raise RecurfitError(f"Unknown split {split!r}; the depth task has {', '.join(SPLITS)}.")
+    if queries not in QUERIES or (queries == "all" and split != "train"):
+        raise RecurfitError(f"queries must be 'one', or 'all' for training examples; got {queries!r} ({split}).")
     longest = max(hops) + extra
     if chains * longest > len(NAMES):
         raise RecurfitError(
@@ -74,14 +79,16 @@ def examples(
         )
     rng = random.Random(f"{split}:{seed}")  # a string seed: the two splits' streams are unrelated
     for _ in range(count):
-        yield _example(rng, split, list(hops), chains, extra)
+        yield _example(rng, split, list(hops), chains, extra, queries == "all")
 
 
-def _example(rng: random.Random, split: str, hops: list[int], chains: int, extra: int) -> DepthExample:
-    while not (program := _program(rng, split, hops, chains, extra)):
+def _example(rng: random.Random, split: str, hops: list[int], chains: int, extra: int, every=False) -> DepthExample:
+    while not (program := _program(rng, split, hops, chains, extra, every)):
         pass  # the names left could not make a chain of the split: draw the program again
     statements, queries = program
     rng.shuffle(statements)
+    if every:
+        rng.shuffle(queries)
     text = ",".join(statements) + "."
     answers = []
     for i, (name, value, depth) in enumerate(queries):
@@ -91,9 +98,9 @@ def _example(rng: random.Random, split: str, hops: list[int], chains: int, extra
     return DepthExample(text, tuple(answers))
 
 
-def _program(rng: random.Random, split: str, hops: list[int], chains: int, extra: int):
-    """The statements of `chains` chains and each one's query (name, value, hops), or None where a chain of the
-    split could not be drawn from the names left."""
+def _program(rng: random.Random, split: str, hops: list[int], chains: int, extra: int, every=False):
+    """The statements of `chains` chains and each one's query (name, value, hops) (with `every`, one per variable
+    up to the drawn hop count), or None where a chain of the split could not be drawn from the names left."""
     names, values = rng.sample(NAMES, len(NAMES)), [rng.choice(VALUES) for _ in range(chains)]
     statements, queries = [], []
     for value in values:
@@ -102,7 +109,7 @@ def _program(rng: random.Random, split: str, hops: list[int], chains: int, extra
         if chain is None:
             return None
         statements += [f"{name}={target}" for name, target in zip(chain, [value, *chain])]
-        queries.append((chain[depth - 1], value, depth))
+        queries += [(chain[h - 1], value, h) for h in (range(1, depth + 1) if every else [depth])]
     return statements, queries
 
 
