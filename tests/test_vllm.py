@@ -560,9 +560,9 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
         assert compilation.cudagraph_mode == CUDAGraphMode[chosen], named
 
 
-def test_token_depths_are_written_where_a_graph_reads_them():
-    """V1 runner: a CUDA graph replays reading the addresses it was captured with, so every forward's token depths
-    are written into one buffer (the same address, warm-up runs included), with the batch's distinct depths
+def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
+    """V1 runner: every forward's token depths are written into one buffer (the same address, warm-up runs
+    included, allocated once), with the batch's distinct depths
     (its stops); a batch without requests (vLLM's profiling, warm-up and capture runs) has none; rows follow
     vLLM's moves; a forward without attention metadata while requests are live is an error, not a warm-up."""
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality

@@ -235,15 +235,13 @@ def _piecewise_cuda_graphs(compilation) -> None:
 
 
 class TokenDepths:
-    """Each token's depth, in one device buffer the model reads a prefix of: a CUDA graph replays reading the
-    address it was captured with, so the depths are written there rather than handed over in a new tensor. They
-    are worked out on the host and copied without waiting for the device (through pinned buffers taken in turn,
-    so that a copy still queued is not overwritten)."""
+    """Each token's depth, in one device buffer the model reads a prefix of (allocated once). The depths are worked
+    out on the host and copied without waiting for the device (through pinned buffers taken in turn, so that a
+    copy still queued is not overwritten); the step loop reads them outside the compiled pieces."""
 
     STAGING = 4  # pinned host buffers in turn: more than the batches vLLM keeps in flight
 
-    def __init__(self, size: int, maximum: int, device: torch.device):
-        self.maximum = maximum
+    def __init__(self, size: int, device: torch.device):
         self.device = torch.ones(size, dtype=torch.int64, device=device)
         pinned = self.device.device.type != "cpu"
         self.staging = [torch.ones(size, dtype=torch.int64, pin_memory=pinned) for _ in range(self.STAGING)]
@@ -253,7 +251,7 @@ class TokenDepths:
         """`per_token` (the batch's tokens' depths, on the host), then padding tokens at depth 1, as a prefix of
         the buffer."""
         if num_tokens > self.device.numel():  # not in vLLM's runs (at most max_num_batched_tokens)
-            self.__init__(num_tokens, self.maximum, self.device.device)
+            self.__init__(num_tokens, self.device.device)
         count = min(len(per_token), num_tokens)
         self.turn = (self.turn + 1) % self.STAGING
         host = self.staging[self.turn][:num_tokens]
@@ -265,7 +263,7 @@ class TokenDepths:
         """A batch of no request (vLLM's profiling, warm-up and CUDA-graph capture runs): every token at depth 1.
         One step compiles and captures every piece (the core step is the same at every depth)."""
         if num_tokens > self.device.numel():
-            self.__init__(num_tokens, self.maximum, self.device.device)
+            self.__init__(num_tokens, self.device.device)
         return self.device[:num_tokens].fill_(1)
 
 
@@ -304,7 +302,7 @@ class RequestDepth(LogitsProcessor):
         rows = vllm_config.scheduler_config.max_num_seqs
         self.rows = torch.full((rows,), self.limits.default, dtype=torch.int64)
         self.live = torch.zeros(rows, dtype=torch.bool)  # rows holding a request (vLLM's warm-up runs hold none)
-        self.tokens = TokenDepths(vllm_config.scheduler_config.max_num_batched_tokens, self.limits.maximum, device)
+        self.tokens = TokenDepths(vllm_config.scheduler_config.max_num_batched_tokens, device)
         for key in [key for key, (config, _) in _tables.items() if config() is None]:
             del _tables[key]
         _tables[id(vllm_config)] = (weakref.ref(vllm_config), weakref.ref(self))

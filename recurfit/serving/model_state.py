@@ -27,7 +27,7 @@ class RecurfitModelState(DefaultModelState):
         self.limits = engine_limits(vllm_config)
         self.slot_depths = np.full(self.max_num_reqs, self.limits.default, dtype=np.int64)
         self.slots: dict[str, int] = {}  # the live requests' slots, by request id
-        self.tokens = TokenDepths(self.max_num_tokens, self.limits.maximum, device)
+        self.tokens = TokenDepths(self.max_num_tokens, device)
 
     def add_request(self, req_index: int, new_req_data) -> None:
         super().add_request(req_index, new_req_data)

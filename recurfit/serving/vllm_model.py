@@ -575,7 +575,6 @@ class Pieces:
         for name, cls in (("prelude", CompiledPrelude), ("core_step", CompiledCoreStep), ("coda", CompiledCoda)):
             with set_model_tag(f"recurfit_{name}"):  # its compiled artifacts cached apart from the others'
                 setattr(self, name, cls(vllm_config=vllm_config, recurrence=recurrence))
-        self.compiled = not self.prelude.do_not_compile
 
     def fixed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` in the first rows of the buffer `name` while CUDA graphs run, else `tensor` itself."""
