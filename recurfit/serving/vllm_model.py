@@ -529,33 +529,29 @@ def without_cuda_graphs() -> Iterator[None]:
         yield
 
 
-# Each piece's token dimension, which vLLM compiles as dynamic.
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
-class CompiledPrelude(nn.Module):
+class Piece(nn.Module):
+    """A piece of `RecurrentModel` for vLLM to compile: each subclass has a forward (a code object, hence a compiled
+    graph) of its own, and its token dimension, which vLLM compiles as dynamic, in its decorator."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
         super().__init__()
         self.recurrence = recurrence
 
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
+class CompiledPrelude(Piece):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
         return self.recurrence.prelude(input_ids, positions, inputs_embeds)
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0, "part": 0})
-class CompiledCoreStep(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
-        super().__init__()
-        self.recurrence = recurrence
-
+class CompiledCoreStep(Piece):
     def forward(self, positions: torch.Tensor, state: torch.Tensor, part: torch.Tensor):
         return self.recurrence.core_step(positions, state, part)
 
 
 @support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0})
-class CompiledCoda(nn.Module):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
-        super().__init__()
-        self.recurrence = recurrence
-
+class CompiledCoda(Piece):
     def forward(self, positions: torch.Tensor, state: torch.Tensor):
         return self.recurrence.coda(positions, state)
 
