@@ -117,11 +117,11 @@ class Step:
 COLD_COMPILE_S = 90
 STARTUP_S = 15  # a step's imports and model build, before its first compile
 DECODE_MARGIN_S = 10  # a decode key's eager and compiled runs besides the compile (16 tokens, twice, at r <= 32)
-DEVICE = Step("device", 15, "versions, the GPU, measured bf16 matmul peak and copy bandwidth")
+DEVICE = Step("device", 20, "versions, the GPU, measured bf16 matmul peak and copy bandwidth")
 STEPS = (
     DEVICE,
     Step("correctness", 125, "batch 1: bf16 compiled vs eager vs fp32 decoding of a TinyLlama (4,8,4); its decoding"),
-    Step("decode", 125, "batch 32: tokens/s eager and compiled at r = 4, 32 against the weight-read floor"),
+    Step("decode", 120, "batch 32: tokens/s eager and compiled at r = 4, 32 against the weight-read floor"),
     Step("train", 25, "one step of the paper's TinyLlama recipe: tokens/s, MFU, peak memory against the plan"),
     Step("sweep", 10, "a toy model: warm starts and new depths replaying CUDA graphs (on the time left over)"),
 )

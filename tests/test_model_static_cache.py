@@ -13,7 +13,9 @@ from recurfit.model.static_cache import StaticRecurrentCache
 
 
 def static_cache(model, ids, steps, policy="all", extra=16):
-    return StaticRecurrentCache(model.config, ids.shape[0], ids.shape[1] + extra, steps, policy)
+    return StaticRecurrentCache(
+        model.config, ids.shape[0], ids.shape[1] + extra, steps, policy, dtype=model.dtype, device=model.device
+    )
 
 
 @pytest.mark.float32_only(GREEDY_TOKENS)
@@ -70,3 +72,11 @@ def test_the_static_cache_refuses_what_it_cannot_hold():
     ids, mask = prompts_for_cache()
     with pytest.raises(ValueError, match="holds 2 steps"):
         model(ids, attention_mask=mask, num_steps=3, **cache_kwargs(static_cache(model, ids, 2)))
+
+
+def test_a_static_cache_on_another_device_than_the_model_is_a_clear_error():
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    elsewhere = StaticRecurrentCache(model.config, 2, 32, 2, device="meta")  # not the model's device, whatever it is
+    with pytest.raises(ValueError, match="static cache is on meta.*build StaticRecurrentCache with device=model.device"):
+        model(ids, attention_mask=mask, num_steps=2, **cache_kwargs(elsewhere))

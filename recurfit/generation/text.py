@@ -96,6 +96,7 @@ def generate_text(
     recurrent = isinstance(model, RecurrentForCausalLM)
     if ids.shape[1] == 0:
         raise RecurfitError("The prompt is empty: pass the text to continue.")
+    ids = ids.to(model.device)  # a tokenizer's ids are on the CPU; everything built from them must follow the model
     if settings.draft_steps is not None:
         return _speculative_text(model, tokenizer, ids, settings, stream) if recurrent else _fixed_depth_refusal()
     kwargs: dict = dict(
@@ -116,7 +117,7 @@ def generate_text(
         kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     with torch.no_grad():
-        output = model.generate(ids.to(model.device), **kwargs)
+        output = model.generate(ids, **kwargs)
     seconds = time.perf_counter() - start
     new = output.sequences[0, ids.shape[1] :]
     steps = output.get("steps_per_token")
@@ -148,7 +149,7 @@ def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationS
     start = time.perf_counter()
     output = speculative_generate(
         model,
-        ids.to(model.device),
+        ids,
         max_new_tokens=settings.max_new_tokens,
         num_steps=settings.recurrence,
         draft_steps=settings.draft_steps,
@@ -162,7 +163,7 @@ def _speculative_text(model, tokenizer, ids: torch.Tensor, settings: GenerationS
         new = new[: int((new == tokenizer.eos_token_id).nonzero()[0]) + 1]
     if stream:
         streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        streamer.put(ids[0])
+        streamer.put(ids[0].cpu())
         streamer.put(new.cpu())
         streamer.end()
     return Generation(

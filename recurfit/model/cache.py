@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..defaults import CACHE_POLICIES
+from .compat import SLIDING_LAYERS_ROLL_BACK
 from .config import RecurrentConfig
 from .families import attention_types
 
@@ -59,11 +60,10 @@ class RecurrentCache(Cache):
         layer = DynamicSlidingWindowLayer(sliding_window=self.sliding_window)
         if not rollback:
             return layer
-        if hasattr(layer, "activate_past_recording"):
+        if SLIDING_LAYERS_ROLL_BACK:
             layer.activate_past_recording()  # keeps older entries until `truncate` crops
             return layer
-        # transformers before past recording (5.9): a layer that keeps every entry rolls back too, and the sliding
-        # mask still hides what lies outside the window.
+        # A layer that keeps every entry rolls back too, and the sliding mask still hides what lies outside the window.
         return DynamicLayer()
 
     def _is_core(self, layer_idx: int) -> bool:

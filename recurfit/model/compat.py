@@ -11,12 +11,33 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # What transformers calls the KV cache: in `forward(**inputs)`, outputs, decoder layers and mask builders.
 CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 DEPRECATED_CACHE_ARG = "past_key_values" if CACHE_ARG == "cache" else None
+
+
+def _sliding_layers_roll_back() -> bool:
+    """Whether a sliding-window cache layer can record its past for a rollback and still hand attention no more
+    keys than its mask sizes advertise, over forwards between two crops (as drafting runs them). Releases without
+    `activate_past_recording` cannot; those before 5.24 recorded but then returned every key, which no longer fit
+    the sliding mask. Probed on a window of 2: the third of three one-token forwards must return 2 keys."""
+    layer = DynamicSlidingWindowLayer(sliding_window=2)
+    if not hasattr(layer, "activate_past_recording"):
+        return False
+    layer.activate_past_recording()
+    one = torch.zeros(1, 1, 1, 1)
+    for _ in range(3):
+        keys, _ = layer.update(one, one)
+    return keys.shape[-2] == layer.get_mask_sizes(1)[0]
+
+
+# Speculative decoding keeps sliding-window layers' past in them where this holds, else in full-attention layers.
+SLIDING_LAYERS_ROLL_BACK = _sliding_layers_roll_back()
 
 
 class RecurfitDeprecationWarning(FutureWarning):

@@ -317,6 +317,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
         # The stream in float32 from the start, so rotary embeddings and masks are built as in training.
         embedded = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds).float()
         if isinstance(cache, StaticRecurrentCache):
+            cache.check_device(embedded.device)
             # Positions and masks come from the cache's device-side bookkeeping: nothing here waits on the host.
             static_positions, masks = cache.begin_forward(
                 attention_mask, embedded.shape[1], self.layer_attention, self._static_mask_format(embedded.dtype)

@@ -97,6 +97,13 @@ class StaticRecurrentCache(Cache):
 
     # ------------------------------------------------------------ the model's calls
 
+    def check_device(self, device: torch.device) -> None:
+        if self.length.device != device:
+            raise ValueError(
+                f"The static cache is on {self.length.device} and the model on {device}: build StaticRecurrentCache "
+                "with device=model.device (recurfit.model.compiled.decoding_cache does)."
+            )
+
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, layer_attention, mask_format):
         """Record the new tokens (their padding from the last `new_tokens` columns of the 2-D `attention_mask`) and
         return their position ids and, per attention kind, the 4-D mask over the whole buffer."""

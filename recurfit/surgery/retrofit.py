@@ -104,7 +104,10 @@ def _transfer_weights(parent, selection: LayerSelection, config: RecurrentConfig
 
 
 def _adapter_weight(config: RecurrentConfig, like: torch.Tensor, init: str, seed: int) -> torch.Tensor:
-    adapter = LinearAdapter(config.text_config.hidden_size)  # drawn in fp32, then cast as the parent's weights
+    # Drawn on the CPU in fp32 (the generator's device), then moved and cast as the parent's weights: the same values
+    # whatever device the parent is on, also under a `torch.device(...)` context.
+    with torch.device("cpu"):
+        adapter = LinearAdapter(config.text_config.hidden_size)
     generator = torch.Generator().manual_seed(seed)
     if init == "identity":
         adapter.reset_to_identity()

@@ -35,7 +35,9 @@ def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwarg
     hook = model.get_decoder().register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         with headless(model):
-            call(input_ids=input_ids, **kwargs)
+            # No KV cache: a transformers parent builds one whenever its config's use_cache is set, training too, and
+            # under torch.compile each layer then recompiles on the cache's state.
+            call(input_ids=input_ids, use_cache=False, **kwargs)
     finally:
         hook.remove()
     (output,) = captured
