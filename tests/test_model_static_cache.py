@@ -78,5 +78,5 @@ def test_a_static_cache_on_another_device_than_the_model_is_a_clear_error():
     model = model_with_state_for_cache("llama")
     ids, mask = prompts_for_cache()
     elsewhere = StaticRecurrentCache(model.config, 2, 32, 2, device="meta")  # not the model's device, whatever it is
-    with pytest.raises(ValueError, match="static cache is on meta.*build StaticRecurrentCache with device=model.device"):
+    with pytest.raises(ValueError, match="static cache is on meta.*device=model.device"):
         model(ids, attention_mask=mask, num_steps=2, **cache_kwargs(elsewhere))
