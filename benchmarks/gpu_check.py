@@ -4,7 +4,7 @@ measure more, each within one 10-minute command.
 On a lent GPU machine (torch and transformers as installed there, no network), from the repository root:
 
     python benchmarks/gpu_check.py --out "$OUT"            # part 1, the five-minute check: run it first
-    python benchmarks/gpu_check.py --part 2 --out "$OUT"   # later, one part a command: 2, 3 or 4 (< 9.5 min each)
+    python benchmarks/gpu_check.py --part 2 --out "$OUT"   # later, one part a command: 2 to 5 (< 9.5 min each)
     python benchmarks/gpu_check.py --plan [--part N]       # a part's steps in order, each one's limit, the total
     python benchmarks/gpu_check.py --cpu-smoke --out DIR [--part N|all]   # CI: the steps at toy sizes on the CPU
 
@@ -29,15 +29,16 @@ Every compiled line says whether CUDA graphs replayed: the tokens captured, repl
 why a capture failed (recurfit.model.compiled.graph_counts). vLLM is not checked here (the device has none, and
 an engine's start would not fit): vLLM on CUDA is covered by the vLLM tests' V2 model runner on the CPU.
 
-Parts 2-4 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
+Parts 2-5 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
 the CUDA tests and training runs as command steps, on TinyLlama-shaped random weights:
-2. the CUDA tests (`pytest --device cuda`, fp32 and bf16) and benchmarks/train_step.py eager and compiled (step
-   cost against the parent, activation memory, the optimizer step, throughput at the sampled depth);
+2. the CUDA tests (`pytest --device cuda`, fp32 and bf16);
 3. benchmarks/decode.py at batch 1 (every section but compiled decoding, which part 1 measures) and
    self-speculative decoding at batch 32, benchmarks/profile_step.py (profile, 128k-vocabulary memory, FSDP2's
    all-gathers), and a one-process NCCL `recurfit train` with FSDP2;
 4. training at scale: NCCL kill-and-resume with DDP and FSDP2 (losses against a straight run), the core's gradient
-   under CUDA bf16 autocast, the healing tests on CUDA, and recompiles of `compile: true` training.
+   under CUDA bf16 autocast, the healing tests on CUDA, and recompiles of `compile: true` training;
+5. benchmarks/train_step.py eager and compiled (step cost against the parent, activation memory, the optimizer
+   step, throughput at the sampled depth).
 A command step's status line carries the last lines of its output; a part's long outputs (JUnit XML, the
 profiler's trace, the training log) are packed into OUT/artifacts-partN.tar.gz after its last step.
 
@@ -58,7 +59,7 @@ model, as its questions (warm starts and new depths replaying the captured graph
 limit covers no compile, so it runs on the seconds the steps before it left unused (each step may use them).
 
 `--cpu-smoke` runs a part's steps at toy sizes on the CPU (part 1: compiled with inductor as on the GPU, about a
-minute on 2 cores, no CUDA graphs on a CPU; parts 2-4: minutes each), with the packages the device lacks hidden
+minute on 2 cores, no CUDA graphs on a CPU; parts 2-5: minutes each), with the packages the device lacks hidden
 (MISSING_ON_DEVICE), so that CI fails here if a step stops running; scripts/check-device.sh runs part 1's under
 the GPU machine's torch and transformers.
 """
@@ -189,12 +190,12 @@ def smoke_sizes() -> Sizes:
     )
 
 
-# ---------------------------------------------------------------- parts 2-4: their sizes and command steps
+# ---------------------------------------------------------------- parts 2-5: their sizes and command steps
 
 
 @dataclass(frozen=True)
 class BenchSizes:
-    """What the command steps of parts 2-4 run: TinyLlama-shaped on the GPU (the benchmarks' `--parent tinyllama`,
+    """What the command steps of parts 2-5 run: TinyLlama-shaped on the GPU (the benchmarks' `--parent tinyllama`,
     random weights), a tiny 16-layer llama (train_setup.prepare_train's) in the CPU smoke."""
 
     smoke: bool
@@ -330,32 +331,20 @@ class Part:
 PARTS = {
     1: Part("the five-minute check", STEPS, 300, SMOKE_SCALE),
     2: Part(
-        "the CUDA tests, train_step eager and compiled",
+        "the CUDA tests in float32 and bfloat16",
         (
             DEVICE,
             Step(
                 "tests-fp32",
-                200,
+                330,
                 "pytest --device cuda: model, cache, generation, training tests",
                 lambda b: device_tests(b, "float32"),
             ),
             Step(
                 "tests-bf16",
-                100,
+                150,
                 "the same under --dtype bfloat16, training's left out",
                 lambda b: device_tests(b, "bfloat16"),
-            ),
-            Step(
-                "train-step-eager",
-                100,
-                "train_step.py: step cost, memory at n = 0/8/28, optimizer, MFU",
-                lambda b: train_step(b),
-            ),
-            Step(
-                "train-step-compiled",
-                150,
-                "the same, each decoder layer compiled",
-                lambda b: train_step(b, "--compile"),
             ),
         ),
         PART_BUDGET,
@@ -431,7 +420,27 @@ PARTS = {
                     b.work / "junit-healing.xml",
                 ),
             ),
-            Step("recompiles", 130, "compile: true training, a depth per micro-batch: dynamo's recompiles"),
+            Step("recompiles", 125, "compile: true training, a depth per micro-batch: dynamo's recompiles"),
+        ),
+        PART_BUDGET,
+        6,
+    ),
+    5: Part(
+        "the training step, eager and compiled",
+        (
+            DEVICE,
+            Step(
+                "train-step-eager",
+                100,
+                "train_step.py: step cost, memory at n = 0/8/28, optimizer, MFU",
+                lambda b: train_step(b),
+            ),
+            Step(
+                "train-step-compiled",
+                150,
+                "the same, each decoder layer compiled",
+                lambda b: train_step(b, "--compile"),
+            ),
         ),
         PART_BUDGET,
         6,
@@ -1164,7 +1173,7 @@ def main() -> int:
         "--part",
         choices=[*map(str, PARTS), "all"],
         default="1",
-        help="1: the five-minute check (default); 2-4: later, one a command; all: each in turn (the smoke, --plan)",
+        help="1: the five-minute check (default); 2-5: later, one a command; all: each in turn (the smoke, --plan)",
     )
     parser.add_argument("--plan", action="store_true", help="print the part's steps, their time limits and the total")
     parser.add_argument("--cpu-smoke", action="store_true", help="the part's steps at toy sizes on the CPU (CI)")

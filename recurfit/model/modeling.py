@@ -455,9 +455,12 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, strict=True, assign=True)
-        # Non-persistent buffers (RoPE frequencies) are in no state dict: build them where the weights live.
-        with state["model.embed_tokens.weight"].device:
-            model.model.rotary_emb = type(model.model.rotary_emb)(config=config.text_config)
+        # Non-persistent buffers (RoPE frequencies) are in no state dict. They are computed on the CPU, as a model
+        # loaded from disk computes them, then moved where the weights live: a GPU's pow rounds differently, and a
+        # retrofit made on a GPU would not equal itself saved and reloaded.
+        with torch.device("cpu"):
+            rotary = type(model.model.rotary_emb)(config=config.text_config)
+        model.model.rotary_emb = rotary.to(state["model.embed_tokens.weight"].device)
         if config.tie_word_embeddings:
             model.tie_weights()
         return model
