@@ -27,6 +27,19 @@ def test_torch_default_adapter_is_nn_linears_own_draw_from_the_seed():
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+@pytest.mark.parametrize("adapter_init", ["torch-default", "random"])
+def test_the_adapter_is_the_same_draw_under_a_default_device_context(adapter_init):
+    """The adapter is drawn on the CPU (its generator's device) whatever device a context makes the default, as a
+    parent built on a GPU under `with torch.device("cuda")` has it: the meta device stands in for the GPU here."""
+    parent = tiny_parent("llama")
+    plain = recurfit.retrofit(parent, shape=(1, 2, 1), adapter_init=adapter_init, seed=3)
+    with torch.device("meta"):
+        under = recurfit.retrofit(parent, shape=(1, 2, 1), adapter_init=adapter_init, seed=3)
+    assert torch.equal(under.model.adapter.weight, plain.model.adapter.weight)
+    assert under.model.rotary_emb.inv_freq.device.type == "cpu"  # the weights' device, not the context's
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 def test_the_scaled_init_gives_the_glu_linear_half_the_depth_scaled_std():
     model = retrofit(tiny_parent("llama", num_layers=6, hidden_size=256, intermediate_size=512), (2, 2, 2))
     model.config.mean_recurrence = 8
