@@ -497,6 +497,10 @@ def tiny_config(workspace: Path, out: Path, **overrides) -> dict:
         # is bf16 only where bf16 matmul is native). Muon in bf16 has tests of its own (tests/low_precision.py
         # selects them).
         "optimizer": {"name": "muon", "muon_lr": 0.02, "lr": 0.003, "warmup": 2, "decay": 0.2, "muon_dtype": "float32"},
+        # Forward and backward in float32 likewise (`auto` autocasts to bf16 where bf16 matmul is native): the loop's
+        # tests compare computation orders (processes, resumes, accumulation) at float32's precision; bf16 autocast
+        # training has tests of its own.
+        "precision": "fp32",
         "batch": {"micro": 2, "global": 8},
         "steps": 12,
         "checkpoint": {"every": 4, "keep": 2},

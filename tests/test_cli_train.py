@@ -61,7 +61,9 @@ def test_data_prepare_and_train_from_the_command_line(workspace, tmp_path, capsy
 def test_dry_run_prints_the_plan_and_says_whether_it_fits(tiny_config_file, capsys):
     from conftest import run_cli
 
-    code, text = run_cli(capsys, "train", tiny_config_file, "--dry-run", "--device-memory", "80GB", "--world-size", "2")
+    # precision=auto (the tests' config pins fp32): a plan for --device-memory is a GPU's, where auto autocasts to bf16
+    argv = ["train", tiny_config_file, "precision=auto", "--dry-run", "--device-memory", "80GB", "--world-size", "2"]
+    code, text = run_cli(capsys, *argv)
     assert code == 0, text
     assert "Memory plan per device: micro-batch 2 × 32 tokens, k = 2 with gradient, bf16 autocast, 2 × DDP" in text
     assert "activations" in text and "optimizer muon" in text and "Fits: predicted peak" in text

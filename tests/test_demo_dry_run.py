@@ -11,6 +11,7 @@ from recurfit.demo.settings import DemoSettings
 from recurfit.model.loading import load_model
 from recurfit.train.initial_model import planned_model
 from recurfit.train.memory import gb, plan_memory
+from recurfit.train.optim import trains_in_bf16
 
 
 def test_a_dry_run_prints_the_shape_the_plan_and_the_time_and_trains_nothing(workspace, tmp_path, capsys, monkeypatch):
@@ -36,7 +37,8 @@ def test_a_dry_run_prints_the_shape_the_plan_and_the_time_and_trains_nothing(wor
     for name, shape in (("retrofit", (1, 2, 1)), ("parent", None)):
         config = demo_config(settings, shape)
         peaks[name] = plan_memory(config, planned_model(config, load_model(parent)), 256, device="cpu").peak
-    assert "Memory plan per device: micro-batch 2 × 256 tokens, k = 2 with gradient, fp32" in text
+    precision = "bf16 autocast" if trains_in_bf16("auto", "cpu") else "fp32"  # the demo's precision on this CPU
+    assert f"Memory plan per device: micro-batch 2 × 256 tokens, k = 2 with gradient, {precision}" in text
     assert f"Retrofit: peak {gb(peaks['retrofit'])}" in text and f"Parent: peak {gb(peaks['parent'])}" in text
     assert f"Memory: the larger plan, {gb(max(peaks.values()))}" in text
     assert "so a step of 2 micro-batches about 4.0 s and 8 steps about 32 s" in text

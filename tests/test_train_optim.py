@@ -19,6 +19,7 @@ from recurfit.train.optim import (
     build_schedulers,
     newton_schulz_dtype,
     split_parameters,
+    trains_in_bf16,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -154,23 +155,32 @@ def test_batched_muon_in_float32_agrees_with_torch_muon_to_bfloat16_precision():
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_newton_schulz_dtype_is_float32_where_bf16_matmul_is_emulated(monkeypatch):
+def test_auto_precisions_are_bf16_only_where_bf16_matmul_is_native(monkeypatch):
+    """Both `auto` rules, Muon's Newton-Schulz and training's autocast: bf16 on a GPU and where the CPU multiplies
+    bf16 in hardware (and no ISA cap hides it), float32 where torch would emulate it."""
+
+    def auto_is_bf16() -> bool:
+        muon = newton_schulz_dtype("auto", torch.device("cpu")) == torch.bfloat16
+        assert trains_in_bf16("auto", "cpu") == muon
+        return muon
+
     assert newton_schulz_dtype("float32", torch.device("cuda")) == torch.float32
     assert newton_schulz_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     assert newton_schulz_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert trains_in_bf16("auto", "cuda") and not trains_in_bf16("fp32", "cuda") and trains_in_bf16("bf16", "cpu")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    assert newton_schulz_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert auto_is_bf16() and not trains_in_bf16("fp32", "cpu")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN told to stay below its bf16 kernels
-    assert newton_schulz_dtype("auto", torch.device("cpu")) == torch.float32
+    assert not auto_is_bf16()
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
-    assert newton_schulz_dtype("auto", torch.device("cpu")) == torch.float32
+    assert not auto_is_bf16()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # e.g. Skylake, Zen 3
-    assert newton_schulz_dtype("auto", torch.device("cpu")) == torch.float32
+    assert not auto_is_bf16()
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")

@@ -41,7 +41,7 @@ from .head import final_hidden_states, head_losses, head_weight
 from .initial_model import initial_model, is_recurrent
 from .losses import HealingLoss, Teacher, describe
 from .metrics import MetricsLog, peak_flops, read_log
-from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm
+from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm, trains_in_bf16
 from .parts import decoder_layers, trained_parts_line
 from .run_folder import RunFolder, earlier_training
 from .saving import Saving
@@ -146,7 +146,8 @@ class Trainer(Saving):
         self._announce_snapshots()
 
     def _start_record(self) -> dict:
-        """The log's first record of each (re)start: what ran where, and the precision Muon orthogonalises in."""
+        """The log's first record of each (re)start: what ran where, in which precision, and the precision Muon
+        orthogonalises in."""
         device = self.processes.device
         record = {"kind": "start", "step": self.counters.step, "torch": torch.__version__, "device": str(device)}
         record["processes"] = self.processes.world
@@ -156,6 +157,13 @@ class Trainer(Saving):
             record["depth_supervision"] = self.config.to_dict()["depth"]["supervise"]
         if device.type == "cpu":
             record["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        record["precision"] = "bf16" if self._bf16(self.config.precision) else "fp32"
+        if self.config.precision == "auto" and device.type == "cpu":
+            native = "has" if record["precision"] == "bf16" else "has no"
+            self._say(
+                f"Forward and backward in {record['precision']} (auto: this CPU ({record['cpu_capability']}) "
+                f"{native} native bf16 matmul)."
+            )
         muon = next((o for o in self.optimizers if isinstance(o, BatchedMuon)), None)
         if muon is not None:
             record["muon_dtype"] = str(muon.ns_dtype).removeprefix("torch.")
@@ -214,7 +222,7 @@ class Trainer(Saving):
     # ------------------------------------------------------------ one step
 
     def _bf16(self, precision: str) -> bool:
-        return precision == "bf16" or (precision == "auto" and self.processes.device.type == "cuda")
+        return trains_in_bf16(precision, self.processes.device.type)
 
     def _autocast(self, precision: str | None = None):
         if self._bf16(precision or self.config.precision):

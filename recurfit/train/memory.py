@@ -77,7 +77,7 @@ from .distributed import sharding_units
 from .head import chunk_rows
 from .initial_model import is_recurrent
 from .losses import supervised_steps, teacher_dtype
-from .optim import NS_BATCH_ELEMENTS, split_parameters
+from .optim import NS_BATCH_ELEMENTS, split_parameters, trains_in_bf16
 from .parts import decoder_layers, part_modules
 
 # The parents of the paper recipes (their Hub configs, written out): the recipes' plans need no download.
@@ -225,7 +225,7 @@ def plan_memory(
     False, as `parts.select_parts` leaves them) on rows of `seq_len` tokens, per device of a `device` type, one
     of `world` processes; `micro` replaces the config's micro-batch, `teacher_parameters` sizes the teacher."""
     micro = micro or config.batch.micro
-    autocast = _autocast(config.precision, device)
+    autocast = trains_in_bf16(config.precision, device)
     fsdp = config.distributed == "fsdp" and world > 1
     shard = world if fsdp else 1
     k = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)[1] if is_recurrent(model) else 1
@@ -391,7 +391,7 @@ def _loss_bytes(config: TrainConfig, model: nn.Module, tokens: int, autocast: bo
 def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str, world: int) -> int:
     """The validation forward's peak over the resident parts (module docstring: validation), at `tokens` per
     micro-batch."""
-    autocast = _autocast(config.eval.precision or config.precision, device)
+    autocast = trains_in_bf16(config.eval.precision or config.precision, device)
     shape, vocab = layer_shape(model), vocab_size(model)
     depths = len(set(config.eval.steps)) if is_recurrent(model) else 1
     stream = _stream_bytes(model, autocast)
@@ -413,12 +413,8 @@ def _validation_gathered(config: TrainConfig, model: nn.Module, world: int, devi
         return 0
     once, _ = sharding_units(model)
     sizes = sorted((_numel(layer.parameters()) for layer in once), reverse=True)
-    gathered = 2 if _autocast(config.precision, device) else 4
+    gathered = 2 if trains_in_bf16(config.precision, device) else 4
     return gathered * max(0, sum(sizes) - 2 * (sizes[0] if sizes else 0))
-
-
-def _autocast(precision: str, device: str) -> bool:
-    return precision == "bf16" or (precision == "auto" and device == "cuda")
 
 
 def _step_bytes(config: TrainConfig, model: nn.Module, device: str, shard: int) -> int:

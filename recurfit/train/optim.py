@@ -309,6 +309,14 @@ def newton_schulz_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def trains_in_bf16(precision: str, device_type: str) -> bool:
+    """`precision`: `auto` is bf16 autocast on GPUs and on CPUs with native bf16 matmul (there a training step of
+    the demo's model takes 0.66× fp32's time, docs/results/cpu-training.md), fp32 on other CPUs."""
+    if precision != "auto":
+        return precision == "bf16"
+    return device_type != "cpu" or cpu_has_native_bf16()
+
+
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) below its first ISA with bf16 dot products (AVX512_CORE_BF16).
 ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
 

@@ -259,7 +259,7 @@ class TrainConfig:
     # End this run after this optimizer step (None: at `steps`), its schedules still those of `steps`: the first
     # part of a run that another run continues (model.continue_schedule).
     stop_at: int | None = None
-    precision: Precision = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    precision: Precision = "auto"  # auto: bf16 autocast on GPUs and CPUs with native bf16 matmul, fp32 on other CPUs
     compile: bool = False
     distributed: Strategy = "ddp"
     # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
