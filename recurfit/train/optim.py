@@ -310,8 +310,9 @@ def newton_schulz_dtype(setting: str, device: torch.device) -> torch.dtype:
 
 
 def trains_in_bf16(precision: str, device_type: str) -> bool:
-    """`precision`: `auto` is bf16 autocast on GPUs and on CPUs with native bf16 matmul (there a training step of
-    the demo's model takes 0.66× fp32's time, docs/results/cpu-training.md), fp32 on other CPUs."""
+    """`precision`: `auto` is bf16 autocast on GPUs and on CPUs with native bf16 matmul (there the demo trains in
+    0.6× fp32's time with the same results: docs/results/cpu.md, "The demo's time per CPU kind"), fp32 on other
+    CPUs, where torch would emulate bf16."""
     if precision != "auto":
         return precision == "bf16"
     return device_type != "cpu" or cpu_has_native_bf16()
