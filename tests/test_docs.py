@@ -190,7 +190,7 @@ def on_the_tiny_model(argv: list[str], parent: Path, texts: dict[str, Path]) -> 
     if command == "data prepare":
         return [*argv, "--tokenizer", str(parent), "--decontaminate", "none", "--val-fraction", "0.1"]
     if argv[0] == "train":  # the page's own overrides come last and win (the parent's model.shape=null)
-        tiny = [f"model.path={parent}", "model.shape=[2,2,2]", "steps=4", "data.phases.0.tokens=136", "eval.every=2"]
+        tiny = [f"model.path={parent}", "model.shape=[2,2,2]", "steps=4", "data.phases.0.tokens=136", "eval.at=[1]"]
         return [argv[0], argv[1], *tiny, "eval.rows=2", "log.progress=false", *argv[2:]]
     if command == "eval loss":
         return [*argv, "--limit", "4"]

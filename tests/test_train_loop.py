@@ -449,3 +449,15 @@ def test_mismatched_vocabulary_and_existing_runs_are_refused(tmp_path, workspace
     train(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
     with pytest.raises(RecurfitError, match="already holds a finished run; pass --force"):
         Trainer(load_config(None, ["steps=3"], base=tiny_config(workspace, tmp_path / "done")))
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_validation_runs_every_n_steps_after_the_listed_steps_and_at_the_end(workspace, tmp_path):
+    config = small_run(workspace, tmp_path / "run", steps=5)
+    config["data"]["validation"] = [str(workspace / "prose")]
+    config["eval"] = {"every": 2, "at": [1, 5], "steps": [1], "rows": 2}
+    train(load_config(None, [], base=config))
+    assert [r["step"] for r in read_log(tmp_path / "run") if r["kind"] == "eval"] == [1, 2, 4, 5]  # the end once
+    for at in ("[0]", "[6]"):
+        with pytest.raises(RecurfitError, match=r"eval.at must be optimizer steps from 1 to steps \(5\), got \["):
+            load_config(None, [f"eval.at={at}"], base=config)

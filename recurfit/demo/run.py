@@ -75,7 +75,7 @@ def run_demo(settings: DemoSettings, console: Console) -> Path:
     with stages.timed("7. GSM8K"):
         report["gsm8k"], _ = _against_parent(
             model, trained_parent, tokenizer, ["gsm8k_cot"], settings.gsm8k_recurrences, settings.gsm8k,
-            settings.max_new_tokens,
+            settings.max_new_tokens, settings.eval_batch,
         )  # fmt: skip
     with stages.timed("8. Samples and figures"):
         _samples_and_figures(report, model, tokenizer, out)
@@ -107,7 +107,7 @@ def _math_accuracy(model, parent, tokenizer, settings: DemoSettings, out: Path):
     the parent; the results file and every problem's answer (OUT/word_problems.json, .jsonl) beside the report."""
     sweep, raw = _against_parent(
         model, parent, tokenizer, list(MATH_TASKS.values()), settings.math_recurrences, settings.math_eval,
-        settings.math_new_tokens, log_samples=True,
+        settings.math_new_tokens, settings.eval_batch, log_samples=True,
     )  # fmt: skip
     sweep.save(out / "word_problems.json")
     problems = per_problem(raw["samples"])
@@ -116,7 +116,7 @@ def _math_accuracy(model, parent, tokenizer, settings: DemoSettings, out: Path):
     return sweep, problems
 
 
-def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new_tokens, log_samples=False):
+def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new_tokens, batch_size, log_samples=False):
     """`recurfit eval tasks`' sweep of the retrofit at each r, against the parent trained on the same tokens."""
     return task_sweep(
         model,
@@ -127,6 +127,7 @@ def _against_parent(model, parent, tokenizer, tasks, recurrences, limit, max_new
         baseline=parent,
         baseline_name="same tokens",
         limit=limit,
+        batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         log_samples=log_samples,
     )

@@ -399,7 +399,7 @@ class Trainer(Saving):
                 step = counters.step
                 if self.log is not None and (step % config.log.every == 0 or step == config.end):
                     self.log.write(record)
-                if config.eval.every and step % config.eval.every == 0 and step < config.end:
+                if config.eval.due(step) and step < config.end:
                     self._write(self.validate())
                 if config.snapshots.every and step % config.snapshots.every == 0 and step < config.end:
                     self.snapshot()

@@ -239,10 +239,15 @@ class LogConfig:
 @dataclass
 class EvalConfig:
     every: int = 0  # steps; 0: only at the end
+    at: list[int] = field(default_factory=list)  # also after these optimizer steps (a phase's end, say)
     steps: list[int] = field(default_factory=lambda: [1, 4, 8])  # test recurrences
     rows: int = 16  # validation rows per store
     # None: as training runs (`precision`); fp32: without autocast, as the paper authors' multi_recurence_eval.py
     precision: Precision | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether validation runs after optimizer step `step` (before the end, which always validates)."""
+        return bool(self.every and step % self.every == 0) or step in self.at
 
 
 @dataclass

@@ -55,6 +55,8 @@ def config_problems(config: TrainConfig) -> list[str]:
             problems.append(f"data.phases[{number}].tokens must be >= 1, got {phase.tokens}")
     if min(config.eval.steps, default=1) < 1:
         problems.append("eval.steps must be recurrences >= 1")
+    if any(not 1 <= step <= config.steps for step in config.eval.at):
+        problems.append(f"eval.at must be optimizer steps from 1 to steps ({config.steps}), got {config.eval.at}")
     if config.checkpoint.keep < 1:
         problems.append("checkpoint.keep must be >= 1")
     for name, value, least in (
