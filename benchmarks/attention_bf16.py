@@ -44,8 +44,9 @@ def main() -> None:
     parser.add_argument("--families", default="olmo2,mistral,llama,qwen3")
     args = parser.parse_args()
     conftest.PLACEMENT.device = torch.device(args.device)
-    print(f"{args.device}, torch {torch.__version__}; |Δlogit| over real positions, one row left-padded by {args.padding}")
-    print(f"{'family':10} {'implementation':16} {'fp32 vs fp32 eager':>20} {'bf16 vs fp32 eager':>20} {'bf16 vs bf16 eager':>20}")
+    print(f"{args.device}, torch {torch.__version__}; |Δlogit| on real positions, a row left-padded by {args.padding}")
+    columns = ("fp32 vs fp32 eager", "bf16 vs fp32 eager", "bf16 vs bf16 eager")
+    print(f"{'family':10} {'implementation':16} " + " ".join(f"{column:>20}" for column in columns))
     for family in args.families.split(","):
         logits, real = logits_per_implementation(family, args.padding)
         reference = logits[torch.float32, "eager"]
