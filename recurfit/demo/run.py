@@ -162,7 +162,7 @@ def _samples_and_figures(report: dict, model, tokenizer, out: Path) -> None:
     report["samples"] = _samples(model, tokenizer, [1, settings.mean_recurrence * 2], settings.max_new_tokens)
     logs = {name: read_log(out / name) for name in ("recurrent", "parent")}
     report["flops"] = {name: [r for r in log if r["kind"] == "train"][-1] for name, log in logs.items()}
-    # the validation records by step (every quarter of the steps: the healing ends at the first by default)
+    # the validation records by step: after the healing and at the end
     report["validation"] = {name: {r["step"]: r for r in log if r["kind"] == "eval"} for name, log in logs.items()}
     report["inference_flops"] = {r: inference_flops_per_token(model, r) for r in (1, settings.mean_recurrence)}
 

@@ -66,7 +66,7 @@ class DemoSettings:
     math_recurrences: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     math_new_tokens: int | None = None  # None: each split's own limit (64 and 96 tokens, room for a worked answer)
     # Problems decoded together: each split's 16 in one batch. Decoding on a CPU reads every weight once per token
-    # for the whole batch, so one batch of 16 takes 0.57 × the time of two of 8 (docs/results/cpu.md).
+    # for the whole batch, so one batch of 16 is much faster than two of 8 (stage 6, docs/results/cpu.md).
     eval_batch: int = 16
     # to r = 16, not LOSS_RECURRENCES' 32: the sweep's cost grows with its largest r, and every demo run so far was
     # flat from r = 4 (the train mean) on
