@@ -13,6 +13,14 @@ py="$venv/bin/python"
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
 have="$("$py" -c "import torch, transformers; print(torch.__version__.split('+')[0], transformers.__version__)" 2>/dev/null || true)"
 if [ "$have" != "$torch_version $transformers_version" ]; then
+    # PyPI's torch 2.11.0 for Linux x86_64 is the CUDA build: about 3 GB to download and 6 GB in the venv.
+    free_gb=$(($(df -Pk "$venv" | awk 'NR == 2 {print $4}') / 1024 / 1024))
+    if [ "$free_gb" -lt 10 ]; then
+        echo "check-device: $free_gb GB free where $venv lies; installing torch $torch_version needs about 10 GB" >&2
+        exit 1
+    fi
+    # pip 25.2 and newer resume a download the network broke off (--resume-retries); the venv's own may predate it.
+    "${pip[@]}" --upgrade "pip>=25.2"
     "${pip[@]}" "torch==$torch_version" "transformers==$transformers_version"
     "${pip[@]}" -e ".[dev]" "torch==$torch_version" "transformers==$transformers_version"
 fi
