@@ -214,6 +214,8 @@ def main() -> None:
     parser.add_argument("--prelude", type=int, nargs="+", help="layer indices (with --core, --coda): by hand")
     parser.add_argument("--core", type=int, nargs="+")
     parser.add_argument("--coda", type=int, nargs="+")
+    parser.add_argument("--adapter", choices=["linear", "add"], default="linear")
+    parser.add_argument("--state-gain", type=float, default=0.0, help="the linear adapter's W_s starts as gain · I")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--train-r", type=int, default=8, help="largest recurrence drawn in training")
     parser.add_argument("--min-train-r", type=int, default=1)
@@ -236,10 +238,14 @@ def main() -> None:
     for name, shape in models:
         start = time.perf_counter()
         parent = load_model(None, dtype=torch.float32)
-        if shape and args.core:
-            model = recurfit.retrofit(parent, prelude=args.prelude, core=args.core, coda=args.coda)
-        else:
-            model = recurfit.retrofit(parent, shape) if shape else parent
+        layers = dict(prelude=args.prelude, core=args.core, coda=args.coda) if args.core else {}
+        model = (
+            recurfit.retrofit(parent, None if layers else shape, adapter=args.adapter, **layers) if shape else parent
+        )
+        if shape and args.state_gain:  # W_s = gain · I: the state reaches the core from the first step
+            with torch.no_grad():
+                hidden = model.model.adapter.out_features
+                model.model.adapter.weight[:, :hidden] = args.state_gain * torch.eye(hidden)
         model = model.to(args.device)
         if args.head == "task":
             head = TaskHead(model.lm_head, tokenizer).to(args.device)
