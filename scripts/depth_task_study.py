@@ -29,68 +29,32 @@ import time
 import torch
 
 import recurfit
-from recurfit.data.depth_task import NAMES, VALUES, examples
+from recurfit.data.depth_task import examples
 from recurfit.model.loading import load_model, load_tokenizer
+from recurfit.train.depth_task import TaskHead, accuracy, encode, prepare
 
 
-def batch_tensors(batch, tokenizer, device):
-    """Right-padded ids and mask, and the (row, position, answer id, hops) of every answer (the position whose
-    logits predict it)."""
-    ids = [tokenizer(e.text).input_ids for e in batch]
-    assert all(len(row) == len(e.text) for row, e in zip(ids, batch)), "one token per character"
-    width = max(map(len, ids))
-    input_ids = torch.zeros(len(ids), width, dtype=torch.long)
-    mask = torch.zeros(len(ids), width, dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-    answers = [(i, index - 1, ids[i][index], hops) for i, e in enumerate(batch) for index, _, hops in e.answers]
-    return input_ids.to(device), mask.to(device), answers
-
-
-def pointer_targets(batch, tokenizer, head, device, steps=64):
-    """For every answer, the variable its query points to after 1, 2, ... hops (its value from its hop count on),
-    as rows of the head: answers × steps."""
-    rows = []
-    for e in batch:
-        binds = dict(statement.split("=") for statement in e.text.split(".")[0].split(","))
-        for index, _, _ in e.answers:
-            name, row = e.text[index - 2], []
-            for _ in range(steps):
-                name = binds.get(name, name)
-                row.append(tokenizer.convert_tokens_to_ids(name))
-            rows.append(row)
-    ids = torch.tensor(rows, device=device)
-    return head.targets(ids.flatten()).view(ids.shape)
-
-
-class TaskHead(torch.nn.Module):
-    """The rows of the parent's head for the task's tokens: logits over those only, and the vocabulary id of each."""
+class FullHead(torch.nn.Module):
+    """The whole head, computed and trained, its logits read at the task's tokens (`--head full`)."""
 
     def __init__(self, lm_head, tokenizer):
         super().__init__()
-        ids = [tokenizer.convert_tokens_to_ids(c) for c in NAMES + VALUES + "=,."]
-        self.register_buffer("ids", torch.tensor(ids))
-        self.weight = torch.nn.Parameter(lm_head.weight.detach()[self.ids].clone())
+        self.lm_head, self.weight = lm_head, lm_head.weight
+        self.register_buffer("vocab_ids", TaskHead(lm_head, tokenizer).vocab_ids)
 
     def forward(self, hidden):
-        return hidden @ self.weight.T
-
-    def targets(self, vocab_ids):
-        """Vocabulary ids as rows of this head."""
-        return (vocab_ids[:, None] == self.ids[None]).int().argmax(-1)
+        return self.lm_head(hidden)[..., self.vocab_ids]
 
 
-def hidden_states(model, input_ids, mask, recurrent, **kwargs):
+def hidden_states(model, batch, recurrent, **kwargs):
     """The final normed hidden states (and, for a retrofit with readout_steps, those read out after them)."""
-    out = model.model(input_ids, attention_mask=mask, **kwargs)
+    out = model.model(batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kwargs)
     return out.last_hidden_state, (out.readout_hidden_states or ()) if recurrent else ()
 
 
-def answer_logits(model, head, hidden, answers):
+def answer_logits(head, hidden, batch, due=slice(None)):
     """The head at the answer positions only (the head over every position would cost more than the core)."""
-    rows = torch.tensor([row for row, _, _, _ in answers])
-    positions = torch.tensor([position for _, position, _, _ in answers])
-    return head(hidden[rows, positions])
+    return head(hidden[batch.rows[due], batch.positions[due]]).float()
 
 
 def train(model, head, tokenizer, args, recurrent: bool) -> dict:
@@ -112,12 +76,8 @@ def train(model, head, tokenizer, args, recurrent: bool) -> dict:
     rng, losses, times = random.Random(args.seed), [], {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     answers_seen = 0
     for step in range(args.steps):
-        batch = [next(data) for _ in range(args.batch)]
-        input_ids, mask, answers = batch_tensors(batch, tokenizer, args.device)
-        answers_seen += len(answers)
-        targets = head.targets(torch.tensor([a[2] for a in answers]).to(args.device))
-        hops = torch.tensor([a[3] for a in answers])
-        trace = pointer_targets(batch, tokenizer, head, args.device) if args.trace else None
+        batch = encode([next(data) for _ in range(args.batch)], tokenizer, args.train_r).to(args.device)
+        answers_seen += len(batch.answers)
         kwargs = {}
         t0 = time.perf_counter()
         if recurrent:
@@ -126,24 +86,24 @@ def train(model, head, tokenizer, args, recurrent: bool) -> dict:
             kwargs["num_steps"] = (n, k)
             if args.depth_supervision:
                 kwargs["readout_steps"] = list(range(n + 1, r))
-        final, readouts = hidden_states(model, input_ids, mask, recurrent, **kwargs)
+        final, readouts = hidden_states(model, batch, recurrent, **kwargs)
         readings = list(zip(kwargs.get("readout_steps", []), readouts)) + [
             (kwargs["num_steps"][0] + kwargs["num_steps"][1] if recurrent else None, final)
         ]
         terms, count = [], 0
         for i, hidden in readings:  # with depth supervision, answers of at most hops_per_step * i hops after step i
-            if trace is not None and i is not None:  # every query, its pointer after i hops (the value once there)
-                logits = answer_logits(model, head, hidden, answers)
-                terms.append(torch.nn.functional.cross_entropy(logits.float(), trace[:, i - 1], reduction="sum"))
-                count += len(answers)
+            if args.trace and i is not None:  # every query, its pointer after i hops (the value once there)
+                logits = answer_logits(head, hidden, batch)
+                terms.append(torch.nn.functional.cross_entropy(logits, batch.pointers[:, i - 1], reduction="sum"))
+                count += len(batch.answers)
                 continue
-            due = list(range(len(answers)))
+            due = torch.ones_like(batch.hops, dtype=torch.bool)
             if args.depth_supervision and i is not None:
-                due = (hops <= args.hops_per_step * i).nonzero().flatten().tolist()
-            if due:
-                logits = answer_logits(model, head, hidden, [answers[j] for j in due])
-                terms.append(torch.nn.functional.cross_entropy(logits.float(), targets[due], reduction="sum"))
-                count += len(due)
+                due = batch.hops <= args.hops_per_step * i
+            if due.any():
+                logits = answer_logits(head, hidden, batch, due)
+                terms.append(torch.nn.functional.cross_entropy(logits, batch.answers[due], reduction="sum"))
+                count += int(due.sum())
         loss = sum(terms) / count
         t1 = time.perf_counter()
         optimizer.zero_grad()
@@ -170,23 +130,6 @@ def train(model, head, tokenizer, args, recurrent: bool) -> dict:
         "split": {key: value / steps for key, value in times.items()},
         "answers per step": answers_seen / steps,
     }
-
-
-@torch.no_grad()
-def accuracy(model, head, tokenizer, args, hops: int, recurrent: bool, **kwargs) -> float:
-    """Teacher-forced accuracy of the answers on held-out chains of `hops` hops (argmax over the task's tokens,
-    or over the vocabulary with --head full)."""
-    model.eval()
-    right = total = 0
-    test = list(examples("test", args.test_examples, [hops], args.test_chains, seed=args.seed))
-    for start in range(0, len(test), args.eval_batch):
-        input_ids, mask, answers = batch_tensors(test[start : start + args.eval_batch], tokenizer, args.device)
-        final, _ = hidden_states(model, input_ids, mask, recurrent, **kwargs)
-        predicted = answer_logits(model, head, final, answers).argmax(-1)
-        targets = head.targets(torch.tensor([a[2] for a in answers]).to(args.device))
-        right += (predicted == targets).sum().item()
-        total += len(answers)
-    return right / total
 
 
 def main() -> None:
@@ -248,13 +191,10 @@ def main() -> None:
                 model.model.adapter.weight[:, :hidden] = args.state_gain * torch.eye(hidden)
         model = model.to(args.device)
         if args.head == "task":
-            head = TaskHead(model.lm_head, tokenizer).to(args.device)
-            model.lm_head = head  # the 49k-row head leaves the model (and the optimizer)
+            head = prepare(model, tokenizer)  # the 49k-row head leaves the model (and the optimizer)
         else:
-            head = model.lm_head
-            head.targets = lambda ids: ids
-        if not args.train_embeddings:
-            model.get_input_embeddings().weight.requires_grad_(False)
+            head = FullHead(model.lm_head, tokenizer).to(args.device)
+        model.get_input_embeddings().weight.requires_grad_(args.train_embeddings)
         print(f"Training the {name}", flush=True)
         result["training"][name] = train(model, head, tokenizer, args, recurrent=shape is not None)
         result["seconds"][f"train {name}"] = time.perf_counter() - start
@@ -262,10 +202,11 @@ def main() -> None:
         start = time.perf_counter()
         for r in args.recurrences if shape else [None]:
             key = f"r={r}" if r else "parent"
-            kwargs = {"num_steps": r} if r else {}
-            recurrent = shape is not None
             result["accuracy"][key] = {
-                h: accuracy(model, head, tokenizer, args, h, recurrent, **kwargs) for h in args.test_hops
+                h: accuracy(
+                    model, head, tokenizer, h, r, args.test_examples, args.test_chains, args.seed, args.eval_batch
+                )
+                for h in args.test_hops
             }
             print(f"  {key}: " + "  ".join(f"{h} hops {a:.0%}" for h, a in result["accuracy"][key].items()), flush=True)
         result["seconds"][f"evaluate {name}"] = time.perf_counter() - start
