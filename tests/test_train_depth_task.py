@@ -1,12 +1,15 @@
 """Training and scoring on the depth task: the trace's targets follow the bindings, the loss reads each recurrence
-with gradient out, the cut head scores as the full one, and training learns."""
+with gradient out, the cut head scores as the full one, training learns, and `recurfit demo --depth-task` writes its
+table, figure and results."""
 
 import dataclasses
+import io
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CHARS, char_tokenizer, tiny_parent
+from conftest import CHARS, char_tokenizer, run_cli, tiny_parent
+from rich.console import Console
 
 import recurfit
 from recurfit.data.depth_task import examples
@@ -89,3 +92,50 @@ def test_training_learns_and_is_repeatable(tokenizer):
     # Measured over four seeds of model and data: trained, the mean loss falls 0.44-0.69 from the first five
     # steps to the last five; with a learning rate of 1e-12, 0.01-0.16 (only the batches differ).
     assert last < first - 0.3, (first, last)
+
+
+def test_the_depth_act_writes_its_table_figure_and_results_and_keeps_an_existing_folder(tokenizer, tmp_path):
+    from recurfit.demo.depth_act import guessing, run_depth_act
+    from recurfit.errors import RecurfitError
+    from recurfit.evaluate.results import Sweep
+
+    recipe = DepthRecipe(steps=2, batch=2, hops=2, max_r=2, backprop=2)
+    layers = {"prelude": [0], "core": [1, 2], "coda": [3]}
+    console = Console(file=io.StringIO())
+
+    def act(**kwargs):
+        parent = tiny_parent("llama", num_layers=4).float()
+        return run_depth_act(tmp_path, console, recipe=recipe, parent=parent, tokenizer=tokenizer, layers=layers,
+                             hops=(1, 3), recurrences=(1, 2), test_examples=4, **kwargs)  # fmt: skip
+
+    sweep = act()
+    folder = tmp_path / "depth-task"
+    assert Sweep.load(folder / "depth_task.json") == sweep
+    assert [row.steps for row in sweep.rows] == [1, 2] and sweep.parent.steps is None
+    assert sweep.chance.metrics["3 hops"] == pytest.approx(guessing(3, 4, 3, 0))
+    page = (folder / "depth_task.md").read_text()
+    assert sweep.markdown() in page and "**3 hops** (beyond training)" in page
+    assert (folder / "depth_task.png").stat().st_size > 0
+    with pytest.raises(RecurfitError, match="--force"):
+        act()
+    assert Sweep.load(folder / "depth_task.json") == sweep
+    assert act(force=True) == sweep  # seeded: the same models and scores again
+
+
+def test_guessing_is_one_over_the_programs_distinct_digits():
+    from recurfit.demo.depth_act import guessing
+
+    test = list(examples("test", 5, [2], chains=3, seed=1))
+    shares = [1 / len({c for c in e.text.split(".")[0] if c.isdigit()}) for e in test for _ in e.answers]
+    assert guessing(2, 5, 3, 1) == pytest.approx(sum(shares) / len(shares))
+    assert 1 / 3 <= guessing(2, 5, 3, 1) <= 1
+
+
+def test_the_depth_task_command_refuses_another_model_and_an_existing_folder(tmp_path, capsys):
+    (tmp_path / "depth-task").mkdir()
+    (tmp_path / "depth-task" / "depth_task.md").write_text("kept")
+    code, output = run_cli(capsys, "demo", "--depth-task", "--out", str(tmp_path))
+    assert code != 0 and "--force" in output
+    assert (tmp_path / "depth-task" / "depth_task.md").read_text() == "kept"
+    code, output = run_cli(capsys, "demo", "--depth-task", "--model", "HuggingFaceTB/SmolLM2-360M")
+    assert code != 0 and "embedded model only" in output

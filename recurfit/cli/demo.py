@@ -66,6 +66,12 @@ def add_parsers(commands) -> None:
         help="print the shape, the memory plan and the training time on this machine (one step of each model, "
         "timed on random weights), then exit without training",
     )
+    p.add_argument(
+        "--depth-task",
+        action="store_true",
+        help="run the depth-task act alone: the embedded model's retrofit and parent trained on the same k-hop "
+        "lookups, accuracy against r per hop count (about 25 minutes on 2 CPU cores); writes OUT/depth-task/",
+    )
     add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
 
@@ -77,6 +83,8 @@ def cmd_demo(args) -> None:
     given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings = DemoSettings(out=Path(args.out), **given)
     _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
+    if args.depth_task:
+        return _depth_task(args)
     if args.dry_run:
         from ..demo.dry_run import dry_run
 
@@ -84,3 +92,12 @@ def cmd_demo(args) -> None:
     report = run.run_demo(settings, status)  # stages, progress and times: stderr
     if report is not None:
         console.print(f"Wrote {report}.", highlight=False)  # the result: stdout
+
+
+def _depth_task(args) -> None:
+    from ..demo.depth_act import run_depth_act
+    from ..errors import RecurfitError
+
+    if args.model:  # its prelude, core and coda are the embedded model's layers, chosen by where its lookups happen
+        raise RecurfitError("--depth-task runs on the embedded model only; leave out --model.")
+    run_depth_act(Path(args.out), status, force=args.force)

@@ -126,7 +126,9 @@ def prepare(model, tokenizer) -> TaskHead:
 
 def train(model, head: TaskHead, tokenizer, recipe: DepthRecipe, recurrent: bool, on_step=None) -> list[float]:
     """Train `model` on `recipe.steps × recipe.batch` training examples (the same ones for every model at the same
-    recipe); the losses per step. `on_step(step, loss)` is called after each step (progress)."""
+    recipe); the losses per step. `on_step(step, loss)` is called after each step (progress). Seeded (the examples,
+    each step's r and s_0's noise): the same model and recipe give the same losses."""
+    torch.manual_seed(recipe.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
@@ -153,7 +155,8 @@ def train(model, head: TaskHead, tokenizer, recipe: DepthRecipe, recurrent: bool
 @torch.no_grad()
 def accuracy(model, head: TaskHead, tokenizer, hops: int, r: int | None, count=48, chains=3, seed=0, batch=48):
     """Teacher-forced accuracy on `count` held-out examples of `chains` chains queried at `hops` hops, at `r`
-    recurrences (None: a parent)."""
+    recurrences (None: a parent). Seeded (s_0's noise): the same model scores the same."""
+    torch.manual_seed(seed)
     test = list(examples("test", count, [hops], chains, seed=seed))
     right = 0
     for start in range(0, count, batch):
