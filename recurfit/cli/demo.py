@@ -70,7 +70,8 @@ def add_parsers(commands) -> None:
         "--depth-task",
         action="store_true",
         help="run the depth-task act alone: the embedded model's retrofit and parent trained on the same k-hop "
-        "lookups, accuracy against r per hop count (about 25 minutes on 2 CPU cores); writes OUT/depth-task/",
+        "lookups, accuracy against r per hop count (about 20 minutes on 2 CPU cores with AVX-512); writes "
+        "OUT/depth-task/",
     )
     add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
