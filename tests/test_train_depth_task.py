@@ -139,3 +139,5 @@ def test_the_depth_task_command_refuses_another_model_and_an_existing_folder(tmp
     assert (tmp_path / "depth-task" / "depth_task.md").read_text() == "kept"
     code, output = run_cli(capsys, "demo", "--depth-task", "--model", "HuggingFaceTB/SmolLM2-360M")
     assert code != 0 and "embedded model only" in output
+    code, output = run_cli(capsys, "demo", "--depth-task", "--dtype", "bfloat16", "--out", str(tmp_path / "new"))
+    assert code != 0 and "float32" in output and not (tmp_path / "new").exists()

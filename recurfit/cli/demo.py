@@ -83,9 +83,9 @@ def cmd_demo(args) -> None:
 
     given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings = DemoSettings(out=Path(args.out), **given)
-    _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
+    placement = _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
     if args.depth_task:
-        return _depth_task(args)
+        return _depth_task(args, placement.device)
     if args.dry_run:
         from ..demo.dry_run import dry_run
 
@@ -95,10 +95,12 @@ def cmd_demo(args) -> None:
         console.print(f"Wrote {report}.", highlight=False)  # the result: stdout
 
 
-def _depth_task(args) -> None:
+def _depth_task(args, device) -> None:
     from ..demo.depth_act import run_depth_act
     from ..errors import RecurfitError
 
     if args.model:  # its prelude, core and coda are the embedded model's layers, chosen by where its lookups happen
         raise RecurfitError("--depth-task runs on the embedded model only; leave out --model.")
-    run_depth_act(Path(args.out), status, force=args.force)
+    if args.dtype not in ("auto", "float32"):  # the recipe is measured in float32 only
+        raise RecurfitError(f"--depth-task trains and scores in float32; leave out --dtype {args.dtype}.")
+    run_depth_act(Path(args.out), status, force=args.force, device=device)

@@ -49,16 +49,18 @@ def run_depth_act(
     hops: tuple[int, ...] = TEST_HOPS,
     recurrences: tuple[int, ...] = RECURRENCES,
     test_examples: int = TEST_EXAMPLES,
+    device=None,
 ) -> Sweep:
     """Train the retrofit and the parent (the embedded model unless given) on the same examples, score both, and
-    write the act's files into OUT/depth-task (replaced only with `force`). `recipe`: `DepthRecipe()` if None."""
+    write the act's files into OUT/depth-task (replaced only with `force`). `recipe`: `DepthRecipe()` if None;
+    `device`: where the embedded model loads (a given parent stays where it is)."""
     recipe = recipe or DepthRecipe()
     folder = Path(out) / FOLDER
     if folder.exists():
         if not force:
             raise RecurfitError(f"{folder} already exists; pass --force to run the depth task again, or choose --out.")
         shutil.rmtree(folder)
-    parent = parent if parent is not None else load_model(None, dtype=torch.float32)
+    parent = parent if parent is not None else load_model(None, dtype=torch.float32, device=device)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     model = retrofit(parent, adapter="add", **layers)
     metrics = [_metric(h) for h in hops]
