@@ -63,31 +63,17 @@ def run_depth_act(
     parent = parent if parent is not None else load_model(None, dtype=torch.float32, device=device)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     model = retrofit(parent, adapter="add", **layers)
-    metrics = [_metric(h) for h in hops]
-    scored = {"count": test_examples, "chains": TEST_CHAINS, "seed": recipe.seed}
-    rows, heads = [], {}
+    heads = {}
     for name, trained, recurrent in (("retrofit", model, True), ("parent", parent, False)):
         heads[name] = prepare(trained, tokenizer)
-        with progress_bar(TextColumn("{task.fields[loss]}")) as bar:
-            task = bar.add_task(f"depth task: training the {name}", total=recipe.steps, loss="")
-
-            def step(_, loss, task=task, bar=bar):
-                bar.update(task, advance=1, loss=f"loss {loss:.3f}")
-
-            train(trained, heads[name], tokenizer, recipe, recurrent, on_step=step)
-    with progress_bar() as bar:
-        task = bar.add_task("depth task: scoring", total=len(hops) * (len(recurrences) + 1))
-        for r in (*recurrences, None):
-            trained, head = (model, heads["retrofit"]) if r else (parent, heads["parent"])
-            scores = {}
-            for h in hops:
-                scores[_metric(h)] = accuracy(trained, head, tokenizer, h, r, **scored)
-                bar.advance(task)
-            rows.append(Row.measured(trained, r, scores, label=f"r={r}" if r else "parent, same examples"))
+        _train(name, trained, heads[name], tokenizer, recipe, recurrent)
+    scored = {"count": test_examples, "chains": TEST_CHAINS, "seed": recipe.seed}
+    at_depth = {r: (model, heads["retrofit"]) for r in recurrences} | {None: (parent, heads["parent"])}
+    rows = _score(at_depth, tokenizer, hops, scored)
     sweep = Sweep(
         kind="tasks",
         model="retrofit",
-        metrics=metrics,
+        metrics=[_metric(h) for h in hops],
         rows=rows[:-1],
         parent=rows[-1],
         chance=Row("guessing a digit of the program", {_metric(h): guessing(h, **scored) for h in hops}),
@@ -104,6 +90,30 @@ def run_depth_act(
     (folder / "depth_task.md").write_text(render(sweep))
     console.print(f"Wrote {folder / 'depth_task.md'}.", highlight=False)
     return sweep
+
+
+def _train(name: str, model, head, tokenizer, recipe: DepthRecipe, recurrent: bool) -> None:
+    with progress_bar(TextColumn("{task.fields[loss]}")) as bar:
+        task = bar.add_task(f"depth task: training the {name}", total=recipe.steps, loss="")
+
+        def step(_, loss):
+            bar.update(task, advance=1, loss=f"loss {loss:.3f}")
+
+        train(model, head, tokenizer, recipe, recurrent, on_step=step)
+
+
+def _score(models: dict, tokenizer, hops, scored: dict) -> list[Row]:
+    """A row per entry of `models` (r, or None for the parent: its model and head), each hop count a metric."""
+    rows = []
+    with progress_bar() as bar:
+        task = bar.add_task("depth task: scoring", total=len(hops) * len(models))
+        for r, (model, head) in models.items():
+            scores = {}
+            for h in hops:
+                scores[_metric(h)] = accuracy(model, head, tokenizer, h, r, **scored)
+                bar.advance(task)
+            rows.append(Row.measured(model, r, scores, label=f"r={r}" if r else "parent, same examples"))
+    return rows
 
 
 def _metric(hops: int) -> str:
