@@ -131,10 +131,15 @@ def _chain(rng: random.Random, split: str, value: str, names: list[str], depth: 
     return None
 
 
+def bindings(example: DepthExample) -> dict[str, str]:
+    """The program's statements, read back from the text: each variable and what it names (a variable or a value)."""
+    program, _ = example.text.split(".", 1)
+    return dict(statement.split("=") for statement in program.split(","))
+
+
 def paths(example: DepthExample) -> dict[str, str]:
     """Every variable's path (value, then names from the root to it), read back from the text."""
-    program, _ = example.text.split(".", 1)
-    binds = dict(statement.split("=") for statement in program.split(","))
+    binds = bindings(example)
     found = {}
     for variable in binds:
         name, path = variable, ""

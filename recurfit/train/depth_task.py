@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.depth_task import NAMES, VALUES, DepthExample, examples
+from ..data.depth_task import NAMES, VALUES, DepthExample, bindings, examples
 
 TOKENS = NAMES + VALUES + "=,."  # the task's whole alphabet, one token each
 
@@ -82,7 +82,7 @@ def encode(batch: list[DepthExample], tokenizer, pointer_steps: int = 16) -> Bat
     row_of = {token: i for i, token in enumerate(TOKENS)}
     rows, positions, answers, hops, pointers = [], [], [], [], []
     for i, example in enumerate(batch):
-        binds = dict(statement.split("=") for statement in example.text.split(".")[0].split(","))
+        binds = bindings(example)
         for index, answer, depth in example.answers:
             rows.append(i)
             positions.append(index - 1)
