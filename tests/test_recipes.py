@@ -11,7 +11,9 @@ from conftest import REPO, suggested_overrides
 
 from recurfit.train import load_config
 
-RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml"))
+ALL_RECIPES = sorted(Path(__file__).parent.parent.joinpath("recipes").rglob("*.yaml"))
+DEPTH_RECIPES = [path for path in ALL_RECIPES if path.parent.name == "depth-task"]  # `recurfit demo --depth-task`'s
+RECIPES = [path for path in ALL_RECIPES if path not in DEPTH_RECIPES]
 
 
 SETTINGS = Path(__file__).parent.parent / "docs" / "reference" / "paper-settings.md"
@@ -169,3 +171,13 @@ def test_the_cpu_recipe_trains_from_its_first_step():
     (schedule,) = build_schedulers([optimizer], config.optimizer, config.steps)
     first = schedule.get_last_lr()[0]
     assert first >= 0.1 * config.optimizer.lr > 0
+
+
+@pytest.mark.parametrize("path", DEPTH_RECIPES, ids=lambda p: p.stem)
+def test_each_depth_task_recipe_loads_and_its_header_gives_its_command_and_time(path):
+    from recurfit.train.depth_task import load_depth_recipe
+
+    load_depth_recipe(path)
+    header = path.read_text().split("\ntrain:")[0]
+    assert f"recurfit demo --depth-task --depth-recipe recipes/depth-task/{path.name}" in header
+    assert "Expected time" in header

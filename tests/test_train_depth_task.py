@@ -4,6 +4,7 @@ table, figure and results."""
 
 import dataclasses
 import io
+import re
 
 import pytest
 import torch
@@ -13,7 +14,16 @@ from rich.console import Console
 
 import recurfit
 from recurfit.data.depth_task import examples
-from recurfit.train.depth_task import TOKENS, DepthRecipe, accuracy, encode, prepare, train, train_step_loss
+from recurfit.train.depth_task import (
+    TOKENS,
+    DepthRecipe,
+    DepthScoring,
+    accuracy,
+    encode,
+    prepare,
+    train,
+    train_step_loss,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,7 @@ def test_the_depth_act_writes_its_table_figure_and_results_and_keeps_an_existing
     def act(**kwargs):
         parent = tiny_parent("llama", num_layers=4).float()
         return run_depth_act(tmp_path, console, recipe=recipe, parent=parent, tokenizer=tokenizer, layers=layers,
-                             hops=(1, 3), recurrences=(1, 2), test_examples=4, **kwargs)  # fmt: skip
+                             scoring=DepthScoring(hops=(1, 3), recurrences=(1, 2), examples=4), **kwargs)  # fmt: skip
 
     sweep = act()
     folder = tmp_path / "depth-task"
@@ -141,3 +151,32 @@ def test_the_depth_task_command_refuses_another_model_and_an_existing_folder(tmp
     assert code != 0 and "embedded model only" in output
     code, output = run_cli(capsys, "demo", "--depth-task", "--dtype", "bfloat16", "--out", str(tmp_path / "new"))
     assert code != 0 and "float32" in output and not (tmp_path / "new").exists()
+
+
+def test_a_recipe_file_sets_training_and_scoring_and_bad_ones_are_refused(tmp_path, capsys):
+    from recurfit.errors import RecurfitError
+    from recurfit.train.depth_task import load_depth_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("train:\n  steps: 40\n  lr: 1\n  deepest: true\nscore:\n  recurrences: [1, 32]\n")
+    recipe, scoring = load_depth_recipe(path)
+    assert recipe == DepthRecipe(steps=40, lr=1, deepest=True)
+    assert scoring == DepthScoring(recurrences=(1, 32))
+    for text, problem in [
+        ("train:\n  step: 40\n", "step; the settings are steps"),
+        ("train:\n  steps: 4.5\n", "steps must be an integer; got 4.5"),
+        ("train:\n  deepest: 1\n", "deepest must be true or false"),
+        ("train:\n  backprop: 0\n", "backprop must be positive"),
+        ("train:\n  hops: 8\n", "need up to 27 variable names"),
+        ("score:\n  hops: [0, 2]\n", "score.hops must be a list of positive integers"),
+        ("score:\n  hops: 3\n", "hops must be a list"),
+        ("tests:\n  hops: [3]\n", "a `train` and a `score` section"),
+        ("train: [", "Cannot read"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(RecurfitError, match=re.escape(problem)):
+            load_depth_recipe(path)
+    code, output = run_cli(capsys, "demo", "--depth-task", "--depth-recipe", str(path), "--out", str(tmp_path / "o"))
+    assert code != 0 and "Cannot read" in output and not (tmp_path / "o").exists()
+    code, output = run_cli(capsys, "demo", "--depth-recipe", str(path), "--out", str(tmp_path / "o"))
+    assert code != 0 and "add --depth-task" in output and not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from ..demo.settings import DemoSettings
+from ..errors import RecurfitError
 from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg, status
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(DemoSettings) if f.default is not dataclasses.MISSING}
@@ -73,6 +74,12 @@ def add_parsers(commands) -> None:
         "lookups, accuracy against r per hop count (about 20 minutes on 2 CPU cores with AVX-512); writes "
         "OUT/depth-task/",
     )
+    p.add_argument(
+        "--depth-recipe",
+        metavar="FILE",
+        help="with --depth-task: a YAML file of its training and scoring settings (such as "
+        "recipes/depth-task/gpu.yaml) instead of the defaults",
+    )
     add_placement_arguments(p, "precision of the evaluated models; auto: bfloat16 on a GPU, float32 on a CPU")
     p.set_defaults(run=cmd_demo)
 
@@ -86,6 +93,8 @@ def cmd_demo(args) -> None:
     placement = _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
     if args.depth_task:
         return _depth_task(args, placement.device)
+    if args.depth_recipe:
+        raise RecurfitError("--depth-recipe sets the depth task's recipe; add --depth-task.")
     if args.dry_run:
         from ..demo.dry_run import dry_run
 
@@ -97,10 +106,11 @@ def cmd_demo(args) -> None:
 
 def _depth_task(args, device) -> None:
     from ..demo.depth_act import run_depth_act
-    from ..errors import RecurfitError
+    from ..train.depth_task import load_depth_recipe
 
     if args.model:  # its prelude, core and coda are the embedded model's layers, chosen by where its lookups happen
         raise RecurfitError("--depth-task runs on the embedded model only; leave out --model.")
     if args.dtype not in ("auto", "float32"):  # the recipe is measured in float32 only
         raise RecurfitError(f"--depth-task trains and scores in float32; leave out --dtype {args.dtype}.")
-    run_depth_act(Path(args.out), status, force=args.force, device=device)
+    recipe, scoring = load_depth_recipe(args.depth_recipe) if args.depth_recipe else (None, None)
+    run_depth_act(Path(args.out), status, force=args.force, recipe=recipe, scoring=scoring, device=device)

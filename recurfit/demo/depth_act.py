@@ -27,13 +27,9 @@ from ..evaluate.results import Row, Sweep
 from ..model.loading import load_model, load_tokenizer
 from ..progress import progress_bar
 from ..surgery.retrofit import retrofit
-from ..train.depth_task import DepthRecipe, accuracy, prepare, train
+from ..train.depth_task import DepthRecipe, DepthScoring, accuracy, prepare, train
 
 LOOKUP_LAYERS = {"prelude": [0, 1], "core": [16, 17, 18, 19], "coda": [28, 29]}  # of the embedded model
-TEST_HOPS = (1, 2, 3, 4, 5, 6)
-RECURRENCES = (1, 2, 4, 8, 16)
-TEST_EXAMPLES = 48  # per hop count, each with TEST_CHAINS answers
-TEST_CHAINS = 3
 FOLDER = "depth-task"
 
 
@@ -43,18 +39,17 @@ def run_depth_act(
     *,
     force: bool = False,
     recipe: DepthRecipe | None = None,
+    scoring: DepthScoring | None = None,
     parent=None,
     tokenizer=None,
     layers: dict = LOOKUP_LAYERS,
-    hops: tuple[int, ...] = TEST_HOPS,
-    recurrences: tuple[int, ...] = RECURRENCES,
-    test_examples: int = TEST_EXAMPLES,
     device=None,
 ) -> Sweep:
     """Train the retrofit and the parent (the embedded model unless given) on the same examples, score both, and
-    write the act's files into OUT/depth-task (replaced only with `force`). `recipe`: `DepthRecipe()` if None;
-    `device`: where the embedded model loads (a given parent stays where it is)."""
-    recipe = recipe or DepthRecipe()
+    write the act's files into OUT/depth-task (replaced only with `force`). `recipe` and `scoring`: their defaults
+    if None; `device`: where the embedded model loads (a given parent stays where it is)."""
+    recipe, scoring = recipe or DepthRecipe(), scoring or DepthScoring()
+    hops = scoring.hops
     folder = Path(out) / FOLDER
     if folder.exists():
         if not force:
@@ -67,8 +62,8 @@ def run_depth_act(
     for name, trained, recurrent in (("retrofit", model, True), ("parent", parent, False)):
         heads[name] = prepare(trained, tokenizer)
         _train(name, trained, heads[name], tokenizer, recipe, recurrent)
-    scored = {"count": test_examples, "chains": TEST_CHAINS, "seed": recipe.seed}
-    at_depth = {r: (model, heads["retrofit"]) for r in recurrences} | {None: (parent, heads["parent"])}
+    scored = {"count": scoring.examples, "chains": scoring.chains, "seed": recipe.seed}
+    at_depth = {r: (model, heads["retrofit"]) for r in scoring.recurrences} | {None: (parent, heads["parent"])}
     rows = _score(at_depth, tokenizer, hops, scored)
     sweep = Sweep(
         kind="tasks",
@@ -78,7 +73,7 @@ def run_depth_act(
         parent=rows[-1],
         chance=Row("guessing a digit of the program", {_metric(h): guessing(h, **scored) for h in hops}),
         details={
-            "documents": {_metric(h): test_examples * TEST_CHAINS for h in hops},
+            "documents": {_metric(h): scoring.examples * scoring.chains for h in hops},
             "trained hops": recipe.hops,
             "recipe": vars(recipe),
             "layers": layers,

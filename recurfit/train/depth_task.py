@@ -12,14 +12,18 @@ the vocabulary, at the answer positions only) and the embeddings are frozen.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from ..data.depth_task import NAMES, VALUES, DepthExample, bindings, examples
+from ..errors import RecurfitError
 
 TOKENS = NAMES + VALUES + "=,."  # the task's whole alphabet, one token each
 
@@ -32,11 +36,87 @@ class DepthRecipe:
     batch: int = 8  # examples per step
     lr: float = 1e-3  # AdamW, after a linear warmup of `warmup` steps
     warmup: int = 10
-    hops: int = 4  # training chains are 1 to `hops` hops deep
+    hops: int = 4  # training answers are 1 to `hops` hops deep
+    deepest: bool = False  # every training chain `hops` deep (answers of each hop count equally many), not 1 to `hops`
     chains: int = 3  # per example
     max_r: int = 6  # each step's recurrence drawn uniformly from 1 to max_r
     backprop: int = 4  # the last `backprop` of them take gradient (and are read out)
     seed: int = 0
+
+    def __post_init__(self):
+        _check_positive(self, "steps", "batch", "lr", "warmup", "hops", "chains", "max_r", "backprop")
+        _check_names(self.chains, self.hops)
+
+
+@dataclass(frozen=True)
+class DepthScoring:
+    """What a trained model is scored on: held-out examples of `chains` chains per hop count, at each r."""
+
+    hops: tuple[int, ...] = (1, 2, 3, 4, 5, 6)
+    recurrences: tuple[int, ...] = (1, 2, 4, 8, 16)
+    examples: int = 48  # per hop count
+    chains: int = 3
+
+    def __post_init__(self):
+        _check_positive(self, "examples", "chains")
+        for name in ("hops", "recurrences"):
+            values = getattr(self, name)
+            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise RecurfitError(f"score.{name} must be a list of positive integers; got {values!r}.")
+        _check_names(self.chains, max(self.hops))
+
+
+def _check_positive(settings, *names: str) -> None:
+    for name in names:
+        if getattr(settings, name) <= 0:
+            raise RecurfitError(f"{name} must be positive; got {getattr(settings, name)!r}.")
+
+
+def _check_names(chains: int, hops: int) -> None:
+    """A program's chains need distinct names: up to `hops` + 1 each (the task's one distractor), from 26 letters."""
+    if chains * (hops + 1) > len(NAMES):
+        raise RecurfitError(
+            f"{chains} chains of {hops} hops need up to {chains * (hops + 1)} variable names and the task has "
+            f"{len(NAMES)}: use fewer chains or hops."
+        )
+
+
+def load_depth_recipe(path) -> tuple[DepthRecipe, DepthScoring]:
+    """A recipe file: YAML with an optional `train` mapping of `DepthRecipe`'s fields and an optional `score` mapping
+    of `DepthScoring`'s; what it leaves out keeps its default."""
+    path = Path(path)
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise RecurfitError(f"Cannot read the depth-task recipe {path}: {error}") from error
+    if not isinstance(loaded, dict) or set(loaded) - {"train", "score"}:
+        raise RecurfitError(f"{path}: a depth-task recipe has a `train` and a `score` section, nothing else.")
+    return _section(DepthRecipe, loaded.get("train"), f"{path}: train"), _section(
+        DepthScoring, loaded.get("score"), f"{path}: score"
+    )
+
+
+KINDS = {int: "an integer", float: "a number", bool: "true or false", tuple: "a list"}
+
+
+def _section(cls, values, where: str):
+    """`cls` from a mapping, each value of its default's type (an integer where a float is expected, a list where a
+    tuple is)."""
+    values = values or {}
+    known = {field.name: field for field in dataclasses.fields(cls)}
+    if not isinstance(values, dict) or set(values) - set(known):
+        unknown = ", ".join(sorted(set(values) - set(known))) if isinstance(values, dict) else "not a mapping"
+        raise RecurfitError(f"{where}: {unknown}; the settings are {', '.join(known)}.")
+    for name, value in values.items():
+        kind = type(known[name].default)
+        fits = (
+            isinstance(value, list) if kind is tuple
+            else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+            else type(value) is kind
+        )  # fmt: skip
+        if not fits:
+            raise RecurfitError(f"{where}: {name} must be {KINDS[kind]}; got {value!r}.")
+    return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
 
 
 class TaskHead(nn.Module):
@@ -133,7 +213,7 @@ def train(model, head: TaskHead, tokenizer, recipe: DepthRecipe, recurrent: bool
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / recipe.warmup))
-    hops = range(1, recipe.hops + 1)
+    hops = [recipe.hops] if recipe.deepest else range(1, recipe.hops + 1)
     stream = examples("train", recipe.steps * recipe.batch, hops, recipe.chains, seed=recipe.seed, queries="all")
     rng, device, losses = random.Random(recipe.seed), head.weight.device, []
     for step in range(recipe.steps):
