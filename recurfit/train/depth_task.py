@@ -40,7 +40,7 @@ class DepthRecipe:
     deepest: bool = False  # every training chain `hops` deep (answers of each hop count equally many), not 1 to `hops`
     chains: int = 3  # per example
     max_r: int = 6  # each step's recurrence drawn uniformly from 1 to max_r
-    backprop: int = 4  # the last `backprop` of them take gradient (and are read out)
+    backprop: int = 6  # the last `backprop` of them take gradient (and are read out): all of them, here
     seed: int = 0
 
     def __post_init__(self):
