@@ -163,12 +163,13 @@ def test_a_recipe_file_sets_training_and_scoring_and_bad_ones_are_refused(tmp_pa
     assert recipe == DepthRecipe(steps=40, lr=1, deepest=True)
     assert scoring == DepthScoring(recurrences=(1, 32))
     for text, problem in [
-        ("train:\n  step: 40\n", "step; the settings are steps"),
+        ("train:\n  step: 40\n", "train: unknown step; the settings are steps"),
+        ("train: 40\n", "train: not a mapping"),
         ("train:\n  steps: 4.5\n", "steps must be an integer; got 4.5"),
         ("train:\n  deepest: 1\n", "deepest must be true or false"),
-        ("train:\n  backprop: 0\n", "backprop must be positive"),
+        ("train:\n  backprop: 0\n", "recipe.yaml: train: backprop must be positive"),
         ("train:\n  hops: 8\n", "need up to 27 variable names"),
-        ("score:\n  hops: [0, 2]\n", "score.hops must be a list of positive integers"),
+        ("score:\n  hops: [0, 2]\n", "score: hops must be a list of positive integers"),
         ("score:\n  hops: 3\n", "hops must be a list"),
         ("tests:\n  hops: [3]\n", "a `train` and a `score` section"),
         ("train: [", "Cannot read"),

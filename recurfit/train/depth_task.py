@@ -62,7 +62,7 @@ class DepthScoring:
         for name in ("hops", "recurrences"):
             values = getattr(self, name)
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise RecurfitError(f"score.{name} must be a list of positive integers; got {values!r}.")
+                raise RecurfitError(f"{name} must be a list of positive integers; got {values!r}.")
         _check_names(self.chains, max(self.hops))
 
 
@@ -104,9 +104,10 @@ def _section(cls, values, where: str):
     tuple is)."""
     values = values or {}
     known = {field.name: field for field in dataclasses.fields(cls)}
-    if not isinstance(values, dict) or set(values) - set(known):
-        unknown = ", ".join(sorted(set(values) - set(known))) if isinstance(values, dict) else "not a mapping"
-        raise RecurfitError(f"{where}: {unknown}; the settings are {', '.join(known)}.")
+    if not isinstance(values, dict):
+        raise RecurfitError(f"{where}: not a mapping of settings; the settings are {', '.join(known)}.")
+    if unknown := sorted(set(values) - set(known)):
+        raise RecurfitError(f"{where}: unknown {', '.join(unknown)}; the settings are {', '.join(known)}.")
     for name, value in values.items():
         kind = type(known[name].default)
         fits = (
@@ -116,7 +117,10 @@ def _section(cls, values, where: str):
         )  # fmt: skip
         if not fits:
             raise RecurfitError(f"{where}: {name} must be {KINDS[kind]}; got {value!r}.")
-    return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
+    try:
+        return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
+    except RecurfitError as error:
+        raise RecurfitError(f"{where}: {error}") from None
 
 
 class TaskHead(nn.Module):
