@@ -88,7 +88,7 @@ def test_accuracy_is_the_full_heads_argmax_over_the_tasks_tokens(tokenizer):
 
 
 def test_training_learns_and_is_repeatable(tokenizer):
-    recipe = DepthRecipe(steps=30, batch=4, lr=3e-3, hops=2, max_r=3, backprop=2)
+    recipe = DepthRecipe(steps=30, batch=4, lr=3e-3, hops=2, deepest=False, max_r=3, backprop=2)
     losses = []
     for steps in (recipe.steps, 5):  # the same seed: the same examples, r and s_0, so the same first losses
         torch.manual_seed(0)
@@ -158,9 +158,9 @@ def test_a_recipe_file_sets_training_and_scoring_and_bad_ones_are_refused(tmp_pa
     from recurfit.train.depth_task import load_depth_recipe
 
     path = tmp_path / "recipe.yaml"
-    path.write_text("train:\n  steps: 40\n  lr: 1\n  deepest: true\nscore:\n  recurrences: [1, 32]\n")
+    path.write_text("train:\n  steps: 40\n  lr: 1\n  deepest: false\nscore:\n  recurrences: [1, 32]\n")
     recipe, scoring = load_depth_recipe(path)
-    assert recipe == DepthRecipe(steps=40, lr=1, deepest=True)
+    assert recipe == DepthRecipe(steps=40, lr=1, deepest=False)
     assert scoring == DepthScoring(recurrences=(1, 32))
     for text, problem in [
         ("train:\n  step: 40\n", "train: unknown step; the settings are steps"),

@@ -71,7 +71,7 @@ def add_parsers(commands) -> None:
         "--depth-task",
         action="store_true",
         help="run the depth-task act alone: the embedded model's retrofit and parent trained on the same k-hop "
-        "lookups, accuracy against r per hop count (about 18 minutes on 2 CPU cores with AVX-512); writes "
+        "lookups, accuracy against r per hop count (about 20 minutes on 2 CPU cores with AVX-512); writes "
         "OUT/depth-task/",
     )
     p.add_argument(

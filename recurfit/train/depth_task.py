@@ -37,7 +37,7 @@ class DepthRecipe:
     lr: float = 1e-3  # AdamW, after a linear warmup of `warmup` steps
     warmup: int = 10
     hops: int = 4  # training answers are 1 to `hops` hops deep
-    deepest: bool = False  # every training chain `hops` deep (answers of each hop count equally many), not 1 to `hops`
+    deepest: bool = True  # every training chain `hops` deep (answers of each hop count equally many), not 1 to `hops`
     chains: int = 3  # per example
     max_r: int = 6  # each step's recurrence drawn uniformly from 1 to max_r
     backprop: int = 6  # the last `backprop` of them take gradient (and are read out): all of them, here
