@@ -159,25 +159,25 @@ def test_a_recipe_file_sets_training_and_scoring_and_bad_ones_are_refused(tmp_pa
 
     path = tmp_path / "recipe.yaml"
     path.write_text("train:\n  steps: 40\n  lr: 1\n  deepest: false\nscore:\n  recurrences: [1, 32]\n")
-    recipe, scoring = load_depth_recipe(path)
-    assert recipe == DepthRecipe(steps=40, lr=1, deepest=False)
-    assert scoring == DepthScoring(recurrences=(1, 32))
+    file = load_depth_recipe(path)
+    assert file.train == DepthRecipe(steps=40, lr=1, deepest=False)
+    assert file.score == DepthScoring(recurrences=(1, 32))
     for text, problem in [
-        ("train:\n  step: 40\n", "train: unknown step; the settings are steps"),
-        ("train: 40\n", "train: not a mapping"),
-        ("train:\n  steps: 4.5\n", "steps must be an integer; got 4.5"),
-        ("train:\n  deepest: 1\n", "deepest must be true or false"),
-        ("train:\n  backprop: 0\n", "recipe.yaml: train: backprop must be positive"),
+        ("train:\n  step: 40\n", "recipe.yaml: Unknown config key 'train.step'; did you mean 'train.steps'?"),
+        ("train: 40\n", "train. must be a mapping"),
+        ("train:\n  steps: 4.5\n", "train.steps must be int, got 4.5"),
+        ("train:\n  deepest: 1\n", "train.deepest must be bool"),
+        ("train:\n  backprop: 0\n", "recipe.yaml: backprop must be positive"),
         ("train:\n  hops: 8\n", "need up to 27 variable names"),
-        ("score:\n  hops: [0, 2]\n", "score: hops must be a list of positive integers"),
-        ("score:\n  hops: 3\n", "hops must be a list"),
-        ("tests:\n  hops: [3]\n", "a `train` and a `score` section"),
-        ("train: [", "Cannot read"),
+        ("score:\n  hops: [0, 2]\n", "score.hops must be a list of positive integers"),
+        ("score:\n  hops: 3\n", "score.hops must be a list"),
+        ("tests:\n  hops: [3]\n", "Unknown config key 'tests'"),
+        ("train: [", "not valid YAML"),
     ]:
         path.write_text(text)
         with pytest.raises(RecurfitError, match=re.escape(problem)):
             load_depth_recipe(path)
     code, output = run_cli(capsys, "demo", "--depth-task", "--depth-recipe", str(path), "--out", str(tmp_path / "o"))
-    assert code != 0 and "Cannot read" in output and not (tmp_path / "o").exists()
+    assert code != 0 and "not valid YAML" in output and not (tmp_path / "o").exists()
     code, output = run_cli(capsys, "demo", "--depth-recipe", str(path), "--out", str(tmp_path / "o"))
     assert code != 0 and "add --depth-task" in output and not (tmp_path / "o").exists()

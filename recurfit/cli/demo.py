@@ -106,11 +106,11 @@ def cmd_demo(args) -> None:
 
 def _depth_task(args, device) -> None:
     from ..demo.depth_act import run_depth_act
-    from ..train.depth_task import load_depth_recipe
+    from ..train.depth_task import DepthRecipeFile, load_depth_recipe
 
     if args.model:  # its prelude, core and coda are the embedded model's layers, chosen by where its lookups happen
         raise RecurfitError("--depth-task runs on the embedded model only; leave out --model.")
     if args.dtype not in ("auto", "float32"):  # the recipe is measured in float32 only
         raise RecurfitError(f"--depth-task trains and scores in float32; leave out --dtype {args.dtype}.")
-    recipe, scoring = load_depth_recipe(args.depth_recipe) if args.depth_recipe else (None, None)
-    run_depth_act(Path(args.out), status, force=args.force, recipe=recipe, scoring=scoring, device=device)
+    file = load_depth_recipe(args.depth_recipe) if args.depth_recipe else DepthRecipeFile()
+    run_depth_act(Path(args.out), status, force=args.force, recipe=file.train, scoring=file.score, device=device)

@@ -15,15 +15,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import nn
 
 from ..data.depth_task import NAMES, VALUES, DepthExample, bindings, examples
 from ..errors import RecurfitError
+from .config.binder import bind, read_yaml
 
 TOKENS = NAMES + VALUES + "=,."  # the task's whole alphabet, one token each
 
@@ -62,7 +61,7 @@ class DepthScoring:
         for name in ("hops", "recurrences"):
             values = getattr(self, name)
             if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
-                raise RecurfitError(f"{name} must be a list of positive integers; got {values!r}.")
+                raise RecurfitError(f"score.{name} must be a list of positive integers; got {values!r}.")
         _check_names(self.chains, max(self.hops))
 
 
@@ -81,46 +80,22 @@ def _check_names(chains: int, hops: int) -> None:
         )
 
 
-def load_depth_recipe(path) -> tuple[DepthRecipe, DepthScoring]:
-    """A recipe file: YAML with an optional `train` mapping of `DepthRecipe`'s fields and an optional `score` mapping
-    of `DepthScoring`'s; what it leaves out keeps its default."""
-    path = Path(path)
+@dataclass(frozen=True)
+class DepthRecipeFile:
+    """A recipe file's sections (`recurfit demo --depth-task --depth-recipe FILE`); what it leaves out keeps its
+    default."""
+
+    train: DepthRecipe = dataclasses.field(default_factory=DepthRecipe)
+    score: DepthScoring = dataclasses.field(default_factory=DepthScoring)
+
+
+def load_depth_recipe(path) -> DepthRecipeFile:
+    """A recipe file: YAML with an optional `train` section of `DepthRecipe`'s fields and an optional `score`
+    section of `DepthScoring`'s."""
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise RecurfitError(f"Cannot read the depth-task recipe {path}: {error}") from error
-    if not isinstance(loaded, dict) or set(loaded) - {"train", "score"}:
-        raise RecurfitError(f"{path}: a depth-task recipe has a `train` and a `score` section, nothing else.")
-    return _section(DepthRecipe, loaded.get("train"), f"{path}: train"), _section(
-        DepthScoring, loaded.get("score"), f"{path}: score"
-    )
-
-
-KINDS = {int: "an integer", float: "a number", bool: "true or false", tuple: "a list"}
-
-
-def _section(cls, values, where: str):
-    """`cls` from a mapping, each value of its default's type (an integer where a float is expected, a list where a
-    tuple is)."""
-    values = values or {}
-    known = {field.name: field for field in dataclasses.fields(cls)}
-    if not isinstance(values, dict):
-        raise RecurfitError(f"{where}: not a mapping of settings; the settings are {', '.join(known)}.")
-    if unknown := sorted(set(values) - set(known)):
-        raise RecurfitError(f"{where}: unknown {', '.join(unknown)}; the settings are {', '.join(known)}.")
-    for name, value in values.items():
-        kind = type(known[name].default)
-        fits = (
-            isinstance(value, list) if kind is tuple
-            else isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
-            else type(value) is kind
-        )  # fmt: skip
-        if not fits:
-            raise RecurfitError(f"{where}: {name} must be {KINDS[kind]}; got {value!r}.")
-    try:
-        return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
+        return bind(DepthRecipeFile, read_yaml(path))
     except RecurfitError as error:
-        raise RecurfitError(f"{where}: {error}") from None
+        raise RecurfitError(f"The depth-task recipe {path}: {error}") from None
 
 
 class TaskHead(nn.Module):

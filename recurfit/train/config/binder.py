@@ -1,7 +1,7 @@
 """The generic YAML binder: a mapping (a YAML file, `key.sub=value` overrides) into nested dataclasses.
 
 It knows nothing of training: the fields' type hints say what each key accepts (str, int, float, bool, a
-`Literal`'s choices, lists, optional values, nested dataclasses), a field named `global_` is the YAML key
+`Literal`'s choices, lists and tuples, optional values, nested dataclasses), a field named `global_` is the YAML key
 `global`, and a dataclass with a `shorthand` class attribute may be written as a bare string for that key.
 """
 
@@ -125,10 +125,11 @@ def _convert(kind, value, where: str) -> Any:
         if value not in args:
             raise RecurfitError(f"{where} must be one of {list(args)}, got {value!r}.")
         return value
-    if origin is list:
+    if origin in (list, tuple):  # a tuple field is written as a YAML list: tuple[int, ...]
         if not isinstance(value, list):
             raise RecurfitError(f"{where} must be a list, got {value!r}.")
-        return [_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+        items = [_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return items if origin is list else tuple(items)
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if kind is float and isinstance(value, str):
