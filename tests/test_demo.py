@@ -160,3 +160,13 @@ def test_the_recipe_run_by_hand_is_the_demos_retrofit_at_its_defaults():
     settings = with_shape(DemoSettings())  # the shape the demo chooses for the embedded parent
     data = {name: settings.out / "data" / name for name in ("prose", "math")}
     assert training_config(settings, data, settings.out / "recurrent", settings.shape) == recipe()
+
+
+def test_the_report_of_the_embedded_parent_points_to_the_depth_task_run_into_its_folder(tmp_path):
+    from recurfit.demo.report import where_depth_pays
+
+    pointer = where_depth_pays(DemoSettings(out=tmp_path / "run"))
+    assert f"`recurfit demo --depth-task --out {tmp_path / 'run'}`" in pointer
+    assert f"{tmp_path / 'run'}/depth-task" in pointer
+    # The act runs on the embedded parent only (its core is where that model's lookups happen).
+    assert where_depth_pays(DemoSettings(out=tmp_path / "run", model="HuggingFaceTB/SmolLM2-360M")) is None

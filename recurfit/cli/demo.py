@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ..demo.settings import DemoSettings
+from ..demo.settings import DEPTH_TASK_TIME, DemoSettings
 from ..errors import RecurfitError
 from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg, status
 
@@ -70,9 +70,8 @@ def add_parsers(commands) -> None:
     p.add_argument(
         "--depth-task",
         action="store_true",
-        help="run the depth-task act alone: the embedded model's retrofit and parent trained on the same k-hop "
-        "lookups, accuracy against r per hop count (about 20 minutes on 2 CPU cores with AVX-512); writes "
-        "OUT/depth-task/",
+        help=f"run the depth-task act alone: the embedded model's retrofit and parent trained on the same k-hop "
+        f"lookups, accuracy against r per hop count ({DEPTH_TASK_TIME}); writes OUT/depth-task/",
     )
     p.add_argument(
         "--depth-recipe",

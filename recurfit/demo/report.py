@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..train.config import OptimizerConfig
-from .settings import MATH_TASKS, QUESTION, DemoSettings
+from .settings import DEPTH_TASK_TIME, MATH_TASKS, QUESTION, DemoSettings
 
 
 def duration(seconds: float) -> str:
@@ -139,6 +139,7 @@ def _conclusion_section(report: dict) -> list[str]:
         f"- **Math, the worked answers.** {_worked_trend(report)}",
         f"- **Compute.** {_compute(report)}",
         f"- **What this run cannot show.** {_gsm8k_meaning(report)}",
+        *([f"- **Where depth pays.** {where}"] if (where := where_depth_pays(settings)) else []),
         f"- **Scaling it up.** {_scaling(settings)}",
         "",
     ]
@@ -243,6 +244,19 @@ def _compute(report: dict) -> str:
         f"A token costs {sweep.rows[0].flops_per_token / 1e9:.2f} GFLOPs at r = {sweep.rows[0].steps} and "
         f"{deepest.flops_per_token / 1e9:.2f} at r = {deepest.steps}, against {sweep.parent.flops_per_token / 1e9:.2f} "
         "for the parent (2 × the parameters a token passes through)."
+    )
+
+
+def where_depth_pays(settings: DemoSettings) -> str | None:
+    """The command of the depth task, a task on which this scale shows accuracy rising with r (for the embedded
+    parent, the one it runs on); not one of the demo's stages, which it would take past its time budget."""
+    if settings.model is not None:
+        return None
+    return (
+        "On k-hop variable lookups, a task whose answers take one lookup per recurrence, depth can pay at this "
+        f"scale: `recurfit demo --depth-task --out {settings.out}` trains a retrofit of the same parent and the "
+        "parent on the same examples and adds their accuracy against r per hop count, a table and a figure, to "
+        f"{settings.out}/depth-task ({DEPTH_TASK_TIME})."
     )
 
 

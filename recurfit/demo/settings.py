@@ -20,6 +20,8 @@ QUESTION = (
 RECIPE = "recipe.yaml"  # beside this module, packaged with it
 # The held-out word problems' splits, as `recurfit eval tasks` names them (recurfit/evaluate/tasks/word_problems_*)
 MATH_TASKS = {"easy": "word_problems", "hard": "word_problems_hard"}
+# How long `recurfit demo --depth-task` takes, measured in docs/results/depth-task.md
+DEPTH_TASK_TIME = "about 20 minutes on 2 CPU cores with AVX-512"
 
 
 @cache
