@@ -253,9 +253,9 @@ def where_depth_pays(settings: DemoSettings) -> str | None:
     if settings.model is not None:
         return None
     return (
-        "On k-hop variable lookups, a task whose answers take one lookup per recurrence, depth can pay at this "
-        f"scale: `recurfit demo --depth-task --out {settings.out}` trains a retrofit of the same parent and the "
-        "parent on the same examples and adds their accuracy against r per hop count, a table and a figure, to "
+        "On k-hop variable lookups, a task whose answers take one lookup per recurrence, accuracy can climb with "
+        f"r at this scale: `recurfit demo --depth-task --out {settings.out}` trains a retrofit of the same parent and "
+        "the parent on the same examples and adds their accuracy against r per hop count, a table and a figure, to "
         f"{settings.out}/depth-task ({DEPTH_TASK_TIME})."
     )
 
