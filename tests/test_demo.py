@@ -163,10 +163,10 @@ def test_the_recipe_run_by_hand_is_the_demos_retrofit_at_its_defaults():
 
 
 def test_the_report_of_the_embedded_parent_points_to_the_depth_task_run_into_its_folder(tmp_path):
-    from recurfit.demo.report import where_depth_pays
+    from recurfit.demo.report import depth_task_pointer
 
-    pointer = where_depth_pays(DemoSettings(out=tmp_path / "run"))
+    pointer = depth_task_pointer(DemoSettings(out=tmp_path / "run"))
     assert f"`recurfit demo --depth-task --out {tmp_path / 'run'}`" in pointer
     assert f"{tmp_path / 'run'}/depth-task" in pointer
     # The act runs on the embedded parent only (its core is where that model's lookups happen).
-    assert where_depth_pays(DemoSettings(out=tmp_path / "run", model="HuggingFaceTB/SmolLM2-360M")) is None
+    assert depth_task_pointer(DemoSettings(out=tmp_path / "run", model="HuggingFaceTB/SmolLM2-360M")) is None

@@ -139,7 +139,7 @@ def _conclusion_section(report: dict) -> list[str]:
         f"- **Math, the worked answers.** {_worked_trend(report)}",
         f"- **Compute.** {_compute(report)}",
         f"- **What this run cannot show.** {_gsm8k_meaning(report)}",
-        *([f"- **Where depth pays.** {where}"] if (where := where_depth_pays(settings)) else []),
+        *([f"- **Depth on a task made for it.** {where}"] if (where := depth_task_pointer(settings)) else []),
         f"- **Scaling it up.** {_scaling(settings)}",
         "",
     ]
@@ -247,8 +247,8 @@ def _compute(report: dict) -> str:
     )
 
 
-def where_depth_pays(settings: DemoSettings) -> str | None:
-    """The command of the depth task, a task on which this scale shows accuracy rising with r (for the embedded
+def depth_task_pointer(settings: DemoSettings) -> str | None:
+    """The command of the depth task, a task on which this scale can show accuracy rising with r (for the embedded
     parent, the one it runs on); not one of the demo's stages, which it would take past its time budget."""
     if settings.model is not None:
         return None
