@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from recurfit.train import optim
-from recurfit.train.distributed import fsdp_units
+from recurfit.train.distributed import Processes, fsdp_units
 
 REPEATS = 3
 
@@ -59,8 +59,17 @@ def every_matrix_seconds(muon: optim.BatchedMuon) -> float:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    with Processes.from_environment(timeout=600) as processes:
+        line = measure()
+        lines = [None] * processes.world
+        dist.all_gather_object(lines, line)
+    if processes.is_main:
+        print("\n".join(lines))
+
+
+def measure() -> str:
+    """This process's line; the model and optimizer are freed on return, before the group is destroyed."""
     model = sharded_model()
     matrices, _ = optim.split_parameters(model)
     muon = optim.BatchedMuon([{"params": matrices}], ns_dtype=torch.float32, lr=0.02)
@@ -91,11 +100,7 @@ def main() -> None:
         f"({statistics.median(share) / statistics.median(before):.2f}), the whole sharded step "
         f"{statistics.median(step) * 1e3:7.1f} ms"
     )
-    lines = [None] * dist.get_world_size()
-    dist.all_gather_object(lines, line)
-    if dist.get_rank() == 0:
-        print("\n".join(lines))
-    dist.destroy_process_group()
+    return line
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ from train_step import TINYLLAMA, parent_model, training_loss  # benchmarks/ is 
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import recurfit
+from recurfit.train.distributed import Processes
 from recurfit.train.head import CHUNK_ELEMENTS, chunk_rows
 
 SYNCS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-def build(args) -> torch.nn.Module:
+def build(args, processes: Processes) -> torch.nn.Module:
     if args.parent == "tinyllama" and args.vocab_size:
         config = LlamaConfig(**{**TINYLLAMA, "vocab_size": args.vocab_size})
         parent = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -49,15 +50,18 @@ def build(args) -> torch.nn.Module:
             if type(module).__name__.endswith("DecoderLayer"):
                 module.compile()
     if args.fsdp:
-        from recurfit.train.distributed import Processes
-
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
-        backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
         bf16 = args.dtype == "bf16"  # as recurfit train shards: parameters gathered in bf16 on a GPU
-        print(f"FSDP2 over a one-process {backend} group{', bf16 mixed precision' if bf16 else ''}")
-        Processes(device=torch.device(args.device), grouped=True).wrap(model, "fsdp", bf16=bf16)
+        print(f"FSDP2 over a one-process group{', bf16 mixed precision' if bf16 else ''}")
+        processes.wrap(model, "fsdp", bf16=bf16)
     return model
+
+
+def one_process(args) -> Processes:
+    """This process alone; with --fsdp, in a one-process group (NCCL on a GPU, gloo on a CPU)."""
+    if args.fsdp:
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+        torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", rank=0, world_size=1)
+    return Processes(device=torch.device(args.device), grouped=args.fsdp)
 
 
 def step(model, ids, depth, autocast) -> None:
@@ -95,9 +99,14 @@ def main() -> None:
     parser.add_argument("--trace", help="write the Chrome trace here (.json.gz)")
     parser.add_argument("--rows", type=int, default=25, help="operators in the table")
     args = parser.parse_args()
+    with one_process(args) as processes:
+        measure(args, processes)
 
+
+def measure(args, processes: Processes) -> None:
+    """The profile and the memory; the model is freed on return, before the group is destroyed."""
     device = torch.device(args.device)
-    model = build(args)
+    model = build(args, processes)
     vocab = model.config.text_config.vocab_size
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.dtype == "bf16" else nullcontext()
     # One token more per row: inputs its first seq_len tokens, targets its last, as recurfit train feeds them.
@@ -134,8 +143,6 @@ def main() -> None:
         f"{peak}logits {logits * width / 2**30:.2f} GiB ({args.dtype}); the loss upcasts {chunk_rows(vocab)} "
         f"positions at a time to fp32 ({CHUNK_ELEMENTS * 4 / 2**20:.0f} MiB, not {logits * 4 / 2**30:.2f} GiB)"
     )
-    if args.fsdp:
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -95,6 +95,9 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_only(reason): skipped under --device cuda, with the reason")
     config.addinivalue_line("markers", "float32_only(reason): skipped under --dtype bfloat16, with the reason")
+    config.addinivalue_line(
+        "markers", "two_processes: runs torchrun with 2 gloo processes (scripts/repeat-two-processes.py repeats them)"
+    )
     config.addinivalue_line("markers", low_precision.DESCRIPTION)
     config.addinivalue_line("markers", low_precision.OPT_OUT_DESCRIPTION)
     try:
@@ -126,12 +129,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"{PLACEMENT.device} {PLACEMENT.dtype}: {reason}"))
 
 
+# Why two-process tests are skipped under --device cuda: the GPU check's parts 3 and 4 (benchmarks/gpu_check.py) run
+# one NCCL process instead.
+TWO_PROCESSES = "2 processes need 2 GPUs under --device cuda, and the GPU check's machine has 1"
+
+
 def skip_reason(item, modules: set[str]) -> str | None:
     if item.module.__name__ not in modules:
         return "not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)"
     cpu_only, float32_only = item.get_closest_marker("cpu_only"), item.get_closest_marker("float32_only")
     if cpu_only and PLACEMENT.device.type != "cpu":
         return cpu_only.args[0]
+    if item.get_closest_marker("two_processes") and PLACEMENT.device.type != "cpu":
+        return TWO_PROCESSES
     if float32_only and PLACEMENT.dtype != torch.float32:
         return float32_only.args[0]
     return None

@@ -9,14 +9,15 @@
 - `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at;
 - `weights` (and `weights-alone`: every process builds the whole model itself, as one process does):
   `peak_host_bytes`, this process's peak resident set (VmHWM) once the trainer is set up, over its resident set
-  before; the main process writes the set-up model's weights (gathered) to OUT.safetensors.
+  before; the main process writes the set-up model's weights (gathered) to OUT.safetensors;
+and in every mode `threads_after_close`, the names of the process's threads once its process group is closed.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -132,25 +133,31 @@ def weights(config, processes: Processes, out: str, alone: bool) -> dict:
     return {"peak_host_bytes": peak}
 
 
+def run(mode: str, config, processes: Processes, out: str) -> dict:
+    """MODE's result; its trainer is freed on return, before `main` destroys the group (`Processes.close`)."""
+    if mode == "resume":
+        return resume(config, processes)
+    if mode.startswith("weights"):
+        return weights(config, processes, out, alone=mode == "weights-alone")
+    trainer = Trainer(config, processes=processes)
+    result = numerics(trainer) if mode == "numerics" else steps(trainer)
+    trainer.close()
+    return result
+
+
 def main(mode: str, config_path: str, out: str) -> None:
     config = load_config(config_path)
-    processes = Processes.from_environment(config.distributed_timeout)
-    if mode == "resume":
-        result = resume(config, processes)
-    elif mode.startswith("weights"):
-        result = weights(config, processes, out, alone=mode == "weights-alone")
-    else:
-        trainer = Trainer(config, processes=processes)
-        result = numerics(trainer) if mode == "numerics" else steps(trainer)
-        trainer.close()
-        # DDP's reducer holds the process group: freed after destroy_process_group, it would be the group's last
-        # owner and join gloo's threads holding the GIL, while one of them waits for the GIL to free a finished
-        # all-reduce's tensors (a deadlock seen at exit under load). Freed first, the group ends in close().
-        del trainer
-        gc.collect()
+    with Processes.from_environment(config.distributed_timeout) as processes:
+        result = run(mode, config, processes, out)
+    result["threads_after_close"] = thread_names()
     with open(f"{out}.{processes.rank}", "w") as file:
         json.dump(result, file)
-    processes.close()
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (gloo's are `gloo_tcp_loop` and `pt_gloo_runloop`)."""
+    tasks = Path("/proc/self/task")
+    return sorted((task / "comm").read_text().strip() for task in tasks.iterdir())
 
 
 if __name__ == "__main__":

@@ -101,6 +101,7 @@ def test_frozen_parts_stay_bit_equal_and_hold_no_optimizer_state(tmp_path, works
     assert all(part_of(key) in trains for o in saved["optimizers"] for key in o["state"])
 
 
+@pytest.mark.two_processes
 def test_fsdp2_with_frozen_parts_matches_one_process(tmp_path, workspace):
     """Frozen and trained parameters in the same FSDP2 units (the coda's layers beside the frozen prelude, the
     core's beside the trained adapter): 2 gloo processes give one process's losses and the same final weights,

@@ -51,11 +51,10 @@ def cmd_train(args) -> None:
     A dry run's plan is its result (stdout); a run's config, tables, warnings and progress go to stderr, its final
     validation and what it wrote to stdout."""
     from ..errors import RecurfitError
-    from ..model.tables import flops_table, parts_table
-    from ..train import Trainer, already_finished, load_config
+    from ..train import already_finished, load_config
+    from ..train.distributed import Processes
     from ..train.initial_model import check_plan
     from ..train.report import schedule_table, validation_table
-    from ..train.run_folder import RunFolder
 
     config = load_config(args.config, [*args.overrides, *([f"out={args.out}"] if args.out else [])])
     main_process = int(os.environ.get("RANK", "0")) == 0
@@ -79,19 +78,8 @@ def cmd_train(args) -> None:
         return
     if main_process:
         _warn_memory(config, args, memory, note)
-    trainer = Trainer(config, resume=args.resume, force=args.force)  # checks everything, then saves config.yaml
-    try:
-        _print_train_config(config, note, note, f"saved as {config.out}/config.yaml")
-        note(parts_table(trainer.model))
-        note(flops_table(trainer.model, [config.depth.mean_recurrence]))
-        result = trainer.run()
-    except KeyboardInterrupt:
-        note(
-            f"Stopped by Ctrl-C at step {trainer.counters.step}: {RunFolder(config.out).resume_hint()}", highlight=False
-        )
-        raise
-    finally:
-        trainer.close()
+    with Processes.from_environment(config.distributed_timeout) as processes:
+        result = _run(config, args, processes, note)
     counters, out = result.counters, result.out
     table = validation_table(result.validation)
     if table is not None:
@@ -102,6 +90,28 @@ def cmd_train(args) -> None:
         + f"({counters.skipped} updates skipped). Wrote {out / 'config.yaml'}, {out / 'log.jsonl'}, "
         f"{out / 'checkpoints'}/ and the model with its card in {out / 'final'}/."
     )
+
+
+def _run(config, args, processes, note):
+    """The run, printed as it starts; its trainer (model, optimizers) is freed on return, before the process group
+    is destroyed (`Processes.close`)."""
+    from ..model.tables import flops_table, parts_table
+    from ..train import Trainer
+    from ..train.run_folder import RunFolder
+
+    trainer = Trainer(config, resume=args.resume, force=args.force, processes=processes)  # checks, saves the config
+    try:
+        _print_train_config(config, note, note, f"saved as {config.out}/config.yaml")
+        note(parts_table(trainer.model))
+        note(flops_table(trainer.model, [config.depth.mean_recurrence]))
+        return trainer.run()
+    except KeyboardInterrupt:
+        note(
+            f"Stopped by Ctrl-C at step {trainer.counters.step}: {RunFolder(config.out).resume_hint()}", highlight=False
+        )
+        raise
+    finally:
+        trainer.close()
 
 
 def _print_train_config(config, say, warn, state: str) -> None:

@@ -451,7 +451,13 @@ def train(config: TrainConfig, resume: bool = False, force: bool = False) -> Tra
     finished = already_finished(config, resume, force)
     if finished is not None:
         return finished
-    trainer = Trainer(config, resume=resume, force=force)
+    with Processes.from_environment(config.distributed_timeout) as processes:
+        return _run(config, resume, force, processes)
+
+
+def _run(config: TrainConfig, resume: bool, force: bool, processes: Processes) -> TrainResult:
+    """The run, with its trainer (model, optimizers) freed on return: before `train` destroys the group."""
+    trainer = Trainer(config, resume=resume, force=force, processes=processes)
     try:
         return trainer.run()
     finally:
