@@ -141,12 +141,28 @@ def test_guessing_is_one_over_the_programs_distinct_digits():
     assert 1 / 3 <= guessing(2, 5, 3, 1) <= 1
 
 
-def test_the_depth_task_command_refuses_another_model_and_an_existing_folder(tmp_path, capsys):
+def test_the_depth_task_joins_a_finished_demos_folder_and_refuses_to_replace_its_own_without_force(
+    tmp_path, capsys, monkeypatch
+):
+    """`demo --depth-task --out DEMO` adds DEMO/depth-task beside a finished demo's report; an existing
+    DEMO/depth-task is refused by name (what --force would replace), and nothing of the demo is touched."""
+    from recurfit.demo import depth_act
+
+    acts = []
+    monkeypatch.setattr(depth_act, "run_depth_act", lambda out, console, force, **kwargs: acts.append((out, force)))
+    (tmp_path / "report.md").write_text("the demo's report")
+    code, output = run_cli(capsys, "demo", "--depth-task", "--out", str(tmp_path))
+    assert code == 0 and acts == [(tmp_path, False)], output
     (tmp_path / "depth-task").mkdir()
     (tmp_path / "depth-task" / "depth_task.md").write_text("kept")
     code, output = run_cli(capsys, "demo", "--depth-task", "--out", str(tmp_path))
-    assert code != 0 and "--force" in output
-    assert (tmp_path / "depth-task" / "depth_task.md").read_text() == "kept"
+    assert code != 0 and f"{tmp_path / 'depth-task'} already exists; pass --force to replace it" in output
+    assert len(acts) == 1 and (tmp_path / "depth-task" / "depth_task.md").read_text() == "kept"
+    assert run_cli(capsys, "demo", "--depth-task", "--force", "--out", str(tmp_path))[0] == 0
+    assert acts[-1] == (tmp_path, True) and (tmp_path / "report.md").read_text() == "the demo's report"
+
+
+def test_the_depth_task_command_refuses_another_model_and_dtype(tmp_path, capsys):
     code, output = run_cli(capsys, "demo", "--depth-task", "--model", "HuggingFaceTB/SmolLM2-360M")
     assert code != 0 and "embedded model only" in output
     code, output = run_cli(capsys, "demo", "--depth-task", "--dtype", "bfloat16", "--out", str(tmp_path / "new"))

@@ -69,12 +69,15 @@ def _report_error(error: Exception) -> int:
 def _check_before_imports(args) -> None:
     """Checks that need neither torch nor transformers: a taken output folder or a missing config fails in a
     fraction of a second, not after the imports (or the work)."""
+    from ..demo.settings import DEPTH_TASK_FOLDER
     from ..evaluate.over_training import is_run
     from ..io.files import check_output
 
     command = getattr(args, "command", None)  # none for `lm-eval`, which parses its own arguments
     continues = command == "eval" and is_run(args.model)  # an evaluation of a run continues in its --out
-    if command in ("retrofit", "import-raven", "eval", "demo") and not continues:
+    if command == "demo" and args.depth_task:  # the act adds OUT/depth-task to a demo's folder, finished or not
+        check_output(Path(args.out) / DEPTH_TASK_FOLDER, args.force)
+    elif command in ("retrofit", "import-raven", "eval", "demo") and not continues:
         check_output(args.out, args.force)
     if command == "train" and not Path(args.config).is_file():
         raise RecurfitError(f"Config file not found: {args.config}.")

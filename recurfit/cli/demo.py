@@ -60,7 +60,11 @@ def add_parsers(commands) -> None:
         help="tokens generated per GSM8K answer and sample",
     )
     p.add_argument("--out", default=str(DEFAULTS["out"]), help="run folder, replaced only with --force")
-    p.add_argument("--force", action="store_true", help="start over in an existing --out")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="start over in an existing --out (with --depth-task: replace OUT/depth-task only)",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",

@@ -14,23 +14,22 @@ shows) and depth_task.png (accuracy against r, a panel per hop count, the parent
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 from rich.progress import TextColumn
 
 from ..data.depth_task import VALUES, examples
-from ..errors import RecurfitError
 from ..evaluate.figures import plot_recurrence
 from ..evaluate.results import Row, Sweep
+from ..io.files import check_output, staged_directory
 from ..model.loading import load_model, load_tokenizer
 from ..progress import progress_bar
 from ..surgery.retrofit import retrofit
 from ..train.depth_task import DepthRecipe, DepthScoring, accuracy, prepare, train
+from .settings import DEPTH_TASK_FOLDER
 
 LOOKUP_LAYERS = {"prelude": [0, 1], "core": [16, 17, 18, 19], "coda": [28, 29]}  # of the embedded model
-FOLDER = "depth-task"
 
 
 def run_depth_act(
@@ -50,11 +49,8 @@ def run_depth_act(
     if None; `device`: where the embedded model loads (a given parent stays where it is)."""
     recipe, scoring = recipe or DepthRecipe(), scoring or DepthScoring()
     hops = scoring.hops
-    folder = Path(out) / FOLDER
-    if folder.exists():
-        if not force:
-            raise RecurfitError(f"{folder} already exists; pass --force to run the depth task again, or choose --out.")
-        shutil.rmtree(folder)
+    folder = Path(out) / DEPTH_TASK_FOLDER
+    check_output(folder, force)  # before the training; the folder is replaced once the new results are written
     parent = parent if parent is not None else load_model(None, dtype=torch.float32, device=device)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
     model = retrofit(parent, adapter="add", **layers)
@@ -79,10 +75,10 @@ def run_depth_act(
             "layers": layers,
         },
     )
-    folder.mkdir(parents=True)
-    sweep.save(folder / "depth_task.json")
-    plot_recurrence([sweep], folder / "depth_task.png")
-    (folder / "depth_task.md").write_text(render(sweep))
+    with staged_directory(folder, replace=force) as staging:
+        sweep.save(staging / "depth_task.json")
+        plot_recurrence([sweep], staging / "depth_task.png")
+        (staging / "depth_task.md").write_text(render(sweep))
     console.print(f"Wrote {folder / 'depth_task.md'}.", highlight=False)
     return sweep
 

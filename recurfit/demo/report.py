@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..train.config import OptimizerConfig
-from .settings import DEPTH_TASK_TIME, MATH_TASKS, QUESTION, DemoSettings
+from .settings import DEPTH_TASK_FOLDER, DEPTH_TASK_TIME, MATH_TASKS, QUESTION, DemoSettings
 
 
 def duration(seconds: float) -> str:
@@ -256,7 +256,7 @@ def depth_task_pointer(settings: DemoSettings) -> str | None:
         "On k-hop variable lookups, a task whose answers take one lookup per recurrence, accuracy can climb with "
         f"r at this scale: `recurfit demo --depth-task --out {settings.out}` trains a retrofit of the same parent and "
         "the parent on the same examples and adds their accuracy against r per hop count, a table and a figure, to "
-        f"{settings.out}/depth-task ({DEPTH_TASK_TIME})."
+        f"{settings.out}/{DEPTH_TASK_FOLDER} ({DEPTH_TASK_TIME})."
     )
 
 

@@ -20,6 +20,8 @@ QUESTION = (
 RECIPE = "recipe.yaml"  # beside this module, packaged with it
 # The held-out word problems' splits, as `recurfit eval tasks` names them (recurfit/evaluate/tasks/word_problems_*)
 MATH_TASKS = {"easy": "word_problems", "hard": "word_problems_hard"}
+# What `recurfit demo --depth-task --out OUT` adds to a demo's folder: OUT/depth-task (replaced only with --force)
+DEPTH_TASK_FOLDER = "depth-task"
 # How long `recurfit demo --depth-task` takes, measured in docs/results/depth-task.md
 DEPTH_TASK_TIME = "about 20 minutes on 2 CPU cores with AVX-512"
 

@@ -128,14 +128,14 @@ class Processes:
 
     def close(self) -> None:
         """Destroy the process group, last. Whoever owns the group (`with Processes.from_environment(…)`) has by
-        now dropped the model and optimizers that hold it (DDP's reducer, FSDP2's parameters), and this object
-        drops its FSDP2 units; `gc.collect()` frees those held in reference cycles, and DTensor's caches, which keep FSDP2's mesh and through it the
-        group, are emptied. The group's C++ object then ends here, joining its gloo worker threads while the
-        interpreter runs. A group that outlives this call lives on into the interpreter's finalisation, where a
-        gloo worker thread that drops the last reference to a finished collective's tensor must take the GIL,
-        is stopped by `pthread_exit` inside C++ code, and aborts the process (`terminate called without an
-        active exception`, SIGABRT): a failed exit after a finished run. tests/test_train_distributed.py checks
-        that no gloo thread is left after `close`."""
+        now dropped the model and optimizers that hold it (DDP's reducer, FSDP2's parameters); this object drops
+        its FSDP2 units, DTensor's caches (which keep FSDP2's mesh, and through it the group) are emptied, and
+        `gc.collect()` frees what reference cycles held. The group's C++ object then ends here, joining its gloo
+        worker threads while the interpreter runs. A group that outlives this call lives on into the
+        interpreter's finalisation, where a gloo worker thread that drops the last reference to a finished
+        collective's tensor must take the GIL, is stopped by `pthread_exit` inside C++ code, and aborts the
+        process (`terminate called without an active exception`, SIGABRT): a failed exit after a finished run.
+        tests/test_train_distributed.py checks that no gloo thread is left after `close`."""
         self.sharded.clear()  # the FSDP2 units, the model among them
         if self.grouped and dist.is_initialized():
             _forget_dtensor_caches()
