@@ -59,6 +59,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # 1.5, where one bf16 rounding is 2**-8 · 1.5 ≈ 0.006, and the two orders differ by up to ~16 such roundings
 # accumulated through the layers (0.051 measured for OLMo-2's sdpa against eager attention on a CPU).
 BF16_LOGIT_TOLERANCE = 0.1
+# Two computation orders of one bf16 gradient (truncated backprop, checkpointing) differ by rounding: a few ulps
+# (2^-8 of the value each) of the tensor's largest element. Measured: 0 on AMX, AVX-512 and AVX2 kernels.
+BF16_GRADIENT_ULPS = 4
 # Tests that compare greedy tokens of two computation orders: exact in float32, not in bf16.
 GREEDY_TOKENS = (
     "compares the greedy tokens of two computation orders, and a bf16 near-tie flips an argmax; in bf16 the "
@@ -164,6 +167,21 @@ def close(float32_rtol: float, float32_atol: float) -> dict:
     if PLACEMENT.dtype == torch.float32:
         return {"rtol": float32_rtol, "atol": float32_atol}
     return {"rtol": max(float32_rtol, 1.6e-2), "atol": max(float32_atol, BF16_LOGIT_TOLERANCE)}
+
+
+def gradient_close(expected: torch.Tensor, float32_rtol: float, float32_atol: float) -> dict:
+    """assert_close's rtol/atol for a gradient: the test's own in float32; under --dtype bfloat16, a few bf16 ulps
+    of the tensor's largest element. The tiny models' gradients reach 1e-3 to 0.9 per tensor (measured on the
+    retrofits of test_model_modeling.py), so the logits' atol (0.1) would accept a gradient of zeros."""
+    if PLACEMENT.dtype == torch.float32:
+        return {"rtol": float32_rtol, "atol": float32_atol}
+    return {"rtol": 1.6e-2, "atol": BF16_GRADIENT_ULPS * 2**-8 * expected.abs().max().item()}
+
+
+def control_margin(float32: float) -> float:
+    """The smallest difference a negative control accepts as "different": twice the tolerance of the positive check
+    it guards (`tolerance(float32)`), so that no result passes both the control and the check."""
+    return 2 * tolerance(float32)
 
 
 # ---------------------------------------------------------------- tiny models

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import (
-    close,
     model_with_state,
     prompts,
 )
@@ -16,6 +15,10 @@ from recurfit.model.cache import RecurrentCache
 from recurfit.model.compat import cache_kwargs
 
 
+@pytest.mark.float32_only(
+    "warm and cold starts differ by 0.006-0.016 in this tiny model's logits (measured), below bf16's logit "
+    "tolerance (0.1): in bf16 the check could not tell a warm start from an ignored one"
+)
 def test_warm_start_starts_each_token_from_the_previous_final_state():
     model = model_with_state("llama")
     ids = prompts(batch=1)[0]
@@ -31,8 +34,9 @@ def test_warm_start_starts_each_token_from_the_previous_final_state():
             token = logits[-1].argmax(-1, keepdim=True)
             previous = out.hidden_states[-1][:, -1:]  # s_r of the last position
             out = model(token, num_steps=3, **cache_kwargs(cache), initial_state=previous, output_hidden_states=True)
-    torch.testing.assert_close(torch.stack(warm.logits), torch.stack(logits), **close(1.3e-6, 1e-5))
-    assert (warm.logits[-1] - cold.logits[-1]).abs().max() > 1e-3  # the state matters here: the test has teeth
+    torch.testing.assert_close(torch.stack(warm.logits), torch.stack(logits), rtol=1.3e-6, atol=1e-5)
+    # The state matters here (0.014 at the last token, measured), 100 times the check's atol: the test has teeth
+    assert (warm.logits[-1] - cold.logits[-1]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize(

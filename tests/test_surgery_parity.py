@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PLACEMENT, placed, pruned, tiny_parent, token_batch, tolerance
+from conftest import PLACEMENT, control_margin, placed, pruned, tiny_parent, token_batch, tolerance
 
 import recurfit
 
@@ -49,8 +49,9 @@ def test_add_adapter_with_zero_state_equals_pruned_parent_at_one_step():
     with torch.no_grad():
         expected = pruned(parent, [0, 1, 3, 4, 5])(ids).logits
         assert max_diff(model(ids, num_steps=1).logits, expected) <= tolerance(TOLERANCE)
-        # From the second step on, s + e feeds the state back: no longer the pruned parent.
-        assert max_diff(model(ids, num_steps=2).logits, expected) > 1e-3
+        # From the second step on, s + e feeds the state back: no longer the pruned parent (0.47 in float32 and
+        # bf16, measured), by more than the check above allows.
+        assert max_diff(model(ids, num_steps=2).logits, expected) > control_margin(TOLERANCE)
 
 
 def test_untrained_retrofit_ignores_the_random_state():

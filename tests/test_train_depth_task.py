@@ -53,17 +53,29 @@ def test_pointers_follow_the_bindings_one_hop_at_a_time(tokenizer):
 
 
 def test_the_trace_loss_averages_each_recurrence_with_gradient(tokenizer):
+    """Its value and its gradients: each readout of the trace takes gradient through the steps before it, as a
+    separate pass of that many recurrences with the same steps under no_grad would."""
     model = retrofit()
     head = prepare(model, tokenizer)
     batch = encode(list(examples("train", 4, range(1, 4), chains=3, queries="all")), tokenizer, pointer_steps=5)
 
-    def alone(r):  # the trace's loss after a separate pass of r recurrences
-        out = model.model(batch.input_ids, attention_mask=batch.attention_mask, num_steps=r)
+    def alone(r, without=0):  # the trace's loss after a separate pass of r recurrences, the first `without` no_grad
+        out = model.model(batch.input_ids, attention_mask=batch.attention_mask, num_steps=(without, r - without))
         logits = head(out.last_hidden_state[batch.rows, batch.positions])
         return F.cross_entropy(logits, batch.pointers[:, r - 1])
 
+    def gradients(loss) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    trace, expected = train_step_loss(model, head, batch, 5, 3), (alone(3, 2) + alone(4, 2) + alone(5, 2)) / 3
+    assert torch.allclose(trace, expected)
+    got, wanted = gradients(trace), gradients(expected)
+    assert got.keys() == wanted.keys() and any(name.startswith("model.core") for name in got)
+    for name in wanted:
+        torch.testing.assert_close(got[name], wanted[name], rtol=1e-4, atol=1e-7, msg=name)
     with torch.no_grad():
-        assert torch.allclose(train_step_loss(model, head, batch, 5, 3), (alone(3) + alone(4) + alone(5)) / 3)
         assert torch.allclose(train_step_loss(model, head, batch, 2, 3), (alone(1) + alone(2)) / 2)
         parent = tiny_parent("llama", num_layers=4).float()
         parent_head = prepare(parent, tokenizer)

@@ -1,0 +1,178 @@
+"""Check that the tests bite: apply named mutations to a copy of the source, one at a time, run the tests that
+should catch each, and print which survived (a mutation survives when its tests still pass).
+
+    .venv/bin/python scripts/mutations.py              # every mutation
+    .venv/bin/python scripts/mutations.py --list       # their names
+    .venv/bin/python scripts/mutations.py readouts-detached warm-start-ignored
+
+The checkout is copied (its tracked and untracked files) into a temporary folder, which comes first on the path
+of every test process, so the mutations never touch the checkout. The copy's tests first run unmutated: a
+mutation counts as caught only if they pass there. The exit status is 1 if any mutation survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str  # the wrong behaviour, in words
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (text, its replacement), each text found exactly once in `file`
+    tests: tuple[str, ...]  # pytest node ids that must fail with the mutation
+    options: tuple[str, ...] = ()  # more pytest options (--dtype bfloat16)
+
+
+MUTATIONS = (
+    Mutation(
+        "warm-start-ignored",
+        "generate(warm_start=True) starts every token from a fresh s_0",
+        "recurfit/model/modeling.py",
+        (("if initial_state is None and warm_start and decoding", "if initial_state is None and False and decoding"),),
+        ("tests/test_generation_text.py::test_warm_start_starts_each_token_from_the_previous_final_state",),
+    ),
+    Mutation(
+        "add-adapter-drops-the-state",
+        "the add adapter returns e alone: every depth computes the first step",
+        "recurfit/model/adapter.py",
+        (
+            ("        return state + embedded\n", "        return embedded\n"),
+            ("        return state + part\n", "        return part\n"),
+        ),
+        ("tests/test_surgery_parity.py::test_add_adapter_with_zero_state_equals_pruned_parent_at_one_step",),
+        ("--dtype", "bfloat16"),
+    ),
+    Mutation(
+        "checkpointing-freezes-the-adapter",
+        "activation checkpointing cuts the adapter out of the graph",
+        "recurfit/model/compat.py",
+        (
+            (
+                '    options = {"use_reentrant": False}\n',
+                '    options = {"use_reentrant": False}\n    model.model.adapter.requires_grad_(False)\n',
+            ),
+        ),
+        ("tests/test_model_modeling.py::test_gradient_checkpointing_gives_the_same_gradients",),
+    ),
+    Mutation(
+        "checkpointing-scales-gradients",
+        "checkpointed gradients are 0.9 of the true ones (caught in bf16 too)",
+        "recurfit/model/compat.py",
+        (
+            (
+                '    options = {"use_reentrant": False}\n',
+                '    options = {"use_reentrant": False}\n'
+                "    for p in model.parameters():\n"
+                "        p.register_hook(lambda grad: grad * 0.9)\n",
+            ),
+        ),
+        ("tests/test_model_modeling.py::test_gradient_checkpointing_gives_the_same_gradients",),
+        ("--dtype", "bfloat16"),
+    ),
+    Mutation(
+        "readouts-detached",
+        "the depth task's trace reads each recurrence out without gradient",
+        "recurfit/model/modeling.py",
+        (("self._coda(state, layer_kwargs))\n", "self._coda(state.detach(), layer_kwargs))\n"),),
+        ("tests/test_train_depth_task.py::test_the_trace_loss_averages_each_recurrence_with_gradient",),
+    ),
+    Mutation(
+        "exit-never-settles",
+        "an adaptive-exit rule whose rows never settle: every token runs the full depth",
+        "recurfit/generation/exit.py",
+        ((" = self.done | settled  #", " = self.done | (settled & False)  #"),),
+        ("tests/test_generation_exit.py::test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero",),
+    ),
+    Mutation(
+        "fsdp-group-kept-alive",
+        "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
+        "recurfit/train/distributed.py",
+        (("            _forget_dtensor_caches()\n", "            pass\n"),),
+        (
+            "tests/test_train_distributed.py::test_closing_the_processes_ends_the_gloo_threads_before_the_interpreter_exits",
+        ),
+    ),
+)
+
+
+def copy_checkout(target: Path) -> None:
+    """The checkout's tracked and untracked (not ignored) files, copied into `target`."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, listed):
+        source = REPO / name.decode()
+        if source.is_file():
+            (target / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name.decode())
+
+
+def run_tests(root: Path, mutation: Mutation) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the copy's recurfit, before the checkout's editable install
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.options]
+    return subprocess.run([*command, *mutation.tests], cwd=root, env=env, capture_output=True, text=True)
+
+
+def apply(root: Path, mutation: Mutation) -> str:
+    """Apply `mutation` in the copy at `root`; returns the file's original text."""
+    path = root / mutation.file
+    original = text = path.read_text()
+    for old, new in mutation.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{mutation.name}: {old!r} occurs {text.count(old)} times in {mutation.file}, not once")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="the mutations to try (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args()
+    if args.list:
+        for mutation in MUTATIONS:
+            print(f"{mutation.name}: {mutation.what}")
+        return
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        raise SystemExit(f"unknown mutations: {', '.join(sorted(unknown))} (see --list)")
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    survived = []
+    with tempfile.TemporaryDirectory(prefix="mutations-") as folder:
+        root = Path(folder)
+        copy_checkout(root)
+        for mutation in chosen:
+            baseline = run_tests(root, mutation)
+            if baseline.returncode != 0:
+                raise SystemExit(f"{mutation.name}: its tests fail without the mutation:\n{baseline.stdout[-2000:]}")
+            original = apply(root, mutation)
+            try:
+                mutated = run_tests(root, mutation)
+            finally:
+                (root / mutation.file).write_text(original)
+            caught = mutated.returncode != 0
+            if not caught:
+                survived.append(mutation.name)
+            last = mutated.stdout.strip().splitlines()[-1] if mutated.stdout.strip() else ""
+            print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}: {mutation.what} ({last})", flush=True)
+    print(f"{len(chosen) - len(survived)} of {len(chosen)} mutations caught")
+    sys.exit(1 if survived else 0)
+
+
+if __name__ == "__main__":
+    main()
