@@ -95,6 +95,27 @@ MUTATIONS = (
         ("tests/test_generation_exit.py::test_adaptive_depth_reports_steps_and_never_exits_at_threshold_zero",),
     ),
     Mutation(
+        "math-verdict-inverted",
+        "the demo's report says more recurrence answers more when it answers fewer",
+        "recurfit/demo/report.py",
+        (("    if gain <= 0:\n", "    if gain >= 0:\n"),),
+        ("tests/test_demo.py::test_the_math_verdict_follows_the_accuracies",),
+    ),
+    Mutation(
+        "worked-verdict-inverted",
+        "the demo's report says deeper r finishes more answers when it finishes fewer",
+        "recurfit/demo/report.py",
+        (("worked[r][1] > worked[first][1]", "worked[r][1] < worked[first][1]"),),
+        ("tests/test_demo.py::test_the_worked_answers_verdict_compares_the_deeper_r_with_r_1",),
+    ),
+    Mutation(
+        "english-verdict-inverted",
+        "the demo's report says English is kept when the prose loss rose",
+        "recurfit/demo/report.py",
+        (("        if after <= before\n", "        if after >= before\n"),),
+        ("tests/test_demo.py::test_the_english_verdict_follows_the_prose_losses",),
+    ),
+    Mutation(
         "fsdp-group-kept-alive",
         "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
         "recurfit/train/distributed.py",

@@ -170,3 +170,77 @@ def test_the_report_of_the_embedded_parent_points_to_the_depth_task_run_into_its
     assert f"{tmp_path / 'run'}/depth-task" in pointer
     # The act runs on the embedded parent only (its core is where that model's lookups happen).
     assert depth_task_pointer(DemoSettings(out=tmp_path / "run", model="HuggingFaceTB/SmolLM2-360M")) is None
+
+
+def verdict_report(accuracy: dict[int, float], parent: float, worked: dict[str, tuple], prose: dict) -> dict:
+    """A demo's report of the given results: held-out accuracy per r on 100 problems, worked answers per model
+    (answers, stated, steps written, steps true), and prose validation losses per run and step."""
+    from recurfit.demo.settings import MATH_TASKS
+    from recurfit.evaluate.results import Row, Sweep
+
+    metric = f"{MATH_TASKS['easy']} (exact_match, flexible-extract)"
+    rows = [Row(f"r={r}", {metric: value}, steps=r) for r, value in accuracy.items()]
+    problems = [
+        {"model": model, "split": "easy", "stated": 1 if i < stated else None, "steps": 1, "steps_right": int(i < true)}
+        for model, (answers, stated, _, true) in worked.items()
+        for i in range(answers)
+    ]
+    settings = DemoSettings(math_eval=100, heal_steps=1, steps=4, mean_recurrence=2)
+    validation = {run: {step: {f"prose/loss{'@2' if run == 'recurrent' else ''}": v} for step, v in losses.items()}
+                  for run, losses in prose.items()}  # fmt: skip
+    return {
+        "settings": settings,
+        "math": Sweep("tasks", "m", [metric], rows, parent=Row("parent", {metric: parent})),
+        "math_problems": problems,
+        "validation": validation,
+    }
+
+
+@pytest.mark.parametrize(
+    "accuracy, verdict",
+    [
+        ({1: 0.10, 2: 0.40}, "More recurrence answers more: r = 2 gets 30 more right"),
+        ({1: 0.40, 2: 0.10}, "More recurrence does not answer more of them here"),
+        ({1: 0.10, 2: 0.12}, "r = 2 gets 2 more right than r = 1, within twice the standard error"),
+    ],
+)
+def test_the_math_verdict_follows_the_accuracies(accuracy, verdict):
+    from recurfit.demo.report import _math_trend
+
+    report = verdict_report(accuracy, 0.2, {}, {})
+    assert verdict in _math_trend(report, "easy")
+
+
+@pytest.mark.parametrize(
+    "deep, verdict",
+    [
+        ((10, 8, 10, 9), "More recurrence finishes more answers and gets more of their arithmetic right"),
+        ((10, 8, 10, 2), "More recurrence finishes more answers, but gets no more of their arithmetic right"),
+        ((10, 2, 10, 9), "More recurrence gets more of the arithmetic right without finishing more answers"),
+        ((10, 2, 10, 2), "More recurrence neither finishes more answers nor gets more of their arithmetic right"),
+    ],
+)
+def test_the_worked_answers_verdict_compares_the_deeper_r_with_r_1(deep, verdict):
+    from recurfit.demo.report import _worked_trend
+
+    worked = {"r=1": (10, 4, 10, 5), "r=2": deep, "parent": (10, 5, 10, 5)}
+    assert verdict in _worked_trend(verdict_report({1: 0.1, 2: 0.1}, 0.1, worked, {}))
+
+
+@pytest.mark.parametrize(
+    "retrofit, parent, verdict, standing",
+    [
+        (
+            {1: 2.0, 4: 1.9},
+            {1: 2.0, 4: 1.5},
+            "English is kept",
+            "the parent, which lost no layers, ends 0.400 nats ahead",
+        ),
+        ({1: 2.0, 4: 2.3}, {1: 2.0, 4: 2.4}, "English is partly forgotten", "the retrofit ends 0.100 nats ahead"),
+    ],
+)
+def test_the_english_verdict_follows_the_prose_losses(retrofit, parent, verdict, standing):
+    from recurfit.demo.report import _english
+
+    text = _english(verdict_report({1: 0.1}, 0.1, {}, {"recurrent": retrofit, "parent": parent}))
+    assert verdict in text and standing in text
