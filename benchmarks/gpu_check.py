@@ -27,7 +27,9 @@ Part 1, the five-minute check. Steps, most important first (`--plan` gives their
 
 Every compiled line says whether CUDA graphs replayed: the tokens captured, replayed and run without a graph, and
 why a capture failed (recurfit.model.compiled.graph_counts). vLLM is not checked here (the device has none, and
-an engine's start would not fit): vLLM on CUDA is covered by the vLLM tests' V2 model runner on the CPU.
+an engine's start would not fit): nothing runs vLLM on CUDA. tests/test_vllm.py exercises only the host-side
+pieces recurfit gives Model Runner V2 (vLLM's default runner on CUDA: the per-request model state and the request
+validator) on the CPU build; no engine has started on that runner.
 
 Parts 2-5 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
 the CUDA tests and training runs as command steps, on TinyLlama-shaped random weights:
@@ -41,6 +43,18 @@ the CUDA tests and training runs as command steps, on TinyLlama-shaped random we
    step, throughput at the sampled depth).
 A command step's status line carries the last lines of its output; a part's long outputs (JUnit XML, the
 profiler's trace, the training log) are packed into OUT/artifacts-partN.tar.gz after its last step.
+
+The runner. The check is sized for a lent GPU machine that runs one command for at most 600 s and may be a fresh
+machine at every command (nothing installed or compiled by an earlier one): part 1's limits add up to 300 s (the
+five minutes), each later part's to at most PART_BUDGET (570 s), leaving the rest of the 600 s to the interpreter's
+start and packing. Every part begins with the device step, so its results name the card and versions and its MFU
+and decode floors use the peaks measured on that machine. Each step runs in a process and session of its own (its
+command, or this file with `--step NAME`), killed with its children once its limit and the seconds the steps
+before it left unused are spent; the part goes on with its next step, and what a killed step wrote stays. The
+limits (Step.seconds) are set for an H100-class card; parts 3 and 4's are estimates until a GPU run measures them,
+and `--plan` prints them all. Like part 1, every part needs only torch and transformers, runs recurfit from the
+checkout and downloads nothing (benchmarks/train_setup.py builds the parent, a word-level tokenizer and a token
+store locally).
 
 Each step appends its results to OUT/results.jsonl (part N > 1: results-partN.jsonl) as it measures them, one JSON
 object per line, each with a sentence under "text"; after each step the runner adds the step's status line and

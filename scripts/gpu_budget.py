@@ -7,8 +7,9 @@ run at r̄ = 4, 8 and 32, the parent baseline), written as one page, docs/refere
 
 Nothing is downloaded: Llama-3.2-1B is built on the meta device from its public config values
 (recurfit/train/memory.py's PAPER_PARENTS). Memory is the plan `recurfit train … --dry-run` prints; FLOPs are
-what the run's log adds up (each step's drawn depth, `training_flops_per_token`); time assumes an MFU (40 %) of
-an H100's dense bf16 peak; disk counts 4 bytes per token of the store (the 128 k vocabulary needs uint32), fp32
+what the run's log adds up (each step's drawn depth, `training_flops_per_token`); time assumes the MFU (30 %) of an
+H100's dense bf16 peak that an eager training step of a paper recipe of this size reached on an H200
+(docs/results/gpu.md); disk counts 4 bytes per token of the store (the 128 k vocabulary needs uint32), fp32
 weights and optimizer state in a checkpoint, and snapshots in `snapshots.dtype`. tests/test_docs.py checks that
 the page is up to date and that every training command of the docs fits the memory it is planned for.
 """
@@ -27,7 +28,7 @@ PAGE = REPO / "docs" / "reference" / "gpu-budget.md"
 GPUS = 8
 GPU_MEMORY = 80 * 10**9
 PEAK_FLOPS = 989e12  # an H100 SXM's dense bf16 peak
-MFU = 0.4
+MFU = 0.3  # an eager step of recipes/paper/tinyllama-484-fineweb.yaml on an H200: 30.3 % of 989 (docs/results/gpu.md)
 STORE_TOKENS = 52.5e9  # `data prepare --max-tokens 52.5B`: the run's 52.43 B tokens and a margin
 VAL_FRACTION = 0.01
 TOKEN_BYTES = 4
@@ -150,9 +151,11 @@ def page() -> str:
         "[GPU tutorial](../tutorials/gpu-1b.md) on 80 GB GPUs. Do not edit by hand: run",
         "`.venv/bin/python scripts/gpu_budget.py`; the docs test fails when this page and the code disagree.",
         "",
-        f"- **Time** assumes {MFU:.0%} MFU of an H100's {PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16 peak, training",
-        "  alone (loading, validation and saving add to it); `recurfit train` logs the MFU it reaches: scale the",
-        "  hours by 0.4 / yours. On A100s (312 TFLOP/s) the hours are 3.2 times as many.",
+        f"- **Time** assumes {MFU:.0%} MFU of an H100's {PEAK_FLOPS / 1e12:.0f} TFLOP/s dense bf16 peak: what one",
+        "  eager training step of a paper recipe of this size, TinyLlama (4, 8, 4), reached on an H200",
+        "  ([measured](../results/gpu.md#compiled-decoding-and-a-training-step)). Training alone: loading,",
+        f"  validation and saving add to it. `recurfit train` logs the MFU it reaches: scale the hours by {MFU:g} /",
+        "  yours. On A100s (312 TFLOP/s) the hours are 3.2 times as many.",
         "- **FLOPs** are what the run's log adds up (each step's drawn depth over its 1,048,576 tokens, the body",
         "  only) and the LM head's 6·V·h per token. The MFU `train` logs counts the body only: the hours it",
         "  implies are a little pessimistic.",
