@@ -116,6 +116,13 @@ MUTATIONS = (
         ("tests/test_demo.py::test_the_english_verdict_follows_the_prose_losses",),
     ),
     Mutation(
+        "rope-frequencies-not-sent",
+        "under FSDP2 the processes that build on the meta device keep uninitialised RoPE frequencies",
+        "recurfit/train/distributed.py",
+        (("            dist.broadcast(buffer, src=0)\n", "            pass\n"),),
+        ("tests/test_train_distributed.py::test_two_processes_build_on_the_meta_device_with_the_weights_of_one",),
+    ),
+    Mutation(
         "fsdp-group-kept-alive",
         "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
         "recurfit/train/distributed.py",

@@ -9,7 +9,8 @@
 - `resume`: `hashed`, the files this process hashed to resume the run, and the `step` it resumed at;
 - `weights` (and `weights-alone`: every process builds the whole model itself, as one process does):
   `peak_host_bytes`, this process's peak resident set (VmHWM) once the trainer is set up, over its resident set
-  before; the main process writes the set-up model's weights (gathered) to OUT.safetensors;
+  before; the main process writes the set-up model's weights (gathered) to OUT.safetensors, and each
+  process its buffers (RoPE's frequencies among them, which no state dict holds) to OUT.buffers.RANK;
 and in every mode `threads_after_close`, the names of the process's threads once its process group is closed.
 """
 
@@ -129,6 +130,9 @@ def weights(config, processes: Processes, out: str, alone: bool) -> dict:
     state, _ = gather_state(trainer.model, [])
     if processes.is_main:
         save_file(_unshared(state), f"{out}.safetensors")
+    # Each process's buffers, which no state dict holds (RoPE's inv_freq is not persistent), as its forward reads them
+    buffers = {name: buffer.contiguous() for name, buffer in trainer.model.named_buffers()}
+    save_file(buffers, f"{out}.buffers.{processes.rank}")
     trainer.close()
     return {"peak_host_bytes": peak}
 
