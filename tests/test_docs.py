@@ -351,3 +351,148 @@ def test_user_pages_are_short_except_reference_tables():
         if "reference" not in page.parts and len(page.read_text().splitlines()) > 300
     ]
     assert not long, long
+
+
+# ---------------------------------------------------------------- what a page promises, what has run
+
+SERVE_MIDDLEWARE = "--middleware recurfit.serving.depth.EffortToDepth"
+# What a page promises of a server that only the middleware gives: a depth per request (with the cache salt that
+# keeps prefix caching to one depth), reasoning effort as a depth, the depth each answer ran at.
+PER_REQUEST_DEPTH = re.compile(r"num_steps|reasoning_effort|reasoning\.effort|depth per request|x-recurfit-depth")
+
+
+def serve_commands(page: Path) -> list[tuple[str, str]]:
+    """The `vllm serve` command lines of a page's code blocks (continuations joined), each with its block."""
+    found = []
+    for block in re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.DOTALL | re.MULTILINE):
+        for line in block.replace("\\\n", " ").splitlines():
+            if re.search(r"\bvllm serve\b", line.split(" # ")[0]):
+                found.append((line, block))
+    return found
+
+
+def test_every_vllm_serve_in_the_docs_gives_the_features_its_page_promises():
+    """A `vllm serve` of a recurfit folder on a page that promises a depth per request or reasoning effort carries
+    the middleware (without it reasoning_effort does nothing and depths share prefix-cache blocks); a block that
+    serves on a CPU (the CPU build's `--kv-cache-memory-bytes`) sets OMP_NUM_THREADS on that command, without
+    which vLLM's CPU worker runs one thread."""
+    wrong, checked = [], 0
+    for page in DOCS:
+        promises = PER_REQUEST_DEPTH.search(page.read_text())
+        blocks: dict[str, list[str]] = {}
+        for line, block in serve_commands(page):
+            blocks.setdefault(block, []).append(line)
+            checked += 1
+            if promises and SERVE_MIDDLEWARE not in line:
+                wrong.append(f"{page.relative_to(REPO)}: no {SERVE_MIDDLEWARE}: {line.strip()}")
+        for block, lines in blocks.items():
+            cpu = [line for line in lines if "--kv-cache-memory-bytes" in line and "OMP_NUM_THREADS=" in line]
+            if "--kv-cache-memory-bytes" in block and not cpu:
+                wrong.append(f"{page.relative_to(REPO)}: a CPU server without OMP_NUM_THREADS: {lines[0].strip()}")
+    assert checked >= 3, checked
+    assert not wrong, "\n".join(wrong)
+
+
+USER_PAGES = [page for page in DOCS if not page.name.startswith("contributing") and page.name != "gpu.md"]
+# Sentences that say no GPU path has run at all.
+NOTHING_ON_A_GPU = re.compile(
+    r"\b(?:nothing|no command)\b[^.;]*\b(?:run|ran|measured)\b[^.;]*\b(?:GPUs?|CUDA)\b"
+    r"|\bevery GPU path\b|\bnone measured\b|\bno result yet\b"
+    r"|\bnot (?:yet )?been (?:run|timed|measured) on (?:a )?GPUs?\b",
+    re.IGNORECASE,
+)
+# A sentence that says something has not run on a GPU.
+NOT_ON_A_GPU = re.compile(
+    r"\b(?:not|never|nothing|untested|unmeasured)\b[^.;]{0,40}"
+    r"\b(?:on|with) (?:an? |one |the )?(?:GPUs?|CUDA|H100|H200)\b",
+    re.IGNORECASE,
+)
+# GPU paths a page may name → the row of results/gpu.md that measures them.
+GPU_PATHS = {
+    r"CUDA graph": "CUDA graphs: tokens captured",
+    r"compiled decoding": "bf16 compiled vs eager",
+    r"memory plan|measured peak": "peak memory against the memory plan",
+    r"\bMFU\b|training step|\btimed\b": "training step: micro-batch, tokens/s, MFU",
+    r"CUDA tests|pytest --device cuda": "CUDA tests fp32",
+}
+
+
+def gpu_rows() -> dict[str, str]:
+    """The rows of results/gpu.md's tables that hold a measured figure, by their text."""
+    rows = [line for line in (REPO / "docs" / "results" / "gpu.md").read_text().splitlines() if line.startswith("|")]
+    return {row: row for row in rows if re.search(r"\d", row.split("|")[-2]) and "not measured" not in row}
+
+
+def test_no_user_page_says_a_gpu_path_is_unmeasured_where_the_gpu_results_hold_it():
+    """While results/gpu.md holds measured rows, no user page says nothing has run on a GPU; a sentence that says a
+    path has not run on a GPU names none that a row of gpu.md measures (CUDA graphs, compiled decoding, the memory
+    plan against the peak, a training step's speed, the CUDA tests)."""
+    rows = gpu_rows()
+    assert rows, "results/gpu.md holds no measured row"
+    measured = {topic for topic, row in GPU_PATHS.items() if any(row in line for line in rows)}
+    assert len(measured) == len(GPU_PATHS), set(GPU_PATHS) - measured
+    stale = []
+    for page in USER_PAGES:
+        text = re.sub(r"^> ?", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", prose(page)), flags=re.MULTILINE)
+        text = " ".join(text.split())  # links as their words, blockquotes as prose
+        for sentence in re.split(r"(?<=[.!?])\s+", text):
+            if NOTHING_ON_A_GPU.search(sentence):
+                stale.append(f"{page.relative_to(REPO)}: {sentence[:200]}")
+            elif NOT_ON_A_GPU.search(sentence) and any(re.search(topic, sentence) for topic in measured):
+                stale.append(f"{page.relative_to(REPO)}: {sentence[:200]}")
+    assert not stale, "\n".join(stale)
+
+
+def test_the_demo_reports_commands_parse_and_the_depth_task_adds_to_a_finished_demo(tmp_path):
+    """The commands `recurfit demo`'s report gives parse with the CLI's parser; its depth-task command names the
+    demo's own folder, which a finished demo leaves free for it, and is refused only once OUT/depth-task exists."""
+    from recurfit.cli import _check_before_imports, build_parser
+    from recurfit.demo.report import _scaling, depth_task_pointer
+    from recurfit.demo.settings import DemoSettings
+    from recurfit.errors import RecurfitError
+
+    settings = DemoSettings(out=tmp_path / "demo")
+    act_folder = settings.out / "depth-task"  # where the docs say the act writes
+    pointer = depth_task_pointer(settings)
+    commands = re.findall(r"`recurfit ([^`]+)`", pointer + _scaling(settings))
+    assert len(commands) >= 2, commands
+    parsed = [build_parser().parse_args(shlex.split(command)) for command in commands]
+    (act,) = [args for args in parsed if getattr(args, "depth_task", False)]
+    assert Path(act.out) == settings.out
+    (settings.out / "recurrent" / "final").mkdir(parents=True)  # a finished demo
+    (settings.out / "report.md").write_text("done\n")
+    _check_before_imports(act)  # no refusal: the act adds its folder
+    act_folder.mkdir()
+    (act_folder / "depth_task.md").write_text("done\n")
+    with pytest.raises(RecurfitError, match=f"{act_folder} already exists; pass --force"):
+        _check_before_imports(act)  # checked before any import or work: the act never starts
+
+
+def test_every_gpu_check_command_in_the_guides_runs_as_its_plan(capsys, monkeypatch):
+    """Each `python benchmarks/gpu_check.py …` of a tutorial or how-to, run with `--plan` (its options parsed, the
+    steps and limits printed, nothing measured)."""
+    import importlib.util
+    import sys
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", check)  # its dataclasses look their module up
+    spec.loader.exec_module(check)
+    ran = []
+    for page in GUIDES:
+        for block in code_blocks(page, "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                while words and re.match(r"^[A-Z_]+=", words[0]):
+                    words = words[1:]
+                if words[:2] != ["python", "benchmarks/gpu_check.py"]:
+                    continue
+                monkeypatch.setattr(sys, "argv", ["gpu_check.py", *words[2:], "--plan"])
+                try:
+                    assert check.main() == 0
+                except SystemExit as stop:
+                    pytest.fail(f"{page.relative_to(REPO)}: {line.strip()}: exit {stop.code}")
+                assert "correctness" in capsys.readouterr().out or "--part" in words, line
+                ran.append(line)
+    assert len(ran) >= 3, ran
