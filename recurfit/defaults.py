@@ -57,6 +57,8 @@ Precision = Literal["auto", "bf16", "fp32"]  # auto: bf16 (autocast, or a teache
 PRECISIONS = get_args(Precision)
 SnapshotDtype = Literal["float32", "bfloat16"]  # the weights of a run's snapshots
 SNAPSHOT_DTYPES = get_args(SnapshotDtype)
+# Whether training compiles each decoder layer: auto compiles on a GPU (recurfit.train.loop.compiles_training)
+Compile = Literal["auto", True, False]
 Strategy = Literal["ddp", "fsdp"]  # how several processes share a run
 STRATEGIES = get_args(Strategy)
 NonfinitePolicy = Literal["skip", "apply"]  # what an update with a non-finite loss or gradient does

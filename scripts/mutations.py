@@ -123,6 +123,13 @@ MUTATIONS = (
         ("tests/test_train_distributed.py::test_two_processes_build_on_the_meta_device_with_the_weights_of_one",),
     ),
     Mutation(
+        "compile-auto-everywhere",
+        "compile: auto compiles training on a CPU too",
+        "recurfit/train/loop.py",
+        (('    return device_type == "cuda" if choice == "auto" else bool(choice)', "    return bool(choice)"),),
+        ("tests/test_train_loop.py::test_compile_auto_compiles_on_a_gpu_only_and_the_start_says_so",),
+    ),
+    Mutation(
         "fsdp-group-kept-alive",
         "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
         "recurfit/train/distributed.py",

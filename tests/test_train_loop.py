@@ -461,3 +461,32 @@ def test_validation_runs_every_n_steps_after_the_listed_steps_and_at_the_end(wor
     for at in ("[0]", "[6]"):
         with pytest.raises(RecurfitError, match=r"eval.at must be optimizer steps from 1 to steps \(5\), got \["):
             load_config(None, [f"eval.at={at}"], base=config)
+
+
+@pytest.mark.parametrize(
+    "choice, device, compiled", [("auto", "cpu", False), ("auto", "cuda", True), (True, "cpu", True)]
+)
+def test_compile_auto_compiles_on_a_gpu_only_and_the_start_says_so(
+    tmp_path, workspace, capsys, choice, device, compiled
+):
+    """`compile: auto` compiles the decoder layers where a compiled step pays (a GPU), runs eagerly on a CPU; the
+    start record holds the choice and, for auto, the run's start line says which and why. A config that names
+    true or false is obeyed anywhere."""
+    from recurfit.train.loop import compiles_training
+
+    assert compiles_training(choice, device) is compiled
+    if device != "cpu":
+        return
+    setting = f"compile={str(choice).lower()}"
+    config = load_config(None, ["steps=4", setting], base=tiny_config(workspace, tmp_path / "r"))
+    assert config.compile == choice
+    trainer = Trainer(config)
+    layers = [m for m in trainer.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers) is compiled
+    start = next(r for r in read_log(tmp_path / "r") if r["kind"] == "start")
+    trainer.close()
+    assert start["compiled"] is compiled
+    if choice == "auto":
+        assert "Decoder layers eager (auto: no GPU (cpu))." in capsys.readouterr().err
+    with pytest.raises(RecurfitError, match="compile must be one of"):
+        load_config(None, ["compile=sometimes"], base=tiny_config(workspace, tmp_path / "bad"))

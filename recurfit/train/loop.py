@@ -107,7 +107,7 @@ class Trainer(Saving):
         self._check_validation()
         self.schedule = depth_schedule(config)
         self.earlier = earlier_training(config.model.init_from, continued=config.model.continue_schedule)
-        if config.compile:
+        if compiles_training(config.compile, self.processes.device.type):
             for layer in decoder_layers(self.model):
                 layer.compile()
         on_meta = next(self.model.parameters()).is_meta
@@ -164,6 +164,10 @@ class Trainer(Saving):
                 f"Forward and backward in {record['precision']} (auto: this CPU ({record['cpu_capability']}) "
                 f"{native} native bf16 matmul)."
             )
+        record["compiled"] = compiles_training(self.config.compile, device.type)
+        if self.config.compile == "auto":
+            where = f"auto: {'a GPU' if device.type == 'cuda' else f'no GPU ({device.type})'}"
+            self._say(f"Decoder layers {'compiled' if record['compiled'] else 'eager'} ({where}).")
         muon = next((o for o in self.optimizers if isinstance(o, BatchedMuon)), None)
         if muon is not None:
             record["muon_dtype"] = str(muon.ns_dtype).removeprefix("torch.")
@@ -443,6 +447,13 @@ class Trainer(Saving):
     def _write(self, record: dict | None) -> None:
         if record is not None and self.log is not None:
             self.log.write(record)
+
+
+def compiles_training(choice, device_type: str) -> bool:
+    """Whether training compiles each decoder layer (`compile`): `auto` compiles on a GPU, where a compiled step
+    trains faster than an eager one (docs/results/gpu.md), and runs eagerly on a CPU, where compiling is slow and
+    a run is short."""
+    return device_type == "cuda" if choice == "auto" else bool(choice)
 
 
 def train(config: TrainConfig, resume: bool = False, force: bool = False) -> TrainResult:

@@ -30,6 +30,7 @@ from ...defaults import (
     MEAN_RECURRENCE,
     Adapter,
     AdapterInit,
+    Compile,
     Curriculum,
     DataRepeat,
     DecayShape,
@@ -265,7 +266,7 @@ class TrainConfig:
     # part of a run that another run continues (model.continue_schedule).
     stop_at: int | None = None
     precision: Precision = "auto"  # auto: bf16 autocast on GPUs and CPUs with native bf16 matmul, fp32 on other CPUs
-    compile: bool = False
+    compile: Compile = False  # auto: compiled on a GPU, eager on a CPU (recurfit.train.loop.compiles_training)
     distributed: Strategy = "ddp"
     # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
     # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or
