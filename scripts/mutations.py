@@ -1,5 +1,6 @@
 """Check that the tests bite: apply named mutations to a copy of the source, one at a time, run the tests that
-should catch each, and print which survived (a mutation survives when its tests still pass).
+should catch each, and print which survived (a mutation survives when its tests still pass). The serving ones run
+in .venv-vllm (scripts/setup-vllm.sh).
 
     .venv/bin/python scripts/mutations.py              # every mutation
     .venv/bin/python scripts/mutations.py --list       # their names
@@ -32,6 +33,7 @@ class Mutation:
     edits: tuple[tuple[str, str], ...]  # (text, its replacement), each text found exactly once in `file`
     tests: tuple[str, ...]  # pytest node ids that must fail with the mutation
     options: tuple[str, ...] = ()  # more pytest options (--dtype bfloat16)
+    python: str | None = None  # the interpreter, relative to the checkout (.venv-vllm/bin/python); default: this one
 
 
 MUTATIONS = (
@@ -130,6 +132,24 @@ MUTATIONS = (
         ("tests/test_train_loop.py::test_compile_auto_compiles_on_a_gpu_only_and_the_start_says_so",),
     ),
     Mutation(
+        "split-op-left-out",
+        "vLLM's piecewise graphs do not split at the core's attention: every step would replay step 1's",
+        "recurfit/serving/depth.py",
+        (("[*ops, STEPPED_ATTENTION]", "ops"),),
+        (
+            "tests/test_vllm.py::test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_none_is_named",
+        ),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "breakable-graphs-allowed",
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=1 serves every request at the captured depth",
+        "recurfit/serving/depth.py",
+        (("        _no_breakable_cuda_graphs()\n", ""),),
+        ("tests/test_vllm.py::test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_them_on",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
         "fsdp-group-kept-alive",
         "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
         "recurfit/train/distributed.py",
@@ -158,7 +178,8 @@ def copy_checkout(target: Path) -> None:
 
 def run_tests(root: Path, mutation: Mutation) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root)}  # the copy's recurfit, before the checkout's editable install
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.options]
+    python = str(REPO / mutation.python) if mutation.python else sys.executable
+    command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.options]
     return subprocess.run([*command, *mutation.tests], cwd=root, env=env, capture_output=True, text=True)
 
 

@@ -547,7 +547,7 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from recurfit.serving.depth import _piecewise_cuda_graphs
+    from recurfit.serving.depth import STEPPED_ATTENTION, _piecewise_cuda_graphs
 
     folder = saved(served_model("llama"), tmp_path / "llama")
     for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
@@ -558,6 +558,26 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
         compilation = CompilationConfig(cudagraph_mode=named)
         _piecewise_cuda_graphs(compilation)
         assert compilation.cudagraph_mode == CUDAGraphMode[chosen], named
+        assert STEPPED_ATTENTION in compilation.splitting_ops  # the core's attention runs between graph segments
+
+
+def test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_them_on(tmp_path, monkeypatch):
+    """A breakable CUDA graph holds the whole forward, its core steps as captured: VLLM_USE_BREAKABLE_CUDAGRAPH=1
+    is refused in one line naming it, and where it is unset it is set to 0 before vLLM would turn it on itself
+    (VLLM_BATCH_INVARIANT=1 in bf16, or a listed architecture)."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.engine.arg_utils import EngineArgs
+
+    from recurfit.serving.depth import BREAKABLE_CUDA_GRAPHS
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    args = EngineArgs(str(folder), dtype="float32", max_model_len=64)
+    monkeypatch.setenv(BREAKABLE_CUDA_GRAPHS, "1")
+    with pytest.raises(ValueError, match=rf"recurfit on vLLM: {BREAKABLE_CUDA_GRAPHS}=1 captures whole forwards"):
+        args.create_engine_config()
+    monkeypatch.delenv(BREAKABLE_CUDA_GRAPHS)
+    args.create_engine_config()
+    assert os.environ[BREAKABLE_CUDA_GRAPHS] == "0" and not is_breakable_cudagraph_enabled()
 
 
 def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():

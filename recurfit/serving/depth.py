@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 import weakref
 from dataclasses import dataclass
@@ -155,6 +156,7 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
                     "or serve cache_policy 'all'."
                 )
         _piecewise_cuda_graphs(vllm_config.compilation_config)
+        _no_breakable_cuda_graphs()
         ours = processor_for(limits, vllm_config.use_v2_model_runner)
         others = [p for p in model_config.logits_processors or [] if not _is_ours(p)]
         model_config.logits_processors = [*others, ours]
@@ -232,6 +234,25 @@ def _piecewise_cuda_graphs(compilation) -> None:
     ops = compilation.splitting_ops
     ops = list(type(compilation)._attention_ops) if ops is None else list(ops)
     compilation.splitting_ops = ops if STEPPED_ATTENTION in ops else [*ops, STEPPED_ATTENTION]
+
+
+BREAKABLE_CUDA_GRAPHS = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+
+
+def _no_breakable_cuda_graphs() -> None:
+    """vLLM's breakable CUDA graphs capture a whole forward, breaking only at the ops marked for it; the number of
+    core steps, chosen on the host at each forward, would replay as captured (every request at the capture's
+    depth). Refused when asked for; where vLLM would turn them on by itself (VLLM_BATCH_INVARIANT=1 in bf16 with
+    tuned shapes, or an architecture it lists), opted out of through its own switch, set to 0 before it looks."""
+    value = os.environ.get(BREAKABLE_CUDA_GRAPHS)
+    if value is None:
+        os.environ[BREAKABLE_CUDA_GRAPHS] = "0"
+    elif value == "1":
+        raise ValueError(
+            f"recurfit on vLLM: {BREAKABLE_CUDA_GRAPHS}=1 captures whole forwards, but each batch's depth is chosen "
+            f"on the host at every forward: unset it or set {BREAKABLE_CUDA_GRAPHS}=0 (recurfit uses piecewise "
+            "CUDA graphs)."
+        )
 
 
 class TokenDepths:
