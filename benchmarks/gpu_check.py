@@ -772,6 +772,18 @@ def step_correctness(ctx: Context) -> None:
     decode_keys(ctx, model, compiles, lambda batch: batch == check["batch"])  # with the graphs compiled here
 
 
+# The teacher-forced next-token agreement every compared pair must reach for the correctness step to be ok. bf16
+# rounding flips the argmax at near-ties: on an H200 this check's model agreed on 93.8-96.9 % of its tokens
+# (docs/results/gpu.md), and a wrong depth, cache slot or stale graph agrees on a share near chance. In fp32 (the CPU
+# smoke) two orders of the same sums differ at the last bit only.
+AGREEMENT = {"bf16": 0.9, "fp32": 0.99}
+
+
+def agreements_hold(figures: dict, pairs: list[tuple[str, str]], dtype: str) -> bool:
+    """Whether every compared pair (`figures["a_vs_b"]`) agrees on at least AGREEMENT[dtype] of the tokens."""
+    return all(figures[f"{a}_vs_{b}"]["agreement"] >= AGREEMENT[dtype] for a, b in pairs)
+
+
 def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> None:
     """Teacher-forced decoding at r: the bf16 model eager (and compiled, where its predicted compile fits the time
     left) against the fp32 reference."""
@@ -799,17 +811,18 @@ def check_depth(ctx: Context, reference, model, ids, r: int, compiles: dict) -> 
         pairs += [("compiled", "eager"), ("compiled", "fp32")]
     scale = runs["fp32"]["logits"].abs().max().item()
     names = {"fp32": "the fp32 reference", "eager": f"{sizes.dtype} eager", "compiled": f"{sizes.dtype} compiled"}
-    parts = []
+    parts, bound = [], AGREEMENT[sizes.dtype]
     for a, b in pairs:
         agree = (runs[a]["predictions"] == runs[b]["predictions"]).float().mean().item()
         error = (runs[a]["logits"] - runs[b]["logits"]).abs().max().item()
         figures[f"{a}_vs_{b}"] = {"agreement": agree, "max_logit_error": error}
-        parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree, max logit error {error:.3g}")
+        below = "" if agree >= bound else f" (below the bound, {bound:.0%})"
+        parts.append(f"{names[a]} vs {names[b]}: {agree:.1%} agree{below}, max logit error {error:.3g}")
     tokens = batch * check["new"]
     ctx.record(
         "correctness",
         f"r = {r}, {tokens} teacher-forced tokens (logits up to {scale:.3g}): {'; '.join(parts)}{compiled}",
-        ok=not figures.get("graph_use", {}).get("failures"),
+        ok=not figures.get("graph_use", {}).get("failures") and agreements_hold(figures, pairs, sizes.dtype),
         batch=batch,
         r=r,
         tokens=tokens,

@@ -234,6 +234,7 @@ def part_one_results(lines: dict) -> None:
     correctness = {r["r"]: r for r in lines["correctness"]}
     assert sorted(correctness) == [1, 2, 4]
     for record in correctness.values():  # the smoke runs in fp32: eager and compiled match the reference
+        assert record["ok"]
         assert record["eager_vs_fp32"]["agreement"] == 1.0 and record["eager_vs_fp32"]["max_logit_error"] == 0
         assert record["compile_s"] is not None and record["compiled_vs_eager"]["agreement"] == 1.0
         assert record["compiled_vs_fp32"]["max_logit_error"] < 1e-4
@@ -248,3 +249,15 @@ def part_one_results(lines: dict) -> None:
     assert [r["predicted_compile_s"] for r in decode] == [0.0, 0.0, pytest.approx(compiled), 0.0]
     (train,) = lines["train"]
     assert train["micro"] == 2 and train["tokens_s"] > 0 and train["plan_bytes"] > 0 and train["peak_bytes"] is None
+
+
+def test_the_correctness_step_fails_when_a_pair_agrees_below_its_dtypes_bound():
+    """bf16 decoding that agrees with the fp32 reference on half its tokens is not ok (the H200 measured 93.8 % and
+    more); in fp32 even 95 % is not."""
+    gpu_check = checker()
+    pairs = [("eager", "fp32"), ("compiled", "eager")]
+    figures = {"eager_vs_fp32": {"agreement": 0.95}, "compiled_vs_eager": {"agreement": 0.97}}
+    assert gpu_check.agreements_hold(figures, pairs, "bf16")
+    assert not gpu_check.agreements_hold(figures, pairs, "fp32")
+    figures["compiled_vs_eager"]["agreement"] = 0.5
+    assert not gpu_check.agreements_hold(figures, pairs, "bf16")
