@@ -51,7 +51,8 @@ def build(args, processes: Processes) -> torch.nn.Module:
                 module.compile()
     if args.fsdp:
         bf16 = args.dtype == "bf16"  # as recurfit train shards: parameters gathered in bf16 on a GPU
-        print(f"FSDP2 over a one-process group{', bf16 mixed precision' if bf16 else ''}")
+        backend = torch.distributed.get_backend()
+        print(f"FSDP2 over a one-process {backend} group{', bf16 mixed precision' if bf16 else ''}")
         processes.wrap(model, "fsdp", bf16=bf16)
     return model
 
