@@ -142,6 +142,19 @@ MUTATIONS = (
         python=".venv-vllm/bin/python",
     ),
     Mutation(
+        "attention-op-returns-its-output",
+        "the core's attention op returns a tensor it allocates, whose address changes at each CUDA-graph replay",
+        "recurfit/serving/vllm_model.py",
+        (
+            (
+                '@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))',
+                "@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=())",
+            ),
+        ),
+        ("tests/test_vllm.py::test_the_core_attention_op_writes_into_an_output_the_compiled_region_allocated",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
         "breakable-graphs-allowed",
         "VLLM_USE_BREAKABLE_CUDAGRAPH=1 serves every request at the captured depth",
         "recurfit/serving/depth.py",

@@ -561,6 +561,19 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
         assert STEPPED_ATTENTION in compilation.splitting_ops  # the core's attention runs between graph segments
 
 
+def test_the_core_attention_op_writes_into_an_output_the_compiled_region_allocated():
+    """vLLM's piecewise CUDA graphs replay each segment reading the addresses of its capture, and the core's
+    attention op runs between two segments: like vLLM's unified_attention_with_output it returns nothing and writes
+    into an output it is given (allocated inside the compiled region, so at a fixed address); a tensor it returned
+    would be new at each replay, and the next segment would read the one of its capture."""
+    import recurfit.serving.vllm_model  # noqa: F401  (registers the op)
+
+    schema = torch.ops.recurfit.stepped_attention.default._schema
+    assert not schema.returns
+    (output,) = [argument for argument in schema.arguments if argument.name == "output"]
+    assert output.alias_info is not None and output.alias_info.is_write
+
+
 def test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_them_on(tmp_path, monkeypatch):
     """A breakable CUDA graph holds the whole forward, its core steps as captured: VLLM_USE_BREAKABLE_CUDAGRAPH=1
     is refused in one line naming it, and where it is unset it is set to 0 before vLLM would turn it on itself

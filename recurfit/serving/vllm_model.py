@@ -160,16 +160,24 @@ def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
     return inner
 
 
-@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=())
-def stepped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: str) -> torch.Tensor:
-    """A core layer's attention at the current step: opaque to the compiler, so that one compiled core step runs
-    whichever step's `Attention` (KV cache) the step loop chose (`SteppedAttention.step`) when it is called."""
-    return get_forward_context().no_compile_layers[layer].attend(query, key, value)
+@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))
+def stepped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer: str
+) -> None:
+    """A core layer's attention at the current step, written into `output`: opaque to the compiler, so that one
+    compiled core step runs whichever step's `Attention` (KV cache) the step loop chose (`SteppedAttention.step`)
+    when it is called.
+
+    It runs between two segments of vLLM's piecewise CUDA graphs, and a segment's graph replays reading the
+    addresses it was captured with. So, as vLLM's own `unified_attention_with_output`, it returns nothing and writes
+    into an `output` allocated inside the compiled region (a fixed address under graphs); a tensor it returned would
+    be allocated anew at each replay, and the next segment would read the one of its capture."""
+    output.copy_(get_forward_context().no_compile_layers[layer].attend(query, key, value))
 
 
 @stepped_attention.register_fake
-def _(query, key, value, layer):
-    return query.new_empty(query.shape)  # attention's output has the queries' shape (heads × head size)
+def _(query, key, value, output, layer) -> None:
+    return None
 
 
 class SteppedAttention(nn.Module):
@@ -192,7 +200,9 @@ class SteppedAttention(nn.Module):
         self.tracking = False  # keep each token's latest keys and values (steps on some rows only, not narrowed)
 
     def forward(self, query, key, value):
-        return stepped_attention(query, key, value, self.layer_name)
+        output = torch.empty_like(query)  # attention's output has the queries' shape (heads × head size)
+        stepped_attention(query, key, value, output, self.layer_name)
+        return output
 
     def attend(self, query, key, value):
         attention = self.steps[self.step]
