@@ -190,12 +190,10 @@ def vllm_engine(folder, r: int, mode: str, max_length: int, args, max_recurrence
 
 
 def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[float, list[list[int]], list]:
-    """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args), each prompt
-    with that depth's cache salt. Returns the seconds, each request's tokens and its time to first token (None
-    for an engine that keeps no per-request stats)."""
+    """The workload through `llm`; `depths`: each request's own recurrence (SamplingParams.extra_args; the engine
+    salts each request's prefix cache by its depth). Returns the seconds, each request's tokens and its time to
+    first token (None for an engine that keeps no per-request stats)."""
     import vllm
-
-    from recurfit.serving.depth import cache_salt
 
     params = [
         vllm.SamplingParams(
@@ -209,8 +207,6 @@ def vllm_run(llm, work: Workload, depths: list[int] | None = None) -> tuple[floa
     ]
     start = time.perf_counter()
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
-    if depths is not None:
-        prompts = [dict(prompt, cache_salt=cache_salt(llm, depth)) for prompt, depth in zip(prompts, depths)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     first = [o.metrics.first_token_latency if o.metrics is not None else None for o in outputs]

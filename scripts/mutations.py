@@ -144,7 +144,7 @@ MUTATIONS = (
     Mutation(
         "attention-op-returns-its-output",
         "the core's attention op returns a tensor it allocates, whose address changes at each CUDA-graph replay",
-        "recurfit/serving/vllm_model.py",
+        "recurfit/serving/attention.py",
         (
             (
                 '@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))',

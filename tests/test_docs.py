@@ -355,7 +355,7 @@ def test_user_pages_are_short_except_reference_tables():
 
 # ---------------------------------------------------------------- what a page promises, what has run
 
-SERVE_MIDDLEWARE = "--middleware recurfit.serving.depth.EffortToDepth"
+SERVE_MIDDLEWARE = "--middleware recurfit.serving.middleware.EffortToDepth"
 # What a page promises of a server that only the middleware gives: a depth per request (with the cache salt that
 # keeps prefix caching to one depth), reasoning effort as a depth, the depth each answer ran at.
 PER_REQUEST_DEPTH = re.compile(r"num_steps|reasoning_effort|reasoning\.effort|depth per request|x-recurfit-depth")

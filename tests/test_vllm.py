@@ -145,21 +145,39 @@ PIECES = ("prelude", "core_step", "coda")
 
 def compile_state(model) -> dict:
     """Where vLLM's compilation stands in a `RecurfitForCausalLM` (read in the engine's worker): whether each of its
-    pieces compiles and has compiled, and whether the family body's own compiled forward is used."""
+    pieces compiles and has compiled, whether the family body's own compiled forward is used, what vLLM finds by
+    walking the module tree (Model Runner V2's test for compiled code, which turns its CUDA graphs off without any;
+    the compiled modules the engine's cleanup frees), and the splitting ops the pieces compiled with."""
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+    from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
+
     pieces = [getattr(model.model.pieces, name) for name in PIECES]
     return dict(
         compiles=[not piece.do_not_compile for piece in pieces],
         compiled=[bool(getattr(piece, "compiled", False)) for piece in pieces],
         body_compiles=not model.model.body.do_not_compile,
+        found_by_v2=has_compiled_submodule(model),
+        found_by_cleanup={id(m) for m in model.modules() if isinstance(m, TorchCompileWithNoGuardsWrapper)}
+        >= {id(piece) for piece in pieces},
+        state_dict_names=sorted(model.state_dict()),
+        parameter_names=sorted(name for name, _ in model.named_parameters()),
+        splitting_ops=list(model.vllm_config.compilation_config.splitting_ops),
     )
 
 
 def assert_compiled(llm, compiled: bool) -> None:
     """In compiled mode the three pieces compiled (when the engine started), in eager mode none; the family body's
-    own compiled forward never."""
+    own compiled forward never. vLLM finds the pieces where it looks for compiled code, and they add no names to
+    the state dict (they hold the recurrence outside their module tree); the core's attention op is a split."""
+    from recurfit.serving.attention import STEPPED_ATTENTION
+
     (state,) = llm.apply_model(compile_state)
     assert state["compiles"] == state["compiled"] == [compiled] * len(PIECES), state
     assert not state["body_compiles"]
+    assert state["found_by_v2"] == compiled and state["found_by_cleanup"]
+    assert not [name for name in state["state_dict_names"] if "pieces" in name]
+    assert state["parameter_names"] and not [name for name in state["parameter_names"] if "pieces" in name]
+    assert STEPPED_ATTENTION in state["splitting_ops"]
 
 
 def vllm_greedy(
@@ -254,16 +272,14 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def served_by_depth(llm, batch: list[list[int]], depths: list[int], cached: list | None = None) -> list[list[int]]:
-    """One `generate` call: request i asks for depth depths[i] (SamplingParams.extra_args), its prompt with that
-    depth's cache salt; `cached` gets each request's number of prompt tokens read from the prefix cache."""
-    from recurfit.serving.depth import cache_salt
-
+    """One `generate` call: request i asks for depth depths[i] (SamplingParams.extra_args), its prompt as a user
+    would give it (no cache salt: the engine keeps depths apart); `cached` gets each request's number of prompt
+    tokens read from the prefix cache."""
     params = [
         vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True, extra_args={"num_steps": r})
         for r in depths
     ]
-    salts = [cache_salt(llm, r) if type(r) is int and r > 0 else None for r in depths]  # bad depths: refused
-    prompts = [{"prompt_token_ids": p, "cache_salt": salt} for p, salt in zip(batch, salts)]
+    prompts = [{"prompt_token_ids": p} for p in batch]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     if cached is not None:
         cached[:] = [o.num_cached_tokens for o in outputs]
@@ -321,13 +337,13 @@ def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tm
 
 class RecordedPiece:
     """Stands in for one of a model's compiled pieces, recording each call: its tokens, the addresses of its
-    state inputs, and whether CUDA graphs were on (`vllm_model.cuda_graphs_replay`)."""
+    state inputs, and whether CUDA graphs were on (`pieces.cuda_graphs_replay`)."""
 
     def __init__(self, piece, name: str, calls: list):
         self.piece, self.name, self.calls = piece, name, calls
 
     def __call__(self, *args):
-        from recurfit.serving.vllm_model import cuda_graphs_replay
+        from recurfit.serving.pieces import cuda_graphs_replay
 
         states = {"core_step": args[1:], "coda": args[1:]}.get(self.name, ())
         tokens = args[1].shape[0] if self.name != "prelude" else args[1].shape[-1]
@@ -338,7 +354,8 @@ class RecordedPiece:
 def record_pieces(model) -> None:
     model.calls = []
     for name in PIECES:
-        setattr(model.model.pieces, name, RecordedPiece(getattr(model.model.pieces, name), name, model.calls))
+        pieces = model.model.pieces  # in its __dict__, ahead of its registered modules (vLLM still finds those)
+        pieces.__dict__[name] = RecordedPiece(getattr(pieces, name), name, model.calls)
 
 
 def recorded_calls(model) -> list[tuple]:
@@ -422,6 +439,31 @@ def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_ru
             addresses.setdefault((name, tokens), set()).add(states)
     assert {name for name, _ in addresses} == {"core_step", "coda"}
     assert all(len(seen) == 1 for seen in addresses.values()), addresses
+
+
+def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_tokens(tmp_path):
+    """vLLM's piecewise CUDA graphs emulated on the CPU (tests/piecewise_graphs.py: each graph segment, captured per
+    batch size, replays on the tensors of its capture into the outputs of its capture, split at the ops vLLM
+    splits at on a GPU): requests at mixed depths (some steps over part of the batch), then all at one depth
+    (every step over the whole batch, the core step's graph replayed on its own output), give recurfit's greedy
+    tokens, with graphs captured and replayed. A segment handed a tensor allocated outside the graphs, or an
+    attention left inside a segment, would replay what its capture read."""
+    from piecewise_graphs import graph_counts, under_emulated_piecewise_graphs
+
+    model = served_model("llama", mean_recurrence=2)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    llm = vllm_engine(folder, max_recurrence=4)
+    try:
+        llm.apply_model(under_emulated_piecewise_graphs)
+        served = {tuple(depths): served_by_depth(llm, batch, depths) for depths in ([4, 2, 1], [4, 4, 4])}
+        (counts,) = llm.apply_model(graph_counts)
+    finally:
+        del llm
+        gc.collect()
+    for depths, tokens in served.items():
+        assert tokens == expected_by_depth(model, batch, list(depths)), depths
+    assert counts["segments"] >= 3 * len(PIECES) and counts["captures"] > 0, counts
+    assert counts["replays"] > 10 * counts["captures"], counts
 
 
 def count_attended_requests(model) -> None:
@@ -532,7 +574,7 @@ def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides
 def test_olmo_settings_that_vllms_olmo_layers_fix_are_refused(setting, value, message):
     """OLMo-2/3 run on vLLM's OLMo Hybrid attention layers, which have no biases, a SiLU MLP and heads of
     hidden_size / heads: a parent that differs is refused, not served with other weights or arithmetic."""
-    from recurfit.serving.vllm_model import check_servable
+    from recurfit.serving.families import check_servable
 
     config = served_model("olmo2").config
     setattr(config.text_config, setting, value)
@@ -547,7 +589,7 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from recurfit.serving.depth import STEPPED_ATTENTION, _piecewise_cuda_graphs
+    from recurfit.serving.depth import _piecewise_cuda_graphs
 
     folder = saved(served_model("llama"), tmp_path / "llama")
     for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
@@ -558,7 +600,27 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
         compilation = CompilationConfig(cudagraph_mode=named)
         _piecewise_cuda_graphs(compilation)
         assert compilation.cudagraph_mode == CUDAGraphMode[chosen], named
-        assert STEPPED_ATTENTION in compilation.splitting_ops  # the core's attention runs between graph segments
+
+
+def test_the_core_attention_op_is_added_to_the_splitting_ops_vllm_chose():
+    """vLLM's piecewise graphs split at the core's attention op too, after the ops vLLM chose itself (its attention
+    ops and the KV-cache updates it keeps out of graphs), and at a list the user named; the op is not added twice.
+    Left out, each core step would replay the attention of the step its graph was captured at."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from recurfit.serving.attention import STEPPED_ATTENTION
+    from recurfit.serving.pieces import split_at_stepped_attention
+
+    compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    compilation.set_splitting_ops_for_v1(all2all_backend="naive")  # what vLLM does when it builds the config
+    vllms = list(compilation.splitting_ops)
+    assert "vllm::unified_kv_cache_update" in vllms
+    for _ in range(2):
+        split_at_stepped_attention(compilation)
+        assert compilation.splitting_ops == [*vllms, STEPPED_ATTENTION]
+    named = CompilationConfig(splitting_ops=["vllm::unified_attention_with_output"])
+    split_at_stepped_attention(named)
+    assert named.splitting_ops == ["vllm::unified_attention_with_output", STEPPED_ATTENTION]
 
 
 def test_the_core_attention_op_writes_into_an_output_the_compiled_region_allocated():
@@ -566,7 +628,7 @@ def test_the_core_attention_op_writes_into_an_output_the_compiled_region_allocat
     attention op runs between two segments: like vLLM's unified_attention_with_output it returns nothing and writes
     into an output it is given (allocated inside the compiled region, so at a fixed address); a tensor it returned
     would be new at each replay, and the next segment would read the one of its capture."""
-    import recurfit.serving.vllm_model  # noqa: F401  (registers the op)
+    import recurfit.serving.attention  # noqa: F401  (registers the op)
 
     schema = torch.ops.recurfit.stepped_attention.default._schema
     assert not schema.returns
@@ -737,37 +799,35 @@ def test_model_runner_v2s_model_state_gives_each_token_its_requests_depth(tmp_pa
         depths([("b", 1, 1), ("a", 0, 1)])  # a was removed
 
 
-def test_every_request_gets_its_depth_and_that_depths_cache_salt_or_a_400():
-    """What EffortToDepth does to each OpenAI request body: the depth it names, else its reasoning effort (chat's
-    `reasoning_effort`, the Responses API's `reasoning.effort`), else the default, in `vllm_xargs.num_steps`, and a
-    cache salt of that depth, max_recurrence and cache policy after the client's own; refused (a 400 naming the
-    field): a depth out of range, an effort not in the table, beam search at another depth than the default
-    (vLLM's beam search drops per-request arguments), a client salt that leaves no room for the depth's."""
-    from recurfit.serving.depth import Limits, RefusedDepth, with_depth
+def test_every_request_gets_its_depth_or_a_400():
+    """What EffortToDepth does to each request body: the depth it names, else its reasoning effort (chat's
+    `reasoning_effort`, the Responses API's `reasoning.effort`, Anthropic's `output_config.effort`), else the
+    default, in `vllm_xargs.num_steps`, the client's other fields kept (its cache salt too: the engine adds the
+    depth's); refused (a 400 naming the field): a depth out of range, an effort not in the table, beam search at
+    another depth than the default (vLLM's beam search drops per-request arguments)."""
+    from recurfit.serving.depth import Limits
+    from recurfit.serving.middleware import RefusedDepth, with_depth
 
     limits = Limits(default=4, maximum=16, effort={"low": 2, "high": 16}, policy="all")
     body = {"model": "m", "prompt": "hi"}
-    assert with_depth(body, limits) == {**body, "vllm_xargs": {"num_steps": 4}, "cache_salt": "recurfit-r4-max16-all"}
+    assert with_depth(body, limits) == {**body, "vllm_xargs": {"num_steps": 4}}
     named = with_depth({**body, "vllm_xargs": {"num_steps": 8, "theirs": 1}, "cache_salt": "tenant"}, limits)
-    assert (
-        named["vllm_xargs"] == {"num_steps": 8, "theirs": 1} and named["cache_salt"] == "tenant;recurfit-r8-max16-all"
-    )
+    assert named == {**body, "vllm_xargs": {"num_steps": 8, "theirs": 1}, "cache_salt": "tenant"}
     assert with_depth({**body, "reasoning_effort": "low"}, limits)["vllm_xargs"] == {"num_steps": 2}
-    assert with_depth({**body, "reasoning": {"effort": "high"}}, limits)["cache_salt"] == "recurfit-r16-max16-all"
+    assert with_depth({**body, "reasoning": {"effort": "high"}}, limits)["vllm_xargs"] == {"num_steps": 16}
+    assert with_depth({**body, "output_config": {"effort": "low"}}, limits)["vllm_xargs"] == {"num_steps": 2}
     assert with_depth({**body, "reasoning_effort": "low", "vllm_xargs": {"num_steps": 3}}, limits)["vllm_xargs"] == {
         "num_steps": 3
     }
     assert with_depth({**body, "use_beam_search": True}, limits)["vllm_xargs"] == {"num_steps": 4}
-    other = Limits(default=4, maximum=32, effort={}, policy="latest")
-    assert with_depth(body, other)["cache_salt"] == "recurfit-r4-max32-latest"  # another server's defaults
     refused = [
         ({"vllm_xargs": {"num_steps": 17}}, "num_steps", r"integer in \[1, 16\].* got 17"),
         ({"vllm_xargs": {"num_steps": "deep"}}, "num_steps", "got 'deep'"),
         ({"reasoning_effort": "max"}, "reasoning_effort", r"must be one of \['high', 'low'\]"),
         ({"reasoning": {"effort": "minimal"}}, "reasoning.effort", "got 'minimal'"),
+        ({"output_config": {"effort": "max"}}, "output_config.effort", "got 'max'"),
         ({"use_beam_search": True, "vllm_xargs": {"num_steps": 8}}, "use_beam_search", "default depth \\(4\\)"),
         ({"use_beam_search": True, "reasoning_effort": "high"}, "use_beam_search", "depth 16 would not run"),
-        ({"cache_salt": "x" * 120}, "cache_salt", "at most 106 characters"),
     ]
     for extra, parameter, message in refused:
         with pytest.raises(RefusedDepth, match=message) as error:
@@ -775,12 +835,57 @@ def test_every_request_gets_its_depth_and_that_depths_cache_salt_or_a_400():
         assert error.value.parameter == parameter
 
 
+def test_the_engines_scheduler_salts_each_request_by_its_depth_after_the_clients_salt(tmp_path):
+    """The engine's scheduler (any route, with or without the middleware) gives each request the cache salt of the
+    depth it runs at, `max_recurrence` and cache policy, after the client's own, and its block hashes are those of
+    that salt; a scheduler named by the user, which would share blocks across depths, is refused."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from recurfit.serving.depth import SCHEDULER, Limits
+    from recurfit.serving.scheduler import salt_by_depth
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    config = EngineArgs(str(folder), dtype="float32", max_model_len=64).create_engine_config()
+    assert config.scheduler_config.scheduler_cls == SCHEDULER
+    with pytest.raises(ValueError, match="scheduler_cls 'mine.Scheduler' would replace recurfit's scheduler"):
+        EngineArgs(
+            str(folder), dtype="float32", max_model_len=64, scheduler_cls="mine.Scheduler"
+        ).create_engine_config()
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(4, sha256)
+    limits = Limits(default=4, maximum=16, effort={}, policy="all")
+
+    def request(depth, salt=None):
+        params = SamplingParams(extra_args=None if depth is None else {"num_steps": depth})
+        made = Request("r", list(range(2, 14)), params, None, cache_salt=salt, block_hasher=hasher)
+        salt_by_depth(made, limits)
+        return made
+
+    def hashes_with(salt):
+        return Request("r", list(range(2, 14)), SamplingParams(), None, cache_salt=salt, block_hasher=hasher)
+
+    for depth, client, expected in (
+        (None, None, "recurfit-r4-max16-all"),
+        (8, "tenant", "tenant;recurfit-r8-max16-all"),
+    ):
+        salted = request(depth, client)
+        assert salted.cache_salt == expected
+        assert salted.block_hashes == hashes_with(expected).block_hashes and len(salted.block_hashes) == 3
+    assert request(2).block_hashes[0] != request(16).block_hashes[0]
+    assert request(4).block_hashes == request(None).block_hashes  # the default depth is a depth like another
+
+
 def test_the_middleware_without_a_recurfit_engine_fails_loudly():
     """EffortToDepth reads its limits from the server's own engine (the app's state): behind a server of another
     model, or none, each generation request is a 500 naming recurfit, not a request served at no depth."""
     import asyncio
 
-    from recurfit.serving.depth import EffortToDepth
+    from recurfit.serving.middleware import EffortToDepth
 
     served = []
 
@@ -904,7 +1009,7 @@ def depth_server(tmp_path, *args: str):
     overrides = {"mean_recurrence": 3, "max_recurrence": 16, "depth_for_effort": {"low": 1, "medium": 3, "high": 8}}
     server, url = start_server(
         tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
-        "--chat-template", str(template), "--middleware", "recurfit.serving.depth.EffortToDepth", *args,
+        "--chat-template", str(template), "--middleware", "recurfit.serving.middleware.EffortToDepth", *args,
     )  # fmt: skip
     return model, server, url
 
@@ -1195,8 +1300,7 @@ def test_lm_evals_requests_get_the_sweeps_depth_and_no_bar_that_tqdm_disabled(mo
     llm = AtDepth(Engine(), num_steps=4)
     assert llm.generate(["a", "b"], sampling_params=[params, params], use_tqdm=True) == "answers"
     prompts, sent, kwargs = llm.llm.sent
-    salt = "recurfit-r4-max8-all"  # each prompt carries its depth's cache salt
-    assert prompts == [{"prompt": "a", "cache_salt": salt}, {"prompt": "b", "cache_salt": salt}]
+    assert prompts == ["a", "b"]  # as lm-eval gave them: the engine salts each request's cache by its depth
     assert kwargs == {"use_tqdm": not quiet}
     assert [p.extra_args for p in sent] == [{"theirs": 1, "num_steps": 4}] * 2 and sent[0] is sent[1]
     assert params.extra_args == {"theirs": 1} and sent[0].max_tokens == 1

@@ -8,8 +8,8 @@ request it sends names the sweep's current depth (`SamplingParams.extra_args["nu
 Each request runs to its own depth, so one engine started with `hf_overrides={"mean_recurrence": m,
 "max_recurrence": m}` (m the deepest r; no KV caches for deeper steps) serves every r of the sweep
 (`sweep_engines`): one start instead of one per r. An engine is shut down before the next starts: an idle CPU
-engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (each
-prompt carries its depth's cache salt, recurfit.serving.depth.cache_salt).
+engine's worker keeps a core busy. Prefix caching shares KV blocks only between requests of one depth (the
+engine salts each request's cache by its depth, recurfit.serving.scheduler).
 
 `state_init="zeros"` serves with `state_init_std` 0, as the default backend's `zeros` does; with "random" vLLM
 draws s_0 from its worker's generator (the same distribution as recurfit's, not the same draws), whose draws for
@@ -71,9 +71,8 @@ class ServedFolder:
 
 
 class AtDepth:
-    """A `vllm.LLM` whose `generate` gives every request `num_steps` (when set) as its depth, and that depth's
-    cache salt: lm-eval's `VLLM` builds its SamplingParams and prompts itself and hands them to `generate`, so they
-    get the depth here, on copies. Under
+    """A `vllm.LLM` whose `generate` gives every request `num_steps` (when set) as its depth: lm-eval's `VLLM`
+    builds its SamplingParams itself and hands them to `generate`, so they get the depth here, on copies. Under
     TQDM_DISABLE (the CLI without --verbose) it also asks for no progress bar: vLLM divides by a bar's elapsed
     time, which a bar that tqdm disabled leaves at 0."""
 
@@ -83,24 +82,13 @@ class AtDepth:
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         if self.num_steps is not None and sampling_params is not None:
-            from ..serving.depth import cache_salt
-
             sampling_params = at_depth(sampling_params, self.num_steps)
-            prompts = salted(prompts, cache_salt(self.llm, self.num_steps))
         if os.environ.get("TQDM_DISABLE"):
             kwargs["use_tqdm"] = False
         return self.llm.generate(prompts, sampling_params, **kwargs)
 
     def __getattr__(self, name):  # everything else is the engine's (llm_engine, get_tokenizer, …)
         return getattr(self.llm, name)
-
-
-def salted(prompts, salt: str):
-    """`prompts` (one or a list: texts or prompt dicts such as lm-eval's TokensPrompt) as prompt dicts carrying
-    `salt` as their cache salt (prefix caching then shares blocks only between requests at the same depth)."""
-    if isinstance(prompts, list):
-        return [salted(prompt, salt) for prompt in prompts]
-    return {**({"prompt": prompts} if isinstance(prompts, str) else prompts), "cache_salt": salt}
 
 
 def at_depth(sampling_params, num_steps: int):

@@ -1,6 +1,6 @@
 """Depth per request: each request names its recurrence, and the model runs each token to its own request's depth.
 
-    SamplingParams(extra_args={"num_steps": 16})             # offline (vllm.LLM), with cache_salt(llm, 16)
+    SamplingParams(extra_args={"num_steps": 16})             # offline (vllm.LLM)
     {"vllm_xargs": {"num_steps": 16}}                          # OpenAI server: the request body (extra_body)
 
 Without it a request runs at the folder's `mean_recurrence` (r̄). The server's limit is `max_recurrence`
@@ -10,32 +10,26 @@ KV caches each core layer gets, so it sets the KV memory per token.
 vLLM hands a model no per-request values, so the depth travels through vLLM's own hooks:
 
 - `RecurfitEngineConfig.verify_and_update_config` (vLLM's per-architecture config hook, run when an engine's
-  config is built) checks the limits and the cache settings and adds the engine's logits processor, a class per
-  `max_recurrence` made on demand (`RequestDepthUpTo16`, …), whose `validate_params` (run on every request
-  before it is admitted) refuses a depth that is not an integer in [1, max_recurrence]: a 400 naming the field
-  and the range on the server, a validation error offline. vLLM calls it with the request's parameters only, so
-  each engine's limit is its class's own;
+  config is built) checks the limits and the cache and graph settings, sets the engine's scheduler and adds the
+  engine's logits processor, a class per `max_recurrence` made on demand (`RequestDepthUpTo16`, …), whose
+  `validate_params` (run on every request of every route before it is admitted) refuses a depth that is not an
+  integer in [1, max_recurrence]: a 400 naming the field and the range on the server, a validation error offline.
+  vLLM calls it with the request's parameters only, so each engine's limit is its class's own;
 - under the V1 runner that processor is `RequestDepth`, whose `update_state` (run in the worker before each
   forward, with the batch's added, removed and moved requests) keeps each batch row's depth in a table the
   model reads (`table_for`, by the engine's config), expanding rows to tokens with the attention metadata's
   `query_start_loc`; under Model Runner V2, whose loader takes processors of its own interface only, it is
   `DepthParams`, which only checks, and the model's state (recurfit.serving.model_state) carries the depths;
-- each request carries a cache salt of its depth, `max_recurrence` and cache policy (`Limits.salt`), so prefix
-  caching shares blocks only between requests that write the same keys: `EffortToDepth` sets it on every server
-  request, `cache_salt` gives it for offline prompts.
+- the engine's scheduler (recurfit.serving.scheduler) salts each request's prefix cache with its depth,
+  `max_recurrence` and cache policy (`Limits.salt`), so prefix caching shares blocks only between requests that
+  write the same keys, whatever route or client the request came by.
 
-`EffortToDepth` (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`) also maps a chat request's
-`reasoning_effort` and a Responses request's `reasoning.effort` to a depth through `depth_for_effort` in
-config.json: vLLM passes them only to the chat template, never to the sampling parameters. A folder without the
-table (`recurfit train` writes one) gets `recurfit.defaults.depth_for_effort` of the served depths, and so does a
-folder whose table `--hf-overrides` leaves while changing `mean_recurrence` or `max_recurrence`: the folder's
-table was made for its own depths.
+Reasoning effort (chat's `reasoning_effort`, …) reaches the model only through recurfit's middleware
+(recurfit.serving.middleware.EffortToDepth), which maps it to a depth: vLLM gives it to the chat template alone.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import re
@@ -50,13 +44,11 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
-from . import ARCHITECTURE
 
 NUM_STEPS = "num_steps"  # the key in SamplingParams.extra_args (vllm_xargs on the server)
 V1_PROCESSOR = "RequestDepthUpTo"  # + max_recurrence: the V1 runner's logits processor for an engine's limits
 V2_PROCESSOR = "DepthParamsUpTo"  # + max_recurrence: Model Runner V2's (validation only; RecurfitModelState)
-GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses"}  # requests EffortToDepth sees
-MAX_CACHE_SALT = 128  # vLLM's longest cache_salt
+SCHEDULER = "recurfit.serving.scheduler.depth_salted_scheduler"  # vLLM's scheduler_cls on a recurfit engine
 PROCESSOR_NAME = re.compile(rf"^({V1_PROCESSOR}|{V2_PROCESSOR})([1-9][0-9]*)$")
 
 logger = logging.getLogger(__name__)
@@ -102,9 +94,10 @@ class Limits:
         return value
 
     def salt(self, depth: int, client: str | None = None) -> str:
-        """The cache salt of a request at `depth` (after the client's own, when it gave one): prefix caching then
-        shares blocks only between requests of the same depth, `max_recurrence` and cache policy, which write
-        the same keys and values (a block written at depth d holds the coda's keys of depth d)."""
+        """The cache salt of a request at `depth` (after the client's own, when it gave one; recurfit's scheduler
+        sets it): prefix caching then shares blocks only between requests of the same depth, `max_recurrence` and
+        cache policy, which write the same keys and values (a block written at depth d holds the coda's keys of
+        depth d)."""
         ours = f"recurfit-r{depth}-max{self.maximum}-{self.policy}"
         return ours if not client else f"{client};{ours}"
 
@@ -157,6 +150,7 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
                 )
         _piecewise_cuda_graphs(vllm_config.compilation_config)
         _no_breakable_cuda_graphs()
+        _depth_salted_scheduler(vllm_config.scheduler_config)
         ours = processor_for(limits, vllm_config.use_v2_model_runner)
         others = [p for p in model_config.logits_processors or [] if not _is_ours(p)]
         model_config.logits_processors = [*others, ours]
@@ -213,16 +207,12 @@ def depth_problem(value, maximum: int | None) -> str | None:
     )
 
 
-# The core layers' attention (recurfit.serving.vllm_model.stepped_attention): which step's KV cache it uses is chosen
-# when it runs, so vLLM's piecewise graphs split there, as at its own attention.
-STEPPED_ATTENTION = "recurfit::stepped_attention"
-
-
 def _piecewise_cuda_graphs(compilation) -> None:
-    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE, split at every attention, the core's included),
-    not of whole forwards (its FULL modes, the default when none is named): how many core steps run, and on which
-    tokens, is chosen on the host at every forward (`RecurrentModel._recur`), which a graph of the whole forward
-    would replay as captured. A FULL mode named by the user is refused rather than changed."""
+    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE, split at every attention, the core's included:
+    `pieces.split_at_stepped_attention`), not of whole forwards (its FULL modes, the default when none is named):
+    how many core steps run, and on which tokens, is chosen on the host at every forward (`RecurrentModel._recur`),
+    which a graph of the whole forward would replay as captured. A FULL mode named by the user is refused rather
+    than changed."""
     mode = compilation.cudagraph_mode
     if mode is None:
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
@@ -231,9 +221,18 @@ def _piecewise_cuda_graphs(compilation) -> None:
             f"recurfit on vLLM: cudagraph_mode {mode.name} captures whole forwards, but each batch's depth is chosen "
             "on the host at every forward: use PIECEWISE (-cc.cudagraph_mode=PIECEWISE) or NONE."
         )
-    ops = compilation.splitting_ops
-    ops = list(type(compilation)._attention_ops) if ops is None else list(ops)
-    compilation.splitting_ops = ops if STEPPED_ATTENTION in ops else [*ops, STEPPED_ATTENTION]
+
+
+def _depth_salted_scheduler(scheduler) -> None:
+    """The engine's scheduler salts each request's prefix cache by its depth (recurfit.serving.scheduler). Another
+    scheduler named by the user would share blocks across depths: refused."""
+    if scheduler.scheduler_cls not in (None, SCHEDULER):
+        raise ValueError(
+            f"recurfit on vLLM: scheduler_cls {scheduler.scheduler_cls!r} would replace recurfit's scheduler, which "
+            "keeps prefix-cache blocks apart by depth (a block written at one depth holds other keys than another "
+            "depth reads): unset --scheduler-cls."
+        )
+    scheduler.scheduler_cls = SCHEDULER
 
 
 BREAKABLE_CUDA_GRAPHS = "VLLM_USE_BREAKABLE_CUDAGRAPH"
@@ -386,164 +385,3 @@ class DepthParams:
 
     def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
         return logits
-
-
-def cache_salt(llm, depth: int | None = None, client: str | None = None) -> str:
-    """The cache salt a prompt to `llm` (a `vllm.LLM` of a recurfit folder) at `depth` (default: the folder's
-    r̄) carries, so that prefix caching shares its blocks only with requests at the same depth:
-    `llm.generate({"prompt": text, "cache_salt": cache_salt(llm, 16)}, SamplingParams(extra_args={"num_steps": 16}))`.
-    `vllm serve` with `--middleware recurfit.serving.depth.EffortToDepth` salts every request itself."""
-    limits = engine_limits(llm.llm_engine.vllm_config)
-    return limits.salt(limits.default if depth is None else depth, client)
-
-
-class RefusedDepth(ValueError):
-    """A request's depth (or what names it) refused before it reaches the engine: a 400 naming `parameter`."""
-
-    def __init__(self, message: str, parameter: str):
-        super().__init__(message)
-        self.parameter = parameter
-
-
-def with_depth(request: dict, limits: Limits) -> dict:
-    """An OpenAI request body (completions, chat or responses) with its resolved depth in `vllm_xargs.num_steps`
-    and that depth's `cache_salt` (`Limits.salt`): the depth it names (`vllm_xargs.num_steps`), else its
-    reasoning effort (chat's `reasoning_effort`, the Responses API's `reasoning.effort`) through
-    `depth_for_effort`, else the default. A RefusedDepth for a depth out of range, an effort not in the table,
-    beam search at another depth than the default (vLLM's beam search passes no per-request arguments to the
-    model), or a salt past vLLM's 128 characters."""
-    xargs = request.get("vllm_xargs") or {}
-    if not isinstance(xargs, dict):
-        return request  # vLLM's own validation refuses it
-    reasoning = request.get("reasoning")
-    effort_field, effort = "reasoning_effort", request.get("reasoning_effort")
-    if effort is None and isinstance(reasoning, dict):
-        effort_field, effort = "reasoning.effort", reasoning.get("effort")
-    if xargs.get(NUM_STEPS) is not None:
-        depth = xargs[NUM_STEPS]
-        problem = depth_problem(depth, limits.maximum)
-        if problem:
-            raise RefusedDepth(problem, NUM_STEPS)
-    elif effort is not None:
-        if effort not in limits.effort:
-            raise RefusedDepth(
-                f"{effort_field} must be one of {sorted(limits.effort)} (depth_for_effort), got {effort!r}.",
-                effort_field,
-            )
-        depth = limits.effort[effort]
-    else:
-        depth = limits.default
-    if request.get("use_beam_search") and depth != limits.default:
-        raise RefusedDepth(
-            f"use_beam_search runs every request at this server's default depth ({limits.default}): vLLM's beam "
-            f"search passes no per-request arguments to the model, so depth {depth} would not run; drop "
-            "use_beam_search or the depth.",
-            "use_beam_search",
-        )
-    salt = limits.salt(depth, request.get("cache_salt"))
-    if len(salt) > MAX_CACHE_SALT:
-        raise RefusedDepth(
-            f"cache_salt must be at most {MAX_CACHE_SALT - len(limits.salt(depth)) - 1} characters on a recurfit "
-            f"server, which adds the depth's own ({limits.salt(depth)!r}).",
-            "cache_salt",
-        )
-    return {**request, "vllm_xargs": {**xargs, NUM_STEPS: depth}, "cache_salt": salt}
-
-
-def served_limits(scope) -> Limits:
-    """The limits of the engine behind the ASGI app of `scope` (vLLM keeps its config in the app's state); a
-    RuntimeError naming recurfit when that engine serves no recurfit folder."""
-    state = getattr(scope.get("app"), "state", None)
-    vllm_config = getattr(state, "vllm_config", None)
-    architectures = getattr(getattr(vllm_config, "model_config", None), "architectures", None) or []
-    if ARCHITECTURE not in architectures:
-        raise RuntimeError(
-            "recurfit.serving.depth.EffortToDepth: this server's engine serves no recurfit folder "
-            f"(architectures {architectures}), so no depth can be given to its requests: serve a recurfit folder, "
-            "or start the server without this middleware."
-        )
-    return engine_limits(vllm_config)
-
-
-DEPTH_HEADER = "x-recurfit-depth"  # each answer's header: the depth its request ran at
-
-
-@functools.cache
-def requests_by_depth():
-    """The server's count of requests per depth, on vLLM's own `/metrics` (its Prometheus registry) as
-    `recurfit:requests_total{depth="d"}`."""
-    from prometheus_client import Counter
-
-    return Counter("recurfit:requests", "Generation requests by the depth they run at", ["depth"])
-
-
-class EffortToDepth:
-    """ASGI middleware (`vllm serve --middleware recurfit.serving.depth.EffortToDepth`): every generation request
-    (completions, chat, responses) gets its depth resolved and checked, and that depth's cache salt
-    (`with_depth`); a refused one is a 400 naming the field. The answer says the depth it ran at (its
-    `x-recurfit-depth` header), and `/metrics` counts the requests per depth. Its engine is the server's own (its
-    app state), so each server, and each API server process, reads its own limits."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
-            return await self.app(scope, receive, send)
-        try:
-            limits = served_limits(scope)
-        except RuntimeError as problem:
-            return await _error(send, 500, str(problem), None)
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
-        if isinstance(request, dict):
-            try:
-                request = with_depth(request, limits)
-            except RefusedDepth as refused:
-                return await _error(send, 400, str(refused), refused.parameter)
-            body = json.dumps(request).encode()
-            scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
-            send = _reporting(send, request["vllm_xargs"][NUM_STEPS])
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if sent:
-                return await receive()
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
-
-
-def _reporting(send, depth: int):
-    """`send` that adds the depth to the answer's headers, and counts the request once its answer starts."""
-
-    async def send_with_depth(message):
-        if message["type"] == "http.response.start":
-            headers = [*message.get("headers", []), (DEPTH_HEADER.encode(), str(depth).encode())]
-            message = {**message, "headers": headers}
-            requests_by_depth().labels(depth=str(depth)).inc()
-        await send(message)
-
-    return send_with_depth
-
-
-def _with_length(headers, length: int):
-    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
-
-
-async def _error(send, status: int, message: str, parameter: str | None) -> None:
-    kind = "BadRequestError" if status == 400 else "InternalServerError"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": parameter, "code": status}})
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body.encode()})

@@ -33,295 +33,36 @@ as recurfit's `latest` policy; KV memory is that of a (P + R + C)-layer model in
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import importlib
 import inspect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import vllm
 from torch import nn
-from vllm.compilation.backends import set_model_tag
-from vllm.compilation.decorators import ignore_torch_compile, support_torch_compile
-from vllm.config import CUDAGraphMode, VllmConfig, get_current_vllm_config
-from vllm.forward_context import get_forward_context, is_forward_context_available, override_forward_context
-from vllm.model_executor.layers.attention import Attention
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from ..defaults import ADAPTERS, CACHE_POLICIES
-from ..model.families import attention_types
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
-from .depth import STEPPED_ATTENTION, Limits, table_for
-
-# The parent families vLLM has layers for: model_type -> (vLLM module, the family's body class, its CausalLM
-# class, whose weight mapper loads the body where the body has no `load_weights` of its own).
-VLLM_FAMILIES = {
-    "llama": ("vllm.model_executor.models.llama", "LlamaModel", "LlamaForCausalLM"),
-    "mistral": ("vllm.model_executor.models.mistral", "MistralModel", "MistralForCausalLM"),
-    "qwen2": ("vllm.model_executor.models.qwen2", "Qwen2Model", "Qwen2ForCausalLM"),
-    "qwen3": ("vllm.model_executor.models.qwen3", "Qwen3Model", "Qwen3ForCausalLM"),
-    "gemma": ("vllm.model_executor.models.gemma", "GemmaModel", "GemmaForCausalLM"),
-    # vLLM has no OLMo-2/3 model: OLMo Hybrid's attention layers are OLMo-2's (q/k norms over all heads, norms
-    # after attention and MLP), and none of its Gated DeltaNet layers is built where layer_types names none.
-    "olmo2": ("vllm.model_executor.models.olmo_hybrid", "OlmoHybridModel", "OlmoHybridForCausalLM"),
-    "olmo3": ("vllm.model_executor.models.olmo_hybrid", "OlmoHybridModel", "OlmoHybridForCausalLM"),
-}
-OLMO_HYBRID = {"olmo2", "olmo3"}  # families served by OlmoHybridModel's layers
-# Settings OlmoHybridModel's layers fix (no biases, SiLU MLP), with the value they fix them to.
-OLMO_HYBRID_FIXED = {"attention_bias": False, "hidden_act": "silu"}
-# Families whose vLLM layers take one attention kind for every layer (vLLM asserts max_window_layers = layers).
-ONE_ATTENTION_KIND = {"qwen2", "qwen3"}
-SCALED_EMBEDDINGS = {"gemma"}  # families whose token embeddings are multiplied by sqrt(hidden_size)
-# Attention metadata `RecurringRequests` narrows to some of a batch's requests (its fields read, its builder run, as
-# the tests check); a backend not named here attends over every token of the batch at every step.
-NARROWED_METADATA = {"CPUAttentionMetadata"}
-
-
-def check_servable(config) -> None:
-    """A ValueError in one line naming the setting when vLLM cannot serve this recurfit config as trained."""
-    family = config.text_config.model_type
-    if family not in VLLM_FAMILIES:
-        raise ValueError(
-            f"recurfit on vLLM: text_config.model_type {family!r} has no vLLM layers here; "
-            f"served families: {', '.join(VLLM_FAMILIES)}."
-        )
-    kinds = set(getattr(config.text_config, "layer_types", None) or [])
-    if family in ONE_ATTENTION_KIND and len(kinds) > 1:
-        raise ValueError(
-            f"recurfit on vLLM: text_config.layer_types mixes {sorted(kinds)}, which vLLM's {family} layers do not "
-            "serve (the parent's use_sliding_window with max_window_layers below the layer count)."
-        )
-    if family in OLMO_HYBRID:
-        _check_olmo_hybrid(config.text_config)
-    policy = getattr(config, "cache_policy", "all")
-    if policy not in CACHE_POLICIES:
-        raise ValueError(f"recurfit on vLLM: cache_policy must be one of {CACHE_POLICIES}, got {policy!r}.")
-    if not (isinstance(config.mean_recurrence, int) and config.mean_recurrence >= 1):
-        raise ValueError(f"recurfit on vLLM: mean_recurrence must be an integer >= 1, got {config.mean_recurrence!r}.")
-    if config.adapter not in ADAPTERS:
-        raise ValueError(f"recurfit on vLLM: adapter {config.adapter!r} is not served ({', '.join(ADAPTERS)}).")
-
-
-def _check_olmo_hybrid(text) -> None:
-    """A ValueError naming the first OLMo setting that OlmoHybridModel's layers would silently compute otherwise."""
-    for name, value in OLMO_HYBRID_FIXED.items():
-        if getattr(text, name, value) != value:
-            raise ValueError(f"recurfit on vLLM: text_config.{name} must be {value!r} for {text.model_type}.")
-    head_dim = text.hidden_size // text.num_attention_heads
-    if (getattr(text, "head_dim", None) or head_dim) != head_dim:
-        raise ValueError(f"recurfit on vLLM: text_config.head_dim must be hidden_size / heads for {text.model_type}.")
-
-
-def _rope_for(text, kind: str) -> dict:
-    """A layer kind's rotary parameters: OLMo-3 keeps one set per kind, OLMo-2 one for all."""
-    return text.rope_parameters.get(kind, text.rope_parameters)
-
-
-def _olmo_hybrid_config(text):
-    """OLMo-2/3's config as OlmoHybridModel reads it: a `layer_types` with no "linear_attention" (its Gated
-    DeltaNet kind), so every layer is an attention one, and one flat `rope_parameters`, the full-attention
-    layers' (`_fit_sliding_layers` gives OLMo-3's sliding layers theirs)."""
-    body = copy.copy(text)
-    body.layer_types = attention_types(text)
-    body.rope_parameters = _rope_for(text, "full_attention")
-    return body
-
-
-def _fit_sliding_layers(body: nn.Module, text, vllm_config: VllmConfig) -> None:
-    """OlmoHybridModel builds each attention layer without a window and with one rotary embedding: OLMo-3's
-    sliding layers get a new `Attention` with their window under the same name (a window is fixed when the
-    Attention is built, and each attention backend keeps it in its own form) and their kind's rotary embedding."""
-    registered = get_current_vllm_config().compilation_config.static_forward_context
-    for layer, kind in zip(body.layers, attention_types(text)):
-        if kind != "sliding_attention":
-            continue
-        attention = layer.self_attn
-        name = attention.attn.layer_name
-        del registered[name]  # the new Attention registers itself under this name
-        attention.attn = _attention_like(attention.attn, name, vllm_config, window=text.sliding_window)
-        attention.rotary_emb = get_rope(
-            attention.head_dim, attention.max_position_embeddings, rope_parameters=_rope_for(text, kind)
-        )
-
-
-def _body_config(vllm_config: VllmConfig, text_config) -> VllmConfig:
-    """`vllm_config` seen by the family's body: the same settings, with the parent family's config as hf_config."""
-    inner = copy.copy(vllm_config)
-    model_config = copy.copy(vllm_config.model_config)
-    object.__setattr__(model_config, "hf_config", text_config)
-    object.__setattr__(inner, "model_config", model_config)
-    return inner
-
-
-@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))
-def stepped_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer: str
-) -> None:
-    """A core layer's attention at the current step, written into `output`: opaque to the compiler, so that one
-    compiled core step runs whichever step's `Attention` (KV cache) the step loop chose (`SteppedAttention.step`)
-    when it is called.
-
-    It runs between two segments of vLLM's piecewise CUDA graphs, and a segment's graph replays reading the
-    addresses it was captured with. So, as vLLM's own `unified_attention_with_output`, it returns nothing and writes
-    into an `output` allocated inside the compiled region (a fixed address under graphs); a tensor it returned would
-    be allocated anew at each replay, and the next segment would read the one of its capture."""
-    output.copy_(get_forward_context().no_compile_layers[layer].attend(query, key, value))
-
-
-@stepped_attention.register_fake
-def _(query, key, value, output, layer) -> None:
-    return None
-
-
-class SteppedAttention(nn.Module):
-    """Stands in for a core layer's vLLM `Attention`: runs the one for the current step (`step`, 0-based), through
-    `stepped_attention`, which finds it by its `layer_name` in the engine's forward context.
-
-    A step that runs the core on some rows only (`rows`: the tokens not yet at their depth) gets their queries,
-    keys and values; where the backend's metadata is not narrowed, attention runs on every token of the batch, the
-    other tokens with the keys and values they had at their last step (`keep`), so what they write is what they
-    wrote then (recurfit's latest-step rule), and only the rows' outputs go back."""
-
-    def __init__(self, steps: list[nn.Module], vllm_config: VllmConfig):
-        super().__init__()
-        self.steps = nn.ModuleList(steps)
-        self.layer_name = f"{steps[0].layer_name}.stepped"
-        vllm_config.compilation_config.static_forward_context[self.layer_name] = self
-        self.step = 0
-        self.rows: torch.Tensor | None = None
-        self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.tracking = False  # keep each token's latest keys and values (steps on some rows only, not narrowed)
-
-    def forward(self, query, key, value):
-        output = torch.empty_like(query)  # attention's output has the queries' shape (heads × head size)
-        stepped_attention(query, key, value, output, self.layer_name)
-        return output
-
-    def attend(self, query, key, value):
-        attention = self.steps[self.step]
-        if self.rows is None:
-            if self.tracking:
-                self.keep = (key, value)
-            return attention(query, key, value)
-        rows, (kept_key, kept_value) = self.rows, self.keep
-        key = kept_key.index_copy(0, rows, key)
-        value = kept_value.index_copy(0, rows, value)
-        self.keep = (key, value)
-        full_query = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, rows, query)
-        return attention(full_query, key, value)[rows]
-
-
-class RecurringRequests:
-    """Recurrence steps' attention over the requests still short of their depth only (eager forwards).
-
-    vLLM describes a batch to its attention backend once per forward: per layer, in the forward context, the
-    backend's metadata (requests' query offsets, context lengths, block tables) and the cache slot of each token.
-    Once some requests have reached their depth (`narrow_to`), `only` puts in place a description of the others,
-    built from the batch's by the backend's own metadata builder: the requests past their depth then neither attend
-    nor write keys and values, and their caches keep what their last step wrote (recurfit's cache policies: a step
-    past a request's depth is never read by it, and a cached prefix is never shared between depths)."""
-
-    def __init__(self, vllm_config: VllmConfig):
-        self.vllm_config = vllm_config
-        self.builders: dict = {}
-        self.narrowed: dict[int, object] = {}  # per KV cache group (its layers share metadata and slots), built once
-        self.depths = self.rows = None
-        self.step = 0
-
-    @staticmethod
-    def narrowable(layer_name: str) -> bool:
-        """Whether this forward's metadata for `layer_name` is of a backend `only` can narrow."""
-        metadata = get_forward_context().attn_metadata
-        return isinstance(metadata, dict) and type(metadata.get(layer_name)).__name__ in NARROWED_METADATA
-
-    def narrow_to(self, depths: torch.Tensor, step: int, rows: torch.Tensor) -> None:
-        """From now on, `only` describes the requests deeper than `step` (their tokens: `rows`)."""
-        self.depths, self.step, self.rows, self.narrowed = depths, step, rows, {}
-
-    @contextlib.contextmanager
-    def only(self, layer_names: list[str]) -> Iterator[None]:
-        """Within the block, `layer_names` attend for the requests `narrow_to` chose."""
-        context = get_forward_context()
-        metadata, slots = context.attn_metadata, context.slot_mapping
-        saved = {name: (metadata[name], slots.get(name)) for name in layer_names}
-        try:
-            for name, (whole, slot) in saved.items():
-                if id(whole) not in self.narrowed:
-                    self.narrowed[id(whole)] = self._narrow(name, whole, self.depths, self.step, self.rows)
-                metadata[name] = self.narrowed[id(whole)]
-                if slot is not None:
-                    if id(slot) not in self.narrowed:
-                        self.narrowed[id(slot)] = slot[self.rows]
-                    slots[name] = self.narrowed[id(slot)]
-            yield
-        finally:
-            for name, (whole, slot) in saved.items():
-                metadata[name] = whole
-                if slot is not None:
-                    slots[name] = slot
-
-    def _narrow(self, layer_name: str, whole, depths: torch.Tensor, step: int, rows: torch.Tensor):
-        """`whole`'s metadata for the requests whose depth exceeds `step` (each request's tokens are contiguous, and
-        `rows` lists them in order)."""
-        starts = whole.query_start_loc
-        requests = (depths[starts[:-1]] > step).nonzero().squeeze(1)
-        lengths = (starts[1:] - starts[:-1])[requests]
-        query_start_loc = starts.new_zeros(requests.numel() + 1)
-        torch.cumsum(lengths, 0, out=query_start_loc[1:])
-        seq_lens = whole.seq_lens[requests]
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            query_start_loc_cpu=query_start_loc.cpu(),
-            seq_lens=seq_lens,
-            num_reqs=requests.numel(),
-            num_actual_tokens=rows.numel(),
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=whole.block_table[requests],
-            slot_mapping=whole.slot_mapping[rows],
-            causal=whole.causal,
-        )
-        return self._builder(layer_name, whole).build(common_prefix_len=0, common_attn_metadata=common)
-
-    def _builder(self, layer_name: str, whole):
-        """The backend's metadata builder for layers like `layer_name` (one per metadata type and window)."""
-        layer = get_forward_context().no_compile_layers[layer_name]
-        key = (type(whole), layer.sliding_window)
-        if key not in self.builders:
-            spec = layer.get_kv_cache_spec(self.vllm_config)
-            builder = layer.attn_backend.get_builder_cls()
-            self.builders[key] = builder(spec, [layer_name], self.vllm_config, whole.query_start_loc.device)
-        return self.builders[key]
-
-
-def _attention_like(attention: Attention, prefix: str, vllm_config: VllmConfig, window: int | None = None) -> Attention:
-    """A new vLLM `Attention` with `attention`'s shape and window (or `window`), registered under `prefix` (its
-    own KV cache)."""
-    return Attention(
-        attention.num_heads,
-        attention.head_size,
-        attention.impl.scale,
-        num_kv_heads=attention.num_kv_heads,
-        cache_config=vllm_config.cache_config,
-        quant_config=vllm_config.quant_config,
-        logits_soft_cap=getattr(attention.impl, "logits_soft_cap", None),
-        per_layer_sliding_window=window or attention.sliding_window,
-        prefix=prefix,
-        attn_type=attention.attn_type,
-    )
-
-
-def _uncompiled(body_class: type) -> type:
-    """The family's body class without its own `@support_torch_compile`: `RecurrentModel` compiles the recurrence
-    that calls its layers, and the body's forward never runs."""
-    return ignore_torch_compile(type(f"Uncompiled{body_class.__name__}", (body_class,), {}))
+from .attention import RecurringRequests, SteppedAttention
+from .depth import Limits, table_for
+from .families import (
+    OLMO_HYBRID,
+    SCALED_EMBEDDINGS,
+    VLLM_FAMILIES,
+    attention_like,
+    body_config,
+    check_servable,
+    fit_sliding_layers,
+    olmo_hybrid_config,
+    uncompiled,
+)
+from .pieces import Pieces, split_at_stepped_attention, without_cuda_graphs
 
 
 class RecurrentModel(nn.Module):
@@ -339,12 +80,12 @@ class RecurrentModel(nn.Module):
         self.requests = RecurringRequests(vllm_config)
         module, body, _ = VLLM_FAMILIES[text.model_type]
         body_prefix = maybe_prefix(prefix, "body")
-        body_class = _uncompiled(getattr(importlib.import_module(module), body))
+        body_class = uncompiled(getattr(importlib.import_module(module), body))
         hybrid = text.model_type in OLMO_HYBRID
-        body_text = _olmo_hybrid_config(text) if hybrid else text
-        self.body = body_class(vllm_config=_body_config(vllm_config, body_text), prefix=body_prefix)
+        body_text = olmo_hybrid_config(text) if hybrid else text
+        self.body = body_class(vllm_config=body_config(vllm_config, body_text), prefix=body_prefix)
         if hybrid:
-            _fit_sliding_layers(self.body, text, vllm_config)
+            fit_sliding_layers(self.body, text, vllm_config)
         # Pre-norm bodies (Llama's, …) carry the residual apart, added by the next layer's norm; OLMo's post-norm
         # layers add it inside and return the whole state.
         self.residual_apart = "residual" in inspect.signature(self.body.layers[0].forward).parameters
@@ -370,12 +111,13 @@ class RecurrentModel(nn.Module):
             steps = [own]
             if self.policy == "all":
                 steps += [
-                    _attention_like(own, f"{body_prefix}.recurrence.{total + (step - 2) * R + i}.attn", vllm_config)
+                    attention_like(own, f"{body_prefix}.recurrence.{total + (step - 2) * R + i}.attn", vllm_config)
                     for step in range(2, self.max_recurrence + 1)
                 ]
             attn_holder.attn = SteppedAttention(steps, vllm_config)
-        # Outside the module tree (they hold this module, not weights of their own)
-        self.__dict__["pieces"] = Pieces(self, vllm_config)
+        # In the module tree, where vLLM looks for compiled code (Model Runner V2's CUDA graphs, the engine's cleanup);
+        # they hold this module outside theirs, so the state dict has no cycle and no names of theirs.
+        self.pieces = Pieces(self, vllm_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         embedded = self.body.embed_tokens(input_ids)
@@ -522,78 +264,6 @@ class RecurrentModel(nn.Module):
         return None
 
 
-def cuda_graphs_replay() -> bool:
-    """Whether this forward runs under vLLM's CUDA graphs (captured or replayed; never on a CPU)."""
-    return is_forward_context_available() and get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
-
-
-@contextlib.contextmanager
-def without_cuda_graphs() -> Iterator[None]:
-    """Within the block, compiled pieces run without CUDA graphs: a graph is captured per batch size (vLLM's
-    batch descriptor), and a step over some of the batch's tokens has another size than the batch."""
-    if not cuda_graphs_replay():
-        yield
-        return
-    context = dataclasses.replace(get_forward_context(), cudagraph_runtime_mode=CUDAGraphMode.NONE)
-    with override_forward_context(context):
-        yield
-
-
-class Piece(nn.Module):
-    """A piece of `RecurrentModel` for vLLM to compile: each subclass has a forward (a code object, hence a compiled
-    graph) of its own, and its token dimension, which vLLM compiles as dynamic, in its decorator."""
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recurrence: RecurrentModel):
-        super().__init__()
-        self.recurrence = recurrence
-
-
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
-class CompiledPrelude(Piece):
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, inputs_embeds: torch.Tensor | None):
-        return self.recurrence.prelude(input_ids, positions, inputs_embeds)
-
-
-@support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0, "part": 0})
-class CompiledCoreStep(Piece):
-    def forward(self, positions: torch.Tensor, state: torch.Tensor, part: torch.Tensor):
-        return self.recurrence.core_step(positions, state, part)
-
-
-@support_torch_compile(dynamic_arg_dims={"positions": -1, "state": 0})
-class CompiledCoda(Piece):
-    def forward(self, positions: torch.Tensor, state: torch.Tensor):
-        return self.recurrence.coda(positions, state)
-
-
-class Pieces:
-    """The recurrence's three pieces as vLLM compiles them (each once, on its first call, whatever the depths served;
-    under `--enforce-eager` they run as they are), and the buffers whose addresses their CUDA graphs read.
-
-    Under vLLM's piecewise CUDA graphs a piece's graph replays reading the input addresses it was captured with,
-    and its outputs live in a pool later graphs reuse. The core step runs several times per forward on the
-    previous step's output, so every piece reads its state from a buffer of fixed address, and each output is
-    copied there before the next piece runs (`fixed`; on a CPU, without graphs, nothing is copied)."""
-
-    def __init__(self, recurrence: RecurrentModel, vllm_config: VllmConfig):
-        self.size = vllm_config.scheduler_config.max_num_batched_tokens
-        self.buffers: dict[str, torch.Tensor] = {}
-        for name, cls in (("prelude", CompiledPrelude), ("core_step", CompiledCoreStep), ("coda", CompiledCoda)):
-            with set_model_tag(f"recurfit_{name}"):  # its compiled artifacts cached apart from the others'
-                setattr(self, name, cls(vllm_config=vllm_config, recurrence=recurrence))
-
-    def fixed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` in the first rows of the buffer `name` while CUDA graphs run, else `tensor` itself."""
-        if not cuda_graphs_replay():
-            return tensor
-        buffer = self.buffers.get(name)
-        if buffer is None:  # vLLM's batches hold at most max_num_batched_tokens tokens: allocated once
-            size = max(self.size, tensor.shape[0])
-            buffer = self.buffers[name] = tensor.new_empty((size, *tensor.shape[1:]))
-        view = buffer[: tensor.shape[0]]
-        return view if view.data_ptr() == tensor.data_ptr() else view.copy_(tensor)
-
-
 class RecurfitForCausalLM(nn.Module):
     """A recurfit folder (model_type "recurfit") as a vLLM model; see the module docstring."""
 
@@ -604,6 +274,7 @@ class RecurfitForCausalLM(nn.Module):
         check_servable(config)
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("recurfit on vLLM: pipeline_parallel_size > 1 is not served (the core loops over itself).")
+        split_at_stepped_attention(vllm_config.compilation_config)
         self.config = config
         self.vllm_config = vllm_config  # its engine's key to the V1 runner's depth table (`table_for`)
         self.limits = Limits.of(config)

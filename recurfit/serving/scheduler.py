@@ -1,0 +1,53 @@
+"""Prefix caching kept apart by depth inside the engine, whatever route a request came by.
+
+A block of vLLM's prefix cache written by a request at depth d holds the coda's keys and values of depth d and,
+under the `all` cache policy, the core's step caches 1..d only: a request at another depth that read it would get
+wrong tokens, without an error. vLLM shares a block between requests whose block hashes match, and a request's
+first block hash covers its `cache_salt`. So the engine's scheduler (vLLM's `scheduler_cls`, which recurfit's config
+hook sets) gives every request, before vLLM looks up its blocks, the salt of its depth, `max_recurrence` and cache
+policy (`Limits.salt`, after the client's own salt): offline prompts and every server route alike, with or
+without recurfit's middleware. The depth is the one the worker runs the request at (`Limits.served_depth`).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .depth import Limits, engine_limits
+
+
+def depth_salted_scheduler(*args, vllm_config, **kwargs):
+    """vLLM's scheduler for this engine (`depth.SCHEDULER`), salting each request by its depth: its asynchronous one
+    when the engine schedules asynchronously, which vLLM decides after recurfit's config hook has run."""
+    salted = DepthSaltedAsyncScheduler if vllm_config.scheduler_config.async_scheduling else DepthSaltedScheduler
+    return salted(*args, vllm_config=vllm_config, **kwargs)
+
+
+class DepthSalt:
+    """A vLLM scheduler whose requests get their depth's cache salt when they are added."""
+
+    def __init__(self, *args, vllm_config, **kwargs):
+        super().__init__(*args, vllm_config=vllm_config, **kwargs)
+        self.depth_limits = engine_limits(vllm_config)
+
+    def add_request(self, request) -> None:
+        salt_by_depth(request, self.depth_limits)
+        super().add_request(request)
+
+
+class DepthSaltedScheduler(DepthSalt, Scheduler):
+    pass
+
+
+class DepthSaltedAsyncScheduler(DepthSalt, AsyncScheduler):
+    pass
+
+
+def salt_by_depth(request, limits: Limits) -> None:
+    """`request` (vLLM's engine-side Request) with its depth's salt, and its block hashes computed again with it."""
+    params = request.sampling_params
+    depth = limits.served_depth(params.extra_args if params is not None else None)
+    request.cache_salt = limits.salt(depth, request.cache_salt)
+    request.block_hashes = []
+    request.update_block_hashes()
