@@ -151,6 +151,8 @@ def compile_state(model) -> dict:
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
     from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
 
+    from recurfit.serving.vllm_model import start_line
+
     pieces = [getattr(model.model.pieces, name) for name in PIECES]
     return dict(
         compiles=[not piece.do_not_compile for piece in pieces],
@@ -162,6 +164,7 @@ def compile_state(model) -> dict:
         state_dict_names=sorted(model.state_dict()),
         parameter_names=sorted(name for name, _ in model.named_parameters()),
         splitting_ops=list(model.vllm_config.compilation_config.splitting_ops),
+        start_line=start_line(model.vllm_config, model.limits, model.model),
     )
 
 
@@ -178,6 +181,8 @@ def assert_compiled(llm, compiled: bool) -> None:
     assert not [name for name in state["state_dict_names"] if "pieces" in name]
     assert state["parameter_names"] and not [name for name in state["parameter_names"] if "pieces" in name]
     assert STEPPED_ATTENTION in state["splitting_ops"]
+    pieces = "compiled (DYNAMO_TRACE_ONCE)" if compiled else "eager"  # the CPU platform's compilation mode
+    assert f"; CUDA graphs NONE; pieces {pieces}; attention CPU_ATTN, narrowed" in state["start_line"], state
 
 
 def vllm_greedy(
@@ -1133,6 +1138,95 @@ def test_vllm_serve_answers_the_openai_client_at_each_requests_depth(tmp_path):
         check_answers()  # the server still answers, correctly
     finally:
         stop_server(server)
+
+
+def route_request(path: str, text: str, ids: list[int], depth: int, salt: str | None) -> dict:
+    """A request body for `path` (a generation route of vLLM's server) at `depth`, greedy, 12 tokens, with the
+    client's own `salt` if any."""
+    user = [{"role": "user", "content": text}]
+    salted = {"cache_salt": salt} if salt else {}
+    depth_args = {"vllm_xargs": {"num_steps": depth}}
+    common = dict(model="tiny", temperature=0, max_tokens=12, **depth_args, **salted)
+    return {
+        "/v1/completions": dict(common, prompt=ids, ignore_eos=True, return_token_ids=True),
+        "/v1/chat/completions": dict(common, messages=user, ignore_eos=True),
+        "/v1/chat/completions/batch": dict(common, messages=[user], ignore_eos=True),
+        "/v1/messages": dict(common, messages=user),
+        "/v1/responses": dict(
+            model="tiny", input=text, temperature=0, max_output_tokens=12, ignore_eos=True, **depth_args, **salted
+        ),
+        "/inference/v1/generate": dict(
+            token_ids=ids,
+            sampling_params={"max_tokens": 12, "temperature": 0, "extra_args": {"num_steps": depth}},
+            **salted,
+        ),
+    }[path]
+
+
+def route_answer(path: str, body: dict) -> str:
+    """The generated text (or token ids) of an answer on `path`."""
+    if path == "/v1/responses":
+        return "".join(c["text"] for item in body["output"] for c in item.get("content") or [] if "text" in c)
+    if path == "/v1/messages":
+        return "".join(block.get("text", "") for block in body["content"])
+    choice = body["choices"][0]
+    if path in ("/inference/v1/generate", "/v1/completions"):
+        return str(choice["token_ids"])
+    return choice["message"]["content"]
+
+
+GENERATION_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/messages",
+    "/v1/responses",
+    "/inference/v1/generate",
+)
+
+
+def test_without_the_middleware_no_route_reads_cache_blocks_written_at_another_depth(tmp_path):
+    """`vllm serve` started without recurfit's middleware, prefix caching on (vLLM's default): on every generation
+    route the server lists, a depth-16 request on a long prompt, sent after a depth-2 request on the same prompt
+    (whose blocks are then cached), answers as it does with a fresh cache salt of its own, and differently from
+    the depth-2 one; on completions, with recurfit's tokens at depth 16. The engine's start line says so."""
+    model = served_model("llama", mean_recurrence=2)
+    folder = saved(model, tmp_path / "llama")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    overrides = {"mean_recurrence": 3, "max_recurrence": 16}
+    server, url = start_server(
+        tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--hf-overrides", json.dumps(overrides),
+        "--chat-template", str(template), "--enable-prefix-caching", "--block-size", "32",
+    )  # fmt: skip
+    text = "The cat sat on the mat, and the dog sat on the log by the old red door of the barn."  # 2 full blocks
+
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            url + path, json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            return json.loads(answer.read())
+
+    try:
+        listed = set(json.loads(urllib.request.urlopen(f"{url}/openapi.json", timeout=30).read())["paths"])
+        ids = post("/tokenize", {"model": "tiny", "prompt": text})["tokens"]
+        answers = {}
+        for path in [route for route in GENERATION_ROUTES if route in listed]:
+            shallow = route_answer(path, post(path, route_request(path, text, ids, 2, None)))
+            deep = route_answer(path, post(path, route_request(path, text, ids, 16, None)))
+            fresh = route_answer(path, post(path, route_request(path, text, ids, 16, f"fresh{len(answers)}")))
+            answers[path] = (shallow, deep, fresh)
+        log = (tmp_path / "serve.log").read_text()
+    finally:
+        stop_server(server)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"} <= answers.keys(), listed
+    for path, (shallow, deep, fresh) in answers.items():
+        assert deep == fresh and deep != shallow, (path, shallow, deep, fresh)
+    expected = recurfit_greedy(model, [ids], 16, new_tokens=12)[0]
+    assert answers["/v1/completions"][1] == str(expected)
+    assert "V1 runner; CUDA graphs NONE; pieces eager; attention CPU_ATTN, narrowed" in log
+    assert "depths 1..16 (default 3), cache policy all; prefix cache kept apart by depth" in log
 
 
 def test_each_api_server_process_reads_the_depth_and_checks_it(tmp_path):

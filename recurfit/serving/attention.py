@@ -16,8 +16,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 # split there, as at its own attention (`pieces.split_at_stepped_attention`).
 STEPPED_ATTENTION = "recurfit::stepped_attention"
 # Attention metadata `RecurringRequests` narrows to some of a batch's requests (its fields read, its builder run, as
-# the tests check); a backend not named here attends over every token of the batch at every step.
-NARROWED_METADATA = {"CPUAttentionMetadata"}
+# The attention backends whose metadata `RecurringRequests` narrows to some of a batch's requests (its fields read,
+# its builder run, as the tests check), by backend name, with their metadata's type; a backend not named here
+# attends over every token of the batch at every step.
+NARROWED_BACKENDS = {"CPU_ATTN": "CPUAttentionMetadata"}
 
 
 @torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))
@@ -99,7 +101,7 @@ class RecurringRequests:
     def narrowable(layer_name: str) -> bool:
         """Whether this forward's metadata for `layer_name` is of a backend `only` can narrow."""
         metadata = get_forward_context().attn_metadata
-        return isinstance(metadata, dict) and type(metadata.get(layer_name)).__name__ in NARROWED_METADATA
+        return isinstance(metadata, dict) and type(metadata.get(layer_name)).__name__ in NARROWED_BACKENDS.values()
 
     def narrow_to(self, depths: torch.Tensor, step: int, rows: torch.Tensor) -> None:
         """From now on, `only` describes the requests deeper than `step` (their tokens: `rows`)."""

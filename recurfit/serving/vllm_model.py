@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -49,8 +50,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
-from .attention import RecurringRequests, SteppedAttention
-from .depth import Limits, table_for
+from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention
+from .depth import SCHEDULER, Limits, table_for
 from .families import (
     OLMO_HYBRID,
     SCALED_EMBEDDINGS,
@@ -63,6 +64,9 @@ from .families import (
     uncompiled,
 )
 from .pieces import Pieces, split_at_stepped_attention, without_cuda_graphs
+
+# Under vLLM's logger, so that the line shows in a server's log with vLLM's own start lines.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 class RecurrentModel(nn.Module):
@@ -286,6 +290,7 @@ class RecurfitForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.body.embed_tokens)
         self.logits_processor = LogitsProcessor(text.vocab_size)
+        logger.info("%s", start_line(vllm_config, self.limits, self.model))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -338,6 +343,30 @@ class RecurfitForCausalLM(nn.Module):
                 raise ValueError(f"recurfit on vLLM: unexpected tensor {name!r} in the checkpoint.")
         model_loaded = self.model.load_weights(model_weights, self.body_mapper)
         return loaded | {f"model.{name}" for name in model_loaded}
+
+
+def start_line(vllm_config: VllmConfig, limits: Limits, recurrence: RecurrentModel) -> str:
+    """What the engine runs, in one line of its start-up log: the runner, CUDA graphs and their capture sizes,
+    whether the pieces compile, the attention backend and whether recurfit narrows its metadata, the depths, and
+    whether prefix caching is kept apart by depth. A GPU user's first log then tells whether graphs are on."""
+    compilation, cache = vllm_config.compilation_config, vllm_config.cache_config
+    graphs = compilation.cudagraph_mode.name if compilation.cudagraph_mode is not None else "NONE"
+    if graphs != "NONE":
+        graphs += f" (capture sizes {compilation.cudagraph_capture_sizes})"
+    compiled = "eager" if vllm_config.model_config.enforce_eager else f"compiled ({compilation.mode.name})"
+    attention = recurrence.body.layers[recurrence.shape[0]].self_attn.attn.steps[0].attn_backend.get_name()
+    narrowed = "narrowed to the requests still recurring" if attention in NARROWED_BACKENDS else "over every token"
+    if not cache.enable_prefix_caching:
+        salt = "prefix caching off"
+    elif vllm_config.scheduler_config.scheduler_cls == SCHEDULER:
+        salt = "prefix cache kept apart by depth (recurfit's scheduler)"
+    else:
+        salt = "prefix cache NOT kept apart by depth"
+    runner = "Model Runner V2" if vllm_config.use_v2_model_runner else "V1 runner"
+    return (
+        f"recurfit on vLLM: {runner}; CUDA graphs {graphs}; pieces {compiled}; attention {attention}, {narrowed}; "
+        f"depths 1..{limits.maximum} (default {limits.default}), cache policy {limits.policy}; {salt}."
+    )
 
 
 def _copy_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
