@@ -291,12 +291,13 @@ def served_by_depth(llm, batch: list[list[int]], depths: list[int], cached: list
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def expected_by_depth(model, batch: list[list[int]], depths: list[int]) -> list[list[int]]:
-    """recurfit's `generate` at each row's own depth (rows of one depth as one batch)."""
+def expected_by_depth(model, batch: list[list[int]], depths: list[int], policy: str = "all") -> list[list[int]]:
+    """recurfit's `generate` at each row's own depth (rows of one depth as one batch), with a `policy` cache."""
     rows: list = [None] * len(batch)
     for r in sorted(set(depths)):
         chosen = [i for i, d in enumerate(depths) if d == r]
-        for i, tokens in zip(chosen, recurfit_greedy(model, [batch[i] for i in chosen], r, new_tokens=MIXED_TOKENS)):
+        generated = recurfit_greedy(model, [batch[i] for i in chosen], r, policy, new_tokens=MIXED_TOKENS)
+        for i, tokens in zip(chosen, generated):
             rows[i] = tokens
     return rows
 
@@ -414,25 +415,35 @@ def under_piecewise_cuda_graphs(model) -> None:
     model.forward = forward_under_graphs
 
 
+def buffer_addresses(model) -> dict[str, int]:
+    """The addresses of the pieces' fixed buffers (`Pieces.buffers`), read in the worker."""
+    return {name: buffer.data_ptr() for name, buffer in model.model.pieces.buffers.items()}
+
+
 def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_run_without_graphs(tmp_path):
     """vLLM replays a piece's CUDA graph for a batch size reading the addresses it was captured with, and keeps its
-    outputs in a pool later graphs reuse. So under graphs, every call of a piece with graphs on reads its states
-    from the same addresses for the same number of tokens (the core step runs several times a forward, on its
-    own output), and a step over some of the batch's tokens runs without graphs. Tokens stay recurfit's."""
+    outputs in a pool later graphs reuse. So under graphs every call of a piece with graphs on reads its states
+    from the pieces' own buffers (their addresses read from the buffers themselves), the core step's too when it
+    runs again on its own output over the whole batch (every request at one depth), and a step over some of the
+    batch's tokens runs without graphs. Tokens stay recurfit's."""
     model = served_model("llama", mean_recurrence=2)
-    folder, batch, depths = saved(model, tmp_path / "llama"), prompts(), [4, 2, 1]
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
     llm = vllm_engine(folder, compiled=True, max_recurrence=4)
     try:
         llm.apply_model(under_piecewise_cuda_graphs)
         llm.apply_model(record_pieces)
-        served = served_by_depth(llm, batch, depths)
-        calls = llm.apply_model(recorded_calls)[0]
+        served, calls = {}, []
+        for depths in ([4, 2, 1], [4, 4, 4]):
+            served[tuple(depths)] = served_by_depth(llm, batch, depths)
+            calls += llm.apply_model(recorded_calls)[0]
+        (buffers,) = llm.apply_model(buffer_addresses)
     finally:
         del llm
         gc.collect()
-    assert served == expected_by_depth(model, batch, depths)
-    batch_tokens = None
-    addresses: dict[tuple[str, int], set] = {}
+    for depths, tokens in served.items():
+        assert tokens == expected_by_depth(model, batch, list(depths)), depths
+    reads = {"core_step": (buffers["state"], buffers["part"]), "coda": (buffers["state"],)}
+    batch_tokens, whole_batch_steps = None, 0
     for name, tokens, states, graphs in calls:
         if name == "prelude":
             batch_tokens = tokens
@@ -440,10 +451,9 @@ def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_ru
         elif tokens < batch_tokens:
             assert name == "core_step" and not graphs, (name, tokens, batch_tokens)
         else:
-            assert graphs, (name, tokens)
-            addresses.setdefault((name, tokens), set()).add(states)
-    assert {name for name, _ in addresses} == {"core_step", "coda"}
-    assert all(len(seen) == 1 for seen in addresses.values()), addresses
+            assert graphs and states == reads[name], (name, tokens, states, reads[name])
+            whole_batch_steps += name == "core_step"
+    assert whole_batch_steps > 4 * len([call for call in calls if call[0] == "coda"]) // 2, whole_batch_steps
 
 
 def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_tokens(tmp_path):
@@ -469,6 +479,54 @@ def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_
         assert tokens == expected_by_depth(model, batch, list(depths)), depths
     assert counts["segments"] >= 3 * len(PIECES) and counts["captures"] > 0, counts
     assert counts["replays"] > 10 * counts["captures"], counts
+
+
+def attend_over_every_token(model) -> None:
+    """The worker's model takes the attention path of the backends whose metadata recurfit does not narrow (vLLM's
+    GPU backends): every step attends over the batch's tokens, the ones past their depth with the keys and values
+    of their last step; `model.partial_attention` counts the attentions run so for part of the batch."""
+    model.model.requests.narrowable = lambda layer_name: False
+    model.partial_attention = 0
+    P, R, _ = model.model.shape
+    for i in range(R):
+        stepped = model.model.body.layers[P + i].self_attn.attn
+        attend = stepped.attend
+
+        def counted(query, key, value, stepped=stepped, attend=attend):
+            model.partial_attention += stepped.rows is not None
+            return attend(query, key, value)
+
+        stepped.attend = counted
+
+
+def partial_attentions(model) -> int:
+    return model.partial_attention
+
+
+@pytest.mark.parametrize("policy", ["all", "latest"])
+def test_attention_over_every_token_as_on_gpu_backends_gives_each_request_its_depths_tokens(tmp_path, policy):
+    """On attention backends whose metadata is not narrowed (FlashAttention, FlashInfer, Triton), a step over part of
+    the batch attends over every token, the others with the keys and values of their last step: requests of
+    depths 1-16 in one continuous batch get recurfit's greedy tokens at their own depths, through that path; with
+    chunked prefill and prefix caching on under `all`, and under `latest`, whose one cache per layer every step
+    overwrites (what the others write there is what a later step of theirs reads)."""
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
+    depths = [DEPTHS[i % 5] for i in range(len(batch))]
+    if policy == "all":
+        args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
+    else:
+        args = dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    llm = vllm_engine(folder, False, args, max_recurrence=16, cache_policy=policy)
+    try:
+        llm.apply_model(attend_over_every_token)
+        served = served_by_depth(llm, batch, depths)
+        (partial,) = llm.apply_model(partial_attentions)
+    finally:
+        del llm
+        gc.collect()
+    assert served == expected_by_depth(model, batch, depths, policy)
+    assert partial > 100, partial
 
 
 def count_attended_requests(model) -> None:

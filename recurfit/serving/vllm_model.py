@@ -202,7 +202,7 @@ class RecurrentModel(nn.Module):
         pieces = self.pieces
         core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
         layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
-        narrow = RecurringRequests.narrowable(layers[0][0])
+        narrow = self.requests.narrowable(layers[0][0])
         rows = None  # the running tokens (None: all)
         running, running_part, running_positions, running_depths = state, part, positions, depths
         try:
