@@ -134,16 +134,17 @@ MUTATIONS = (
     Mutation(
         "split-op-left-out",
         "vLLM's piecewise graphs do not split at the core's attention: every step would replay step 1's",
-        "recurfit/serving/depth.py",
-        (("[*ops, STEPPED_ATTENTION]", "ops"),),
+        "recurfit/serving/pieces.py",
+        (("compilation.splitting_ops = [*ops, STEPPED_ATTENTION]", "compilation.splitting_ops = list(ops)"),),
         (
-            "tests/test_vllm.py::test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_none_is_named",
+            "tests/test_vllm.py::test_the_core_attention_op_is_added_to_the_splitting_ops_vllm_chose",
+            "tests/test_vllm.py::test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_tokens",
         ),
         python=".venv-vllm/bin/python",
     ),
     Mutation(
         "attention-op-returns-its-output",
-        "the core's attention op returns a tensor it allocates, whose address changes at each CUDA-graph replay",
+        "the core's attention op is declared as writing nothing, so the compiler may drop its write",
         "recurfit/serving/attention.py",
         (
             (
@@ -152,6 +153,80 @@ MUTATIONS = (
             ),
         ),
         ("tests/test_vllm.py::test_the_core_attention_op_writes_into_an_output_the_compiled_region_allocated",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "attention-output-allocated-outside-the-graphs",
+        "the core's attention op returns a tensor it allocates between graph segments (new at each replay), as "
+        "before vLLM's rule was held",
+        "recurfit/serving/attention.py",
+        (
+            (
+                '@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))\n'
+                "def stepped_attention(\n"
+                "    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor, layer: str\n"
+                ") -> None:",
+                "@torch.library.custom_op(STEPPED_ATTENTION, mutates_args=())\n"
+                "def stepped_attention(\n"
+                "    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: str\n"
+                ") -> torch.Tensor:",
+            ),
+            (
+                "    output.copy_(get_forward_context().no_compile_layers[layer].attend(query, key, value))",
+                "    return get_forward_context().no_compile_layers[layer].attend(query, key, value)",
+            ),
+            (
+                "def _(query, key, value, output, layer) -> None:\n    return None",
+                "def _(query, key, value, layer):\n    return torch.empty_like(query)",
+            ),
+            (
+                "        stepped_attention(query, key, value, output, self.layer_name)\n        return output",
+                "        return stepped_attention(query, key, value, self.layer_name)",
+            ),
+        ),
+        ("tests/test_vllm.py::test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_tokens",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "whole-batch-step-off-the-buffer",
+        "a core step over the whole batch hands the next one its own output, not the buffer its graph reads",
+        "recurfit/serving/vllm_model.py",
+        (
+            (
+                'running = pieces.fixed("state", pieces.core_step(running_positions, running, running_part))',
+                "running = pieces.core_step(running_positions, running, running_part)",
+            ),
+        ),
+        (
+            "tests/test_vllm.py::test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_run_"
+            "without_graphs",
+        ),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "kept-keys-zeroed",
+        "on backends whose metadata is not narrowed (GPU ones), the tokens past their depth write zeros as keys",
+        "recurfit/serving/attention.py",
+        (
+            (
+                "        key = kept_key.index_copy(0, rows, key)",
+                "        key = torch.zeros_like(kept_key).index_copy(0, rows, key)",
+            ),
+        ),
+        (
+            "tests/test_vllm.py::test_attention_over_every_token_as_on_gpu_backends_gives_each_request_its_depths_tokens[latest]",
+        ),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "cache-not-salted-by-depth",
+        "the engine's scheduler leaves a request's cache salt alone: a request reads blocks written at another depth",
+        "recurfit/serving/scheduler.py",
+        (("        salt_by_depth(request, self.depth_limits)\n", "        pass\n"),),
+        (
+            "tests/test_vllm.py::test_without_the_middleware_no_route_reads_cache_blocks_written_at_another_depth",
+            "tests/test_vllm.py::test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth[llama-eager]",
+        ),
         python=".venv-vllm/bin/python",
     ),
     Mutation(
