@@ -219,6 +219,19 @@ MUTATIONS = (
         python=".venv-vllm/bin/python",
     ),
     Mutation(
+        "narrowed-slots-of-the-first-tokens",
+        "a step's narrowed attention metadata takes the first tokens' cache slots, not the recurring requests'",
+        "recurfit/serving/attention.py",
+        (
+            (
+                "        slot_mapping=whole.slot_mapping[rows],",
+                "        slot_mapping=whole.slot_mapping[: rows.numel()],",
+            ),
+        ),
+        ("tests/test_vllm.py::test_narrowed_metadata_is_what_the_backends_own_builder_gives_for_those_requests_alone",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
         "cache-not-salted-by-depth",
         "the engine's scheduler leaves a request's cache salt alone: a request reads blocks written at another depth",
         "recurfit/serving/scheduler.py",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import re
@@ -527,6 +528,77 @@ def test_attention_over_every_token_as_on_gpu_backends_gives_each_request_its_de
         gc.collect()
     assert served == expected_by_depth(model, batch, depths, policy)
     assert partial > 100, partial
+
+
+def batch_description(lengths, seq_lens, blocks, requests):
+    """vLLM's description (CommonAttentionMetadata) of the chosen `requests` of a batch whose requests have query
+    `lengths`, context `seq_lens` and block-table rows `blocks`; a token's cache slot is 100 + its place in the
+    whole batch."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    query_start_loc = torch.tensor([0, *itertools.accumulate(lengths[i] for i in requests)], dtype=torch.int32)
+    slots = [100 + t for i in requests for t in range(starts[i], starts[i] + lengths[i])]
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=torch.tensor([seq_lens[i] for i in requests], dtype=torch.int32),
+        num_reqs=len(requests),
+        num_actual_tokens=len(slots),
+        max_query_len=max(lengths[i] for i in requests),
+        max_seq_len=max(seq_lens[i] for i in requests),
+        block_table_tensor=torch.tensor([blocks[i] for i in requests], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        causal=True,
+    )
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN"])
+def test_narrowed_metadata_is_what_the_backends_own_builder_gives_for_those_requests_alone(tmp_path, backend):
+    """The contract that lets a step attend for the requests still recurring only, on each backend recurfit narrows
+    (the CPU one, and the GPU ones FlashAttention and Triton, whose builders run on a CPU as far as building
+    metadata goes): from a batch's metadata built by the backend's own builder, the description `RecurringRequests`
+    makes of the requests deeper than the step, built by the same builder, equals in every field the metadata the
+    builder gives for those requests alone. FlashInfer keeps no per-request offsets in its metadata and is not
+    narrowed (its cost: docs/how-to/serving.md)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from recurfit.serving.attention import NARROWED_BACKENDS, narrowed_description
+
+    backend_class = AttentionBackendEnum[backend].get_class()
+    assert backend in NARROWED_BACKENDS and backend_class.get_name() == backend
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    config = EngineArgs(str(folder), dtype="float32", max_model_len=64).create_engine_config()
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    lengths, seq_lens = [3, 1, 5, 2, 4], [5, 9, 5, 20, 33]
+    blocks = [[i, i + 10, i + 20] for i in range(5)]
+    request_depths, step = [4, 1, 8, 2, 1], 1
+    kept = [i for i, depth in enumerate(request_depths) if depth > step]
+    depths = torch.tensor([d for d, n in zip(request_depths, lengths) for _ in range(n)])
+    rows = (depths > step).nonzero().squeeze(1)
+    with set_current_vllm_config(config):
+        builder = backend_class.get_builder_cls()(spec, ["layer"], config, torch.device("cpu"))
+        whole = builder.build(0, batch_description(lengths, seq_lens, blocks, range(5)))
+        assert type(whole).__name__ == NARROWED_BACKENDS[backend]
+        narrowed = builder.build(0, narrowed_description(whole, depths, step, rows))
+        alone = builder.build(0, batch_description(lengths, seq_lens, blocks, kept))
+    # Every field but the builder's scratch tensors (uninitialised workspaces, and the CPU backend's scheduler data,
+    # which holds addresses), which it derives from the same description: counts, lengths, flags and the
+    # per-request and per-token tensors.
+    compared = 0
+    for field in dataclasses.fields(alone):
+        ours, theirs = getattr(narrowed, field.name), getattr(alone, field.name)
+        if isinstance(theirs, torch.Tensor):
+            if field.name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+                assert torch.equal(ours, theirs), (field.name, ours, theirs)
+                compared += 1
+        else:
+            assert ours == theirs, (field.name, ours, theirs)
+    assert compared == 4
+    assert narrowed.num_actual_tokens == rows.numel() == 10
 
 
 def count_attended_requests(model) -> None:

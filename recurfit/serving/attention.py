@@ -19,7 +19,11 @@ STEPPED_ATTENTION = "recurfit::stepped_attention"
 # The attention backends whose metadata `RecurringRequests` narrows to some of a batch's requests (its fields read,
 # its builder run, as the tests check), by backend name, with their metadata's type; a backend not named here
 # attends over every token of the batch at every step.
-NARROWED_BACKENDS = {"CPU_ATTN": "CPUAttentionMetadata"}
+NARROWED_BACKENDS = {
+    "CPU_ATTN": "CPUAttentionMetadata",
+    "FLASH_ATTN": "FlashAttentionMetadata",
+    "TRITON_ATTN": "TritonAttentionMetadata",
+}
 
 
 @torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))
@@ -130,26 +134,8 @@ class RecurringRequests:
                     slots[name] = slot
 
     def _narrow(self, layer_name: str, whole, depths: torch.Tensor, step: int, rows: torch.Tensor):
-        """`whole`'s metadata for the requests whose depth exceeds `step` (each request's tokens are contiguous, and
-        `rows` lists them in order)."""
-        starts = whole.query_start_loc
-        requests = (depths[starts[:-1]] > step).nonzero().squeeze(1)
-        lengths = (starts[1:] - starts[:-1])[requests]
-        query_start_loc = starts.new_zeros(requests.numel() + 1)
-        torch.cumsum(lengths, 0, out=query_start_loc[1:])
-        seq_lens = whole.seq_lens[requests]
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc,
-            query_start_loc_cpu=query_start_loc.cpu(),
-            seq_lens=seq_lens,
-            num_reqs=requests.numel(),
-            num_actual_tokens=rows.numel(),
-            max_query_len=int(lengths.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_table_tensor=whole.block_table[requests],
-            slot_mapping=whole.slot_mapping[rows],
-            causal=whole.causal,
-        )
+        """`whole`'s metadata for the requests whose depth exceeds `step`, built by the backend's own builder."""
+        common = narrowed_description(whole, depths, step, rows)
         return self._builder(layer_name, whole).build(common_prefix_len=0, common_attn_metadata=common)
 
     def _builder(self, layer_name: str, whole):
@@ -161,3 +147,28 @@ class RecurringRequests:
             builder = layer.attn_backend.get_builder_cls()
             self.builders[key] = builder(spec, [layer_name], self.vllm_config, whole.query_start_loc.device)
         return self.builders[key]
+
+
+def narrowed_description(whole, depths: torch.Tensor, step: int, rows: torch.Tensor) -> CommonAttentionMetadata:
+    """The description vLLM's builders take (`CommonAttentionMetadata`) of the requests of a batch whose depth exceeds
+    `step`, from the batch's backend metadata `whole` (its `query_start_loc`, `seq_lens`, `block_table`,
+    `slot_mapping` and `causal`, which the backends of `NARROWED_BACKENDS` all keep): each request's tokens are
+    contiguous, `depths` gives each token's depth and `rows` lists the kept requests' tokens in order."""
+    starts = whole.query_start_loc
+    requests = (depths[starts[:-1]] > step).nonzero().squeeze(1)
+    lengths = (starts[1:] - starts[:-1])[requests]
+    query_start_loc = starts.new_zeros(requests.numel() + 1)
+    torch.cumsum(lengths, 0, out=query_start_loc[1:])
+    seq_lens = whole.seq_lens[requests]
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.cpu(),
+        seq_lens=seq_lens,
+        num_reqs=requests.numel(),
+        num_actual_tokens=rows.numel(),
+        max_query_len=int(lengths.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=whole.block_table[requests],
+        slot_mapping=whole.slot_mapping[rows],
+        causal=whole.causal,
+    )

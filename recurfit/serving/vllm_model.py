@@ -15,9 +15,9 @@ windows and per-kind rotary embeddings set on its sliding layers. Each request n
 request's r:
 
 Step s computes the tokens still short of their depth only (gathered, computed, scattered back), their
-attention included (`RecurringRequests`: vLLM's CPU attention backend; with another backend, attention runs for
-every token up to the batch's deepest). vLLM compiles three pieces (its default mode; `--enforce-eager` runs them
-as they are): the prelude, one core step and the coda, each once whatever the depths served. A core layer's
+attention included (`RecurringRequests`, on the backends of `NARROWED_BACKENDS`; with another backend, attention
+runs for every token up to the batch's deepest). vLLM compiles three pieces (its default mode; `--enforce-eager`
+runs them as they are): the prelude, one core step and the coda, each once whatever the depths served. A core layer's
 attention is one opaque op (`recurfit::stepped_attention`) that runs the current step's vLLM `Attention` when it
 is called, so one compiled core step serves every step and every depth. On a GPU the pieces are captured as
 vLLM's piecewise CUDA graphs: a step over the whole batch replays them, reading its inputs from buffers of fixed
