@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PLACEMENT, control_margin, placed, pruned, tiny_parent, token_batch, tolerance
+from conftest import FAMILIES, PLACEMENT, control_margin, placed, pruned, tiny_parent, token_batch, tolerance
 
 import recurfit
 
@@ -96,6 +96,34 @@ def test_attention_implementations_agree(implementation, model_type):
         other = model(ids, attention_mask=mask, num_steps=3).logits
     real = mask.bool()
     assert max_diff(eager[real], other[real]) <= tolerance(1e-4)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_attention_gets_queries_keys_and_values_of_one_dtype_in_low_precision(model_type, monkeypatch):
+    """A bf16 retrofit keeps its stream in float32 while its products run in bf16 (it autocasts itself): RoPE must
+    not turn queries and keys into float32 beside bf16 values, or flex_attention (which autocast does not cover)
+    gets two dtypes, which on CUDA gave logits 0.3-0.7 off for the families whose RoPE keeps the cos/sin dtype
+    (Llama, Mistral, Qwen3; OLMo's casts back and was right). Every attention call gets one dtype, the products'.
+    (Training runs SDPA, whose inputs autocast casts to one dtype.)"""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    flex = ALL_ATTENTION_FUNCTIONS["flex_attention"]
+    seen = set()
+
+    def recorded(module, query, key, value, *args, **kwargs):
+        seen.add((query.dtype, key.dtype, value.dtype))
+        return flex(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flex_attention", recorded)
+    model = recurfit.retrofit(tiny_parent(model_type), shape=(2, 2, 2), adapter_init="random", state_init_std=0.0)
+    model.set_attn_implementation("flex_attention")
+    model.to(torch.bfloat16)
+    ids = token_batch()
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask, num_steps=3)
+    assert seen == {(torch.bfloat16,) * 3}, seen
 
 
 def test_the_tests_models_and_tokens_are_where_the_options_put_them():

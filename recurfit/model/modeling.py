@@ -173,11 +173,22 @@ class RecurrentModel(RecurrentPreTrainedModel):
         weights = self.embed_tokens.weight
         return torch.autocast(weights.device.type, dtype=weights.dtype)
 
+    def _rope(self, embedded, position_ids, *kind) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embeddings (cos, sin); where the model autocasts itself (bf16 or fp16 weights at inference), in
+        the weights' dtype. The stream is float32, so RoPE would otherwise turn the queries and keys (from
+        low-precision products) into float32 while the values stay in low precision, and an attention that
+        autocast does not cover (flex_attention) would get two dtypes: on CUDA it then computes wrong logits. The
+        parent in bf16 rotates in bf16 too. (Training's autocast casts SDPA's inputs to one dtype itself.)"""
+        rope = self.rotary_emb(embedded, position_ids, *kind)
+        if not self._autocasts_itself():
+            return rope
+        return tuple(part.to(self.embed_tokens.weight.dtype) for part in rope)
+
     def attention_inputs(self, embedded, attention_mask, position_ids, cache=None, masks=None) -> dict[str, dict]:
         """Mask and rotary embeddings for each attention kind present, computed once per forward (`masks`: the
         masks per kind, already built)."""
         text = self.config.text_config
-        shared_rope = None if self.rope_per_layer_type else self.rotary_emb(embedded, position_ids)
+        shared_rope = None if self.rope_per_layer_type else self._rope(embedded, position_ids)
         return {
             kind: {
                 "attention_mask": masks[kind]
@@ -189,7 +200,7 @@ class RecurrentModel(RecurrentPreTrainedModel):
                     position_ids=position_ids,
                     **cache_kwargs(cache),
                 ),
-                "position_embeddings": shared_rope or self.rotary_emb(embedded, position_ids, kind),
+                "position_embeddings": shared_rope or self._rope(embedded, position_ids, kind),
             }
             for kind in set(self.layer_attention)
         }
