@@ -55,3 +55,12 @@ def test_the_served_family_table_lists_every_family_recurfit_retrofits():
     table = serving[serving.index("| Family (`model_type`)") :].split("\n\n")[0]
     served = re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE)
     assert served == list(FAMILIES)
+
+
+def test_each_serving_module_reads_on_its_own():
+    """recurfit.serving holds one concern per file (the served model, its compiled pieces and graph rules, attention
+    narrowing, the families, depth per request, the scheduler, the middleware), none over 400 lines."""
+    long = {
+        p.name: n for p in (REPO / "recurfit" / "serving").glob("*.py") if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, long
