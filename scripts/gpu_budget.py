@@ -9,7 +9,8 @@ Nothing is downloaded: Llama-3.2-1B is built on the meta device from its public 
 (recurfit/train/memory.py's PAPER_PARENTS). Memory is the plan `recurfit train … --dry-run` prints; FLOPs are
 what the run's log adds up (each step's drawn depth, `training_flops_per_token`); time assumes the MFU (30 %) of an
 H100's dense bf16 peak that an eager training step of a paper recipe of this size reached on an H200
-(docs/results/gpu.md); disk counts 4 bytes per token of the store (the 128 k vocabulary needs uint32), fp32
+(docs/results/gpu.md), and compiled time the speed-up a compiled step measured there; disk counts 4 bytes per
+token of the store (the 128 k vocabulary needs uint32), fp32
 weights and optimizer state in a checkpoint, and snapshots in `snapshots.dtype`. tests/test_docs.py checks that
 the page is up to date and that every training command of the docs fits the memory it is planned for.
 """
@@ -29,6 +30,9 @@ GPUS = 8
 GPU_MEMORY = 80 * 10**9
 PEAK_FLOPS = 989e12  # an H100 SXM's dense bf16 peak
 MFU = 0.3  # an eager step of recipes/paper/tinyllama-484-fineweb.yaml on an H200: 30.3 % of 989 (docs/results/gpu.md)
+# Compiled training (`compile: true`): the same step compiled ran 9,406 tokens/s against eager's 6,536 on an H200
+# (docs/results/gpu.md, part 5), so it reaches 1.44 times the eager MFU.
+COMPILED_SPEEDUP = 9406 / 6536
 STORE_TOKENS = 52.5e9  # `data prepare --max-tokens 52.5B`: the run's 52.43 B tokens and a margin
 VAL_FRACTION = 0.01
 TOKEN_BYTES = 4
@@ -124,6 +128,7 @@ def rows() -> list[dict]:
                 flops=flops,
                 gpu_hours=gpu_hours,
                 hours=gpu_hours / world,
+                compiled_hours=gpu_hours / world / COMPILED_SPEEDUP,
                 disk=disk(config, model),
             )
         )
@@ -155,7 +160,10 @@ def page() -> str:
         "  eager training step of a paper recipe of this size, TinyLlama (4, 8, 4), reached on an H200",
         "  ([measured](../results/gpu.md#compiled-decoding-and-a-training-step)). Training alone: loading,",
         f"  validation and saving add to it. `recurfit train` logs the MFU it reaches: scale the hours by {MFU:g} /",
-        "  yours. On A100s (312 TFLOP/s) the hours are 3.2 times as many.",
+        "  yours. On A100s (312 TFLOP/s) the hours are 3.2 times as many. Compiled (`compile: true`), the same",
+        f"  step ran {COMPILED_SPEEDUP:.2f} times as fast on an H200",
+        "  ([measured](../results/gpu.md#training-step-cost)), hence the column of compiled hours; whether a whole",
+        "  run compiles without recompiling under its depth draws has not been counted on a GPU.",
         "- **FLOPs** are what the run's log adds up (each step's drawn depth over its 1,048,576 tokens, the body",
         "  only) and the LM head's 6·V·h per token. The MFU `train` logs counts the body only: the hours it",
         "  implies are a little pessimistic.",
@@ -169,9 +177,9 @@ def page() -> str:
         "  throughput](../results/cpu-training.md#data-prepare-throughput), plus the download) and the evaluation",
         "  steps, whose time depends on the generated lengths; neither has been measured on a GPU node.",
         "",
-        "| run | processes | micro-batch | peak memory per GPU | training FLOPs | GPU-hours | hours | checkpoints "
-        "| snapshots | final | disk of the run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | processes | micro-batch | peak memory per GPU | training FLOPs | GPU-hours | hours | hours compiled "
+        "| checkpoints | snapshots | final | disk of the run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     total = store
     for row in table:
@@ -182,7 +190,7 @@ def page() -> str:
         lines.append(
             f"| {row['name']} | {row['world']} | {row['plan'].micro} | {gb(row['plan'].peak)} (k = {row['plan'].k}) "
             f"| {row['flops']:.2e} | {row['gpu_hours']:,.{0 if row['gpu_hours'] >= 10 else 1}f} "
-            f"| {hours(row['hours'])} "
+            f"| {hours(row['hours'])} | {hours(row['compiled_hours'])} "
             f"| {gb(d['checkpoints'])} ({gb(d['checkpoint'])} each) | {d['snapshots_count']} × "
             f"{gb(d['snapshots'] / d['snapshots_count']) if d['snapshots_count'] else '0'} = {gb(d['snapshots'])} "
             f"| {gb(d['final'])} | {gb(run_disk)} |"
