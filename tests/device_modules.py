@@ -1,5 +1,6 @@
 """The test modules that `pytest --device` and `--dtype` move off the CPU and float32, read by tests/conftest.py
-and by benchmarks/gpu_check.py (whose part 2 runs them on the GPU). Torch-free: the check reads it at import.
+and by benchmarks/gpu_check/part2.py (the GPU check's part 2, which runs them on the GPU). Torch-free: the check
+reads it at import.
 """
 
 # The test modules that follow --device (training runs through `recurfit train`, which picks the GPU itself)

@@ -1,10 +1,12 @@
-"""The GPU check (benchmarks/gpu_check.py): part 1's plan fits five minutes and every later part's one device
-command, and its CPU smoke runs every step of every part at toy sizes with the packages the device machine lacks
-hidden, so that each part runs the first time a GPU is lent for it."""
+"""The GPU check (benchmarks/gpu_check.py, which runs the package benchmarks/gpu_check/): part 1's plan fits five
+minutes and every later part's one device command, and its CPU smoke runs every step of every part at toy sizes with
+the packages the device machine lacks hidden, so that each part runs the first time a GPU is lent for it; no file of
+it is over 400 lines."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import math
 import re
@@ -18,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+PACKAGE = REPO / "benchmarks" / "gpu_check"
 STEPS = ["device", "correctness", "decode", "train", "sweep"]
 PART_STEPS = {
     1: STEPS,
@@ -61,7 +64,7 @@ def test_every_later_part_fits_one_device_command_and_measures_its_device_first(
         assert [name for name, _ in steps] == PART_STEPS[number]
         total = sum(int(seconds) for _, seconds in steps)
         assert lines[-1] == f"total: {total} s" and total <= (300 if number == 1 else 570)
-    parts = checker().PARTS
+    parts = checker("runner").PARTS
     assert all(sum(step.seconds for step in part.steps) <= part.budget for part in parts.values())
 
 
@@ -74,11 +77,10 @@ def test_without_a_gpu_or_an_output_folder_it_says_what_to_do(tmp_path):
 
 
 def test_a_step_past_its_limit_is_killed_and_said_so(tmp_path):
-    gpu_check = checker()
     for folder in ("out", "work"):
         (tmp_path / folder).mkdir()
-    step = gpu_check.Step("device", 0, "")  # no process finishes in no time
-    status = gpu_check.run_step(step, 0, tmp_path / "out", tmp_path / "work", smoke=True)
+    step = checker("common").Step("device", 0, "")  # no process finishes in no time
+    status = checker("runner").run_step(step, 0, tmp_path / "out", tmp_path / "work", smoke=True)
     assert status == "timed out after 0 s"
     assert "===== device (limit 0 s)" in (tmp_path / "out" / "log.txt").read_text()
 
@@ -92,14 +94,14 @@ def benchmarks_importable():
         sys.path.remove(str(REPO / "benchmarks"))
 
 
-def checker():
+def checker(module: str):
+    """The module `module` of the package benchmarks/gpu_check/ (runner, common, part1, decoding, ...)."""
     with benchmarks_importable():
-        import gpu_check
-    return gpu_check
+        return importlib.import_module(f"gpu_check.{module}")
 
 
 def test_a_new_depth_at_a_compiled_batch_size_is_predicted_to_compile_nothing():
-    predicted_compile = checker().predicted_compile
+    predicted_compile = checker("decoding").predicted_compile
     assert predicted_compile({}, 1) is None  # nothing to go by: compiled whatever it costs
     assert predicted_compile({1: 60.0}, 1) == 0.0  # another r at batch 1: the same graphs
     assert predicted_compile({1: 60.0}, 32) == 60.0  # the same graphs at another batch size
@@ -111,17 +113,17 @@ def test_the_plan_leaves_room_for_a_cold_compile_of_each_batch_size_at_r_4_and_3
     r = 4 and 32 on the same graphs; the decode step compiles batch 32 at r = 32 within its own limit (the
     correctness step may leave it nothing), then r = 4 on the same graphs. No key at r = 4 or 32 is predicted
     not to fit."""
-    gpu_check = checker()
-    limits = {step.name: step.seconds for step in gpu_check.STEPS}
-    cold, startup, margin = gpu_check.COLD_COMPILE_S, gpu_check.STARTUP_S, gpu_check.DECODE_MARGIN_S
+    part1, predicted_compile = checker("part1"), checker("decoding").predicted_compile
+    limits = {step.name: step.seconds for step in part1.STEPS}
+    cold, startup, margin = part1.COLD_COMPILE_S, part1.STARTUP_S, part1.DECODE_MARGIN_S
     assert cold >= 90
-    assert gpu_check.predicted_compile({1: cold}, 1) == 0.0  # correctness at r = 4 and 32; batch 1's decode keys
+    assert predicted_compile({1: cold}, 1) == 0.0  # correctness at r = 4 and 32; batch 1's decode keys
     assert limits["correctness"] >= startup + cold + 2 * margin  # r = 1's compile, then the runs at r = 4, 32
-    first = gpu_check.predicted_compile({}, 32, earlier=[cold])  # decode: batch 32 at r = 32
+    first = predicted_compile({}, 32, earlier=[cold])  # decode: batch 32 at r = 32
     assert first == cold and first < limits["decode"] - startup - margin
-    assert gpu_check.predicted_compile({32: cold}, 32) == 0.0  # then r = 4
+    assert predicted_compile({32: cold}, 32) == 0.0  # then r = 4
     with benchmarks_importable():  # the sizes name the train benchmark's TinyLlama
-        full = gpu_check.full_sizes()
+        full = checker("common").full_sizes()
     assert {r for _, r in full.decode["keys"]} == {4, 32} and {b for b, _ in full.decode["keys"]} == {1, 32}
     assert full.check["batch"] == 1 and {4, 32} <= set(full.check["compiled"])
     assert sum(limits.values()) <= 300
@@ -190,7 +192,8 @@ def test_cpu_smoke_runs_every_step_of_a_part_and_each_reports_ok(part, tmp_path)
         assert all(word in text for word in words), (step, words, text)
 
 
-# The steps that are functions of gpu_check.py, which write result lines of their own; the others are commands.
+# The steps that are functions (of the parts' modules in benchmarks/gpu_check/), which write result lines of their
+# own; the others are commands.
 STEP_FUNCTIONS = {*STEPS, "prepare", "resume-ddp", "resume-fsdp", "recompiles"}
 PART_FILES = [("results", ".jsonl"), ("summary", ".md"), ("log", ".txt"), ("artifacts", ".tar.gz")]
 PART_ARTIFACTS = {
@@ -254,10 +257,19 @@ def part_one_results(lines: dict) -> None:
 def test_the_correctness_step_fails_when_a_pair_agrees_below_its_dtypes_bound():
     """bf16 decoding that agrees with the fp32 reference on half its tokens is not ok (the H200 measured 93.8 % and
     more); in fp32 even 95 % is not."""
-    gpu_check = checker()
+    agreements_hold = checker("part1").agreements_hold
     pairs = [("eager", "fp32"), ("compiled", "eager")]
     figures = {"eager_vs_fp32": {"agreement": 0.95}, "compiled_vs_eager": {"agreement": 0.97}}
-    assert gpu_check.agreements_hold(figures, pairs, "bf16")
-    assert not gpu_check.agreements_hold(figures, pairs, "fp32")
+    assert agreements_hold(figures, pairs, "bf16")
+    assert not agreements_hold(figures, pairs, "fp32")
     figures["compiled_vs_eager"]["agreement"] = 0.5
-    assert not gpu_check.agreements_hold(figures, pairs, "bf16")
+    assert not agreements_hold(figures, pairs, "bf16")
+
+
+def test_no_file_of_the_check_is_over_400_lines():
+    """The entry script and every module of the package: the runner, one module per part, the CPU smoke and the
+    helpers they share."""
+    files = [SCRIPT, *sorted(PACKAGE.glob("*.py"))]
+    assert {"runner.py", "smoke.py", *(f"part{n}.py" for n in PART_STEPS)} <= {path.name for path in files}
+    lengths = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines()) for path in files}
+    assert all(lines <= 400 for lines in lengths.values()), lengths
