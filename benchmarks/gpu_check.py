@@ -4,13 +4,8 @@ the runner runs this file with `--step NAME` for each step that is a function, i
 
 import sys
 
-# Run as a script, benchmarks/ is sys.path[0], where the package benchmarks/gpu_check/ comes before this file for
-# `import gpu_check`. Loaded from its path under the package's name (tests/test_docs.py does), this file holds that
-# name in sys.modules: it makes way for the package.
-if sys.modules.get("gpu_check") is sys.modules.get(__name__):
-    del sys.modules["gpu_check"]
-
-from gpu_check.runner import main  # noqa: E402
+# Run as a script, benchmarks/ is sys.path[0], where the package benchmarks/gpu_check/ comes before this file.
+from gpu_check.runner import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 TOKENIZER_WORDS = 32000  # the synthetic tokenizer of the GPU runs: TinyLlama's vocabulary size
-# The smoke's parent (with its vocabulary and layers), and benchmarks/gpu_check.py's toy models: a tiny Llama.
+# The smoke's parent (with its vocabulary and layers), and benchmarks/gpu_check/smoke.py's toy models: a tiny Llama.
 TOY_LLAMA = dict(
     hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False
 )
