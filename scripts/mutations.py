@@ -132,6 +132,13 @@ MUTATIONS = (
         ("tests/test_train_loop.py::test_compile_auto_compiles_on_a_gpu_only_and_the_start_says_so",),
     ),
     Mutation(
+        "rope-left-in-float32",
+        "a bf16 retrofit's RoPE leaves queries and keys in float32 beside bf16 values (flex_attention wrong on CUDA)",
+        "recurfit/model/modeling.py",
+        (("        if not self._autocasts_itself():\n            return rope\n", "        return rope\n"),),
+        ("tests/test_surgery_parity.py::test_attention_gets_queries_keys_and_values_of_one_dtype_in_low_precision",),
+    ),
+    Mutation(
         "split-op-left-out",
         "vLLM's piecewise graphs do not split at the core's attention: every step would replay step 1's",
         "recurfit/serving/pieces.py",
