@@ -252,7 +252,7 @@ MUTATIONS = (
     Mutation(
         "breakable-graphs-allowed",
         "VLLM_USE_BREAKABLE_CUDAGRAPH=1 serves every request at the captured depth",
-        "recurfit/serving/depth.py",
+        "recurfit/serving/engine.py",
         (("        _no_breakable_cuda_graphs()\n", ""),),
         ("tests/test_vllm.py::test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_them_on",),
         python=".venv-vllm/bin/python",

@@ -59,8 +59,70 @@ def test_the_served_family_table_lists_every_family_recurfit_retrofits():
 
 def test_each_serving_module_reads_on_its_own():
     """recurfit.serving holds one concern per file (the served model, its compiled pieces and graph rules, attention
-    narrowing, the families, depth per request, the scheduler, the middleware), none over 400 lines."""
+    narrowing, the families, depth per request, the engine's settings, the scheduler, the middleware, draft folders),
+    none over 400 lines."""
     long = {
         p.name: n for p in (REPO / "recurfit" / "serving").glob("*.py") if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+def test_a_draft_folder_links_the_retrofits_files_and_runs_at_its_own_depth(tmp_path, capsys):
+    """`recurfit draft`: config.json at the draft's depth, every other file a link to the retrofit's (no copy), and
+    the draft loads as the same model at that depth."""
+    import json
+
+    import torch
+    from conftest import char_tokenizer, run_cli, tiny_parent
+
+    import recurfit
+    from recurfit.model.loading import load_model
+
+    model = recurfit.retrofit(
+        tiny_parent("llama"), (2, 2, 2), adapter_init="random", mean_recurrence=4, state_init_std=0.0
+    ).eval()
+    folder, draft = tmp_path / "final", tmp_path / "draft"
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    code, out = run_cli(capsys, "draft", folder, "--depth", 1, "--out", draft)
+    assert code == 0 and "draft_model" in out, out
+    config = json.loads((draft / "config.json").read_text())
+    assert (config["mean_recurrence"], config["max_recurrence"]) == (1, 1)
+    others = sorted(p.name for p in folder.iterdir() if p.name != "config.json")
+    assert sorted(p.name for p in draft.iterdir() if p.name != "config.json") == others
+    for name in others:
+        assert (draft / name).is_symlink() and (draft / name).samefile(folder / name), name
+    ids = torch.tensor([[2, 9, 17, 5, 30]])
+    drafted = load_model(draft).eval()
+    assert drafted.config.mean_recurrence == 1
+    with torch.no_grad():
+        torch.testing.assert_close(drafted(ids).logits, model(ids, num_steps=1).logits, rtol=0, atol=0)
+        assert (drafted(ids).logits - model(ids).logits).abs().max() > 1e-3  # the retrofit's own depth (4) differs
+
+
+def test_a_draft_that_would_not_pay_or_would_overwrite_is_refused_and_nothing_is_written(tmp_path, capsys):
+    from conftest import char_tokenizer, run_cli, tiny_parent
+
+    import recurfit
+
+    parent = tiny_parent("llama")
+    folder, plain = tmp_path / "final", tmp_path / "parent"
+    recurfit.retrofit(parent, (2, 2, 2), mean_recurrence=4).save_pretrained(folder)
+    parent.save_pretrained(plain)
+    char_tokenizer().save_pretrained(folder)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    for argv, message in (
+        ((folder, "--depth", 4, "--out", tmp_path / "d"), "not below the depth"),
+        ((plain, "--depth", 1, "--out", tmp_path / "d"), "not a recurfit retrofit"),
+        ((tmp_path / "missing", "--depth", 1, "--out", tmp_path / "d"), "has no config.json"),
+        ((folder, "--depth", 1, "--out", folder), "the retrofit's own folder"),
+        ((folder, "--depth", 1, "--out", taken), "already exists"),
+    ):
+        code, out = run_cli(capsys, "draft", *argv)
+        assert code == 2 and message in out, (argv, out)
+    assert not (tmp_path / "d").exists() and [p.name for p in taken.iterdir()] == ["notes.txt"]
+    assert run_cli(capsys, "draft", folder, "--depth", 1, "--out", tmp_path / "d")[0] == 0
+    code, out = run_cli(capsys, "draft", tmp_path / "d", "--depth", 1, "--out", tmp_path / "dd")
+    assert code == 2 and "is itself a draft" in out, out

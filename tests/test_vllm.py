@@ -748,7 +748,7 @@ def test_whole_forward_cuda_graphs_are_refused_and_piecewise_ones_chosen_when_no
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.engine.arg_utils import EngineArgs
 
-    from recurfit.serving.depth import _piecewise_cuda_graphs
+    from recurfit.serving.engine import _piecewise_cuda_graphs
 
     folder = saved(served_model("llama"), tmp_path / "llama")
     for mode in ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"):
@@ -802,7 +802,7 @@ def test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_th
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.engine.arg_utils import EngineArgs
 
-    from recurfit.serving.depth import BREAKABLE_CUDA_GRAPHS
+    from recurfit.serving.engine import BREAKABLE_CUDA_GRAPHS
 
     folder = saved(served_model("llama"), tmp_path / "llama")
     args = EngineArgs(str(folder), dtype="float32", max_model_len=64)
@@ -828,8 +828,10 @@ def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
 
     served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
     engine = Config(
-        model_config=SimpleNamespace(hf_config=served),
+        model_config=SimpleNamespace(hf_config=served, runner_type="generate"),
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
+        speculative_config=None,
+        use_v2_model_runner=False,
     )
     table = RequestDepth(engine, torch.device("cpu"), False)
     assert table_for(engine) is table
@@ -851,7 +853,7 @@ def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
         table_for(other)
 
 
-def engine_config(folder, v2_runner: bool, **overrides):
+def engine_config(folder, v2_runner: bool, engine_args: dict | None = None, **overrides):
     """The VllmConfig `vllm serve folder` builds (its config hook run; no engine started), under Model Runner V2
     or the V1 runner (VLLM_USE_V2_MODEL_RUNNER). vLLM refuses V2 configs where Triton is missing, as here (the CPU
     build's Triton has no CPU backend): the config check is told Triton is there, as it is on CUDA."""
@@ -861,7 +863,8 @@ def engine_config(folder, v2_runner: bool, **overrides):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
         patch.setattr(config_module, "HAS_TRITON", True)
-        args = EngineArgs(str(folder), hf_overrides=overrides, dtype="float32", max_model_len=64, max_num_seqs=4)
+        settings = dict(dtype="float32", max_model_len=64, max_num_seqs=4, **(engine_args or {}))
+        args = EngineArgs(str(folder), hf_overrides=overrides, **settings)
         return args.create_engine_config()
 
 
@@ -994,6 +997,23 @@ def test_every_request_gets_its_depth_or_a_400():
         assert error.value.parameter == parameter
 
 
+def test_a_one_depth_server_refuses_every_other_depth_and_effort_with_a_400():
+    """A server that runs every request at one depth (speculation on the V1 runner): the middleware refuses any other
+    depth, named or through an effort, naming the field and why."""
+    from recurfit.serving.depth import Limits
+    from recurfit.serving.middleware import RefusedDepth, with_depth
+
+    limits = Limits(default=4, maximum=16, effort={"low": 2, "medium": 4}, policy="all", only=4)
+    body = {"model": "m", "prompt": "hi"}
+    assert with_depth(body, limits)["vllm_xargs"] == {"num_steps": 4}
+    assert with_depth({**body, "vllm_xargs": {"num_steps": 4}}, limits)["vllm_xargs"] == {"num_steps": 4}
+    assert with_depth({**body, "reasoning_effort": "medium"}, limits)["vllm_xargs"] == {"num_steps": 4}
+    for extra, parameter in (({"vllm_xargs": {"num_steps": 2}}, "num_steps"), ({"reasoning_effort": "low"}, None)):
+        with pytest.raises(RefusedDepth, match=r"can only be 4 on this server.*V1 runner") as error:
+            with_depth({**body, **extra}, limits)
+        assert error.value.parameter == (parameter or "reasoning_effort")
+
+
 def test_the_engines_scheduler_salts_each_request_by_its_depth_after_the_clients_salt(tmp_path):
     """The engine's scheduler (any route, with or without the middleware) gives each request the cache salt of the
     depth it runs at, `max_recurrence` and cache policy, after the client's own, and its block hashes are those of
@@ -1004,7 +1024,8 @@ def test_the_engines_scheduler_salts_each_request_by_its_depth_after_the_clients
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    from recurfit.serving.depth import SCHEDULER, Limits
+    from recurfit.serving.depth import Limits
+    from recurfit.serving.engine import SCHEDULER
     from recurfit.serving.scheduler import salt_by_depth
 
     folder = saved(served_model("llama"), tmp_path / "llama")
@@ -1600,3 +1621,93 @@ def test_one_eager_engine_serves_a_sweep_with_the_scores_of_one_engine_per_r(tmp
         assert arc == [(s["doc_id"], s["resps"], s["acc"]) for s in theirs["arc_easy_offline"]] and len(arc) == 3
     generated = {r: [s["resps"] for s in shared_raw["samples"][r]["gsm8k_cot_offline"]] for r in ("r=1", "r=4")}
     assert generated["r=1"] != generated["r=4"]  # each request ran at its own depth
+
+
+# ---------------------------------------------------------------- speculative decoding with a draft folder
+
+
+def draft_logprobs(model, rows: list[list[int]], generated: list[list[int]], r: int) -> torch.Tensor:
+    """recurfit's log-probability of each generated token at depth `r` (teacher forcing on prompt + tokens)."""
+    values = []
+    with torch.no_grad():
+        for prompt, tokens in zip(rows, generated):
+            ids = torch.tensor([prompt + tokens])
+            logprobs = model(ids, num_steps=r).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+            values.append(logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0])
+    return torch.cat(values)
+
+
+# vLLM's logprobs against recurfit's, float32: the two sum in other orders through up to P + R·r + C = 20 layers of
+# the tiny model; measured 6e-6 at r = 4 (an AVX2 EPYC), so 1e-3 leaves room for other kernels' orders. Depth 1,
+# the draft's, differs by 7.5.
+SPECULATED_LOGPROB_ATOL = 1e-3
+
+
+@pytest.mark.parametrize("compiled, depth", [(False, 4), (True, 8)], ids=["eager-r4", "compiled-r8"])
+def test_speculation_with_a_draft_folder_gives_the_servers_tokens_and_target_logprobs(tmp_path, compiled, depth):
+    """vLLM's `draft_model` speculation (the V1 runner: the server's one depth) with `recurfit draft`'s folder at
+    depth 1: drafts are made and some accepted, and every greedy token, and its log-probability, is the target's at
+    the server's depth (recurfit's `generate`, which the server without speculation equals), not the draft's. A
+    request naming another depth is refused before it runs; one naming the server's depth runs."""
+    from recurfit.serving.draft import write_draft
+
+    model = served_model("llama", mean_recurrence=depth)
+    folder, batch = saved(model, tmp_path / "llama"), prompts()
+    draft = write_draft(folder, 1, tmp_path / "draft")
+    expected = recurfit_greedy(model, batch, depth)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = vllm_engine(folder, compiled, dict(speculative_config=speculative, disable_log_stats=False))
+    try:
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+        served = torch.tensor(
+            [step[token].logprob for o in outputs for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+        )
+        torch.testing.assert_close(
+            served, draft_logprobs(model, batch, expected, depth), rtol=0, atol=SPECULATED_LOGPROB_ATOL
+        )
+        assert (served - draft_logprobs(model, batch, expected, 1)).abs().max() > 2 * SPECULATED_LOGPROB_ATOL
+        counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        assert counts["vllm:spec_decode_num_draft_tokens"] > 0 and counts["vllm:spec_decode_num_accepted_tokens"] > 0
+        assert_compiled(llm, compiled)
+        short = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+        refused, own = llm.generate(
+            [{"prompt_token_ids": batch[0]}] * 2,
+            [vllm.SamplingParams(**short, extra_args={"num_steps": r}) for r in (depth // 2, depth)],
+            use_tqdm=False,
+        )
+        assert (refused.outputs[0].finish_reason, list(refused.outputs[0].token_ids)) == ("error", [])
+        assert list(own.outputs[0].token_ids) == expected[0][:8]
+    finally:
+        del llm
+        gc.collect()
+
+
+def test_speculating_engines_keep_depth_per_request_on_model_runner_v2_only(tmp_path, monkeypatch):
+    """With `--speculative-config`: Model Runner V2 keeps recurfit's depth processor (its model state carries each
+    request's depth to the target's verification) and refuses adaptive verification, whose draft tokens move between
+    requests on the device; the V1 runner, which refuses logits processors beside speculation, has none and runs
+    every request at the default; the draft runs at its own folder's depth."""
+    from recurfit.serving.depth import engine_limits
+    from recurfit.serving.draft import write_draft
+
+    folder = saved(served_model("llama", mean_recurrence=4), tmp_path / "llama")
+    draft = write_draft(folder, 1, tmp_path / "draft")
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    for v2_runner in (True, False):  # the runner is read from the environment whenever it is asked for
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2_runner else "0")
+        config = engine_config(folder, v2_runner, dict(speculative_config=speculative))
+        if v2_runner:
+            assert config.model_config.logits_processors == ["recurfit.serving.depth:DepthParamsUpTo8"]
+            assert engine_limits(config).only is None
+        else:
+            assert config.model_config.logits_processors == [] and engine_limits(config).only == 4
+        draft_model = config.speculative_config.draft_model_config
+        assert draft_model.runner_type == "draft" and engine_limits(SimpleNamespace(
+            model_config=draft_model, speculative_config=config.speculative_config, use_v2_model_runner=v2_runner
+        )).only == 1  # fmt: skip
+    adaptive = dict(speculative, enable_adaptive_verification=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="enable_adaptive_verification reassigns draft tokens"):
+        engine_config(folder, True, dict(speculative_config=adaptive))

@@ -58,11 +58,11 @@ def register() -> None:
 
 
 def _register_depth_per_request() -> None:
-    """Depth per request (recurfit.serving.depth): vLLM's config hook for the architecture, which checks the
-    served depths and adds the logits processor that checks each request's depth (and, under the V1 runner,
-    carries it to the model)."""
+    """Depth per request (recurfit.serving.depth): vLLM's config hook for the architecture
+    (recurfit.serving.engine), which checks the served depths and the engine's settings and adds the logits
+    processor that checks each request's depth (and, under the V1 runner, carries it to the model)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from .depth import RecurfitEngineConfig
+    from .engine import RecurfitEngineConfig
 
     MODELS_CONFIG_MAP[ARCHITECTURE] = RecurfitEngineConfig

@@ -9,7 +9,7 @@ KV caches each core layer gets, so it sets the KV memory per token.
 
 vLLM hands a model no per-request values, so the depth travels through vLLM's own hooks:
 
-- `RecurfitEngineConfig.verify_and_update_config` (vLLM's per-architecture config hook, run when an engine's
+- the engine's config hook (recurfit.serving.engine, vLLM's per-architecture hook, run when an engine's
   config is built) checks the limits and the cache and graph settings, sets the engine's scheduler and adds the
   engine's logits processor, a class per `max_recurrence` made on demand (`RequestDepthUpTo16`, …), whose
   `validate_params` (run on every request of every route before it is admitted) refuses a depth that is not an
@@ -26,21 +26,25 @@ vLLM hands a model no per-request values, so the depth travels through vLLM's ow
 
 Reasoning effort (chat's `reasoning_effort`, …) reaches the model only through recurfit's middleware
 (recurfit.serving.middleware.EffortToDepth), which maps it to a depth: vLLM gives it to the chat template alone.
+
+Speculative decoding (`--speculative-config`, method `draft_model`, a draft folder from `recurfit draft`): the
+draft runs every token at its folder's depth. Model Runner V2 carries each request's depth to the target as above.
+The V1 runner refuses custom logits processors beside speculation, so no request's depth can reach its model: the
+engine runs every request at its default (`Limits.only`), and the scheduler refuses a request that names another
+depth before it runs (recurfit.serving.scheduler; the middleware refuses it with a 400 before it reaches the
+engine).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from vllm.config import CUDAGraphMode
 from vllm.exceptions import VLLMValidationError
-from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
@@ -48,7 +52,6 @@ from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
 NUM_STEPS = "num_steps"  # the key in SamplingParams.extra_args (vllm_xargs on the server)
 V1_PROCESSOR = "RequestDepthUpTo"  # + max_recurrence: the V1 runner's logits processor for an engine's limits
 V2_PROCESSOR = "DepthParamsUpTo"  # + max_recurrence: Model Runner V2's (validation only; RecurfitModelState)
-SCHEDULER = "recurfit.serving.scheduler.depth_salted_scheduler"  # vLLM's scheduler_cls on a recurfit engine
 PROCESSOR_NAME = re.compile(rf"^({V1_PROCESSOR}|{V2_PROCESSOR})([1-9][0-9]*)$")
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class Limits:
     maximum: int
     effort: dict
     policy: str = "all"
+    only: int | None = None  # the one depth every request runs at (`one_depth_engine`); None: each its own
 
     @classmethod
     def of(cls, config) -> Limits:
@@ -88,7 +92,7 @@ class Limits:
         value = (extra_args or {}).get(NUM_STEPS)
         if value is None:
             return self.default
-        problem = depth_problem(value, self.maximum)
+        problem = depth_problem(value, self.maximum, self.only)
         if problem:
             raise ValueError(problem)
         return value
@@ -118,42 +122,17 @@ class Limits:
 
 def engine_limits(vllm_config) -> Limits:
     """The limits of the engine `vllm_config` configures (after `RecurfitEngineConfig` has seen it)."""
-    return Limits.of(vllm_config.model_config.hf_config)
+    limits = Limits.of(vllm_config.model_config.hf_config)
+    return replace(limits, only=limits.default) if one_depth_engine(vllm_config) else limits
 
 
-class RecurfitEngineConfig(VerifyAndUpdateConfig):
-    """vLLM's config hook for architecture RecurrentForCausalLM (registered by recurfit.serving.register)."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config) -> None:
-        model_config = vllm_config.model_config
-        config = model_config.hf_config
-        overrides = model_config.hf_overrides if isinstance(model_config.hf_overrides, dict) else {}
-        if "depth_for_effort" not in overrides and {"mean_recurrence", "max_recurrence"} & overrides.keys():
-            config.depth_for_effort = None  # the folder's table is for its own depths: the defaults of these
-        limits = Limits.of(config)
-        if limits.policy == "latest":
-            on = [
-                name
-                for name, value in (
-                    ("enable_prefix_caching", vllm_config.cache_config.enable_prefix_caching),
-                    ("enable_chunked_prefill", vllm_config.scheduler_config.enable_chunked_prefill),
-                )
-                if value
-            ]
-            if on:
-                raise ValueError(
-                    "recurfit on vLLM: cache_policy 'latest' keeps one key per token, its last step's, so a prompt "
-                    "split into chunks or read from the prefix cache would see other steps' keys than generate "
-                    f"does: turn off {' and '.join(on)} (--no-{' --no-'.join(n.replace('_', '-') for n in on)}), "
-                    "or serve cache_policy 'all'."
-                )
-        _piecewise_cuda_graphs(vllm_config.compilation_config)
-        _no_breakable_cuda_graphs()
-        _depth_salted_scheduler(vllm_config.scheduler_config)
-        ours = processor_for(limits, vllm_config.use_v2_model_runner)
-        others = [p for p in model_config.logits_processors or [] if not _is_ours(p)]
-        model_config.logits_processors = [*others, ours]
+def one_depth_engine(vllm_config) -> bool:
+    """Whether the engine runs every request at its default depth: a draft model of vLLM's speculative decoding
+    (its folder sets the depth), and a speculating engine on the V1 runner, which refuses custom logits processors
+    beside speculation, so that no request's own depth can reach the model."""
+    if vllm_config.model_config.runner_type == "draft":
+        return True
+    return vllm_config.speculative_config is not None and not vllm_config.use_v2_model_runner
 
 
 def processor_for(limits: Limits, v2_runner: bool) -> str:
@@ -163,7 +142,7 @@ def processor_for(limits: Limits, v2_runner: bool) -> str:
     return f"{__name__}:{V2_PROCESSOR if v2_runner else V1_PROCESSOR}{limits.maximum}"
 
 
-def _is_ours(processor) -> bool:
+def is_ours(processor) -> bool:
     name = processor if isinstance(processor, str) else f"{processor.__module__}:{processor.__qualname__}"
     module, _, qualname = name.partition(":")
     return module == __name__ and PROCESSOR_NAME.match(qualname) is not None
@@ -197,61 +176,24 @@ def check_depth(cls, sampling_params) -> None:
         raise VLLMValidationError(problem, parameter=NUM_STEPS, value=value)
 
 
-def depth_problem(value, maximum: int | None) -> str | None:
-    """What is wrong with `value` as a request's depth on a server of `max_recurrence` `maximum` (None: nothing)."""
+def depth_problem(value, maximum: int | None, only: int | None = None) -> str | None:
+    """What is wrong with `value` as a request's depth on a server of `max_recurrence` `maximum` that runs every
+    request at `only` when it is given (None: nothing)."""
+    if only is not None:
+        if value == only and type(value) is int:
+            return None
+        return (
+            f"num_steps (vllm_xargs / SamplingParams.extra_args) can only be {only} on this server, got {value!r}: "
+            "it speculates on vLLM's V1 runner, which carries no per-request values to the model beside "
+            f"speculative decoding, so every request runs at its default depth ({only}). Drop num_steps, or serve "
+            "without --speculative-config, or on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)."
+        )
     if maximum is not None and type(value) is int and 1 <= value <= maximum:
         return None
     return (
         f"num_steps (vllm_xargs / SamplingParams.extra_args) must be an integer in [1, {maximum}] "
         f"(this server's max_recurrence), got {value!r}."
     )
-
-
-def _piecewise_cuda_graphs(compilation) -> None:
-    """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE, split at every attention, the core's included:
-    `pieces.split_at_stepped_attention`), not of whole forwards (its FULL modes, the default when none is named):
-    how many core steps run, and on which tokens, is chosen on the host at every forward (`RecurrentModel._recur`),
-    which a graph of the whole forward would replay as captured. A FULL mode named by the user is refused rather
-    than changed."""
-    mode = compilation.cudagraph_mode
-    if mode is None:
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    elif mode.has_full_cudagraphs():
-        raise ValueError(
-            f"recurfit on vLLM: cudagraph_mode {mode.name} captures whole forwards, but each batch's depth is chosen "
-            "on the host at every forward: use PIECEWISE (-cc.cudagraph_mode=PIECEWISE) or NONE."
-        )
-
-
-def _depth_salted_scheduler(scheduler) -> None:
-    """The engine's scheduler salts each request's prefix cache by its depth (recurfit.serving.scheduler). Another
-    scheduler named by the user would share blocks across depths: refused."""
-    if scheduler.scheduler_cls not in (None, SCHEDULER):
-        raise ValueError(
-            f"recurfit on vLLM: scheduler_cls {scheduler.scheduler_cls!r} would replace recurfit's scheduler, which "
-            "keeps prefix-cache blocks apart by depth (a block written at one depth holds other keys than another "
-            "depth reads): unset --scheduler-cls."
-        )
-    scheduler.scheduler_cls = SCHEDULER
-
-
-BREAKABLE_CUDA_GRAPHS = "VLLM_USE_BREAKABLE_CUDAGRAPH"
-
-
-def _no_breakable_cuda_graphs() -> None:
-    """vLLM's breakable CUDA graphs capture a whole forward, breaking only at the ops marked for it; the number of
-    core steps, chosen on the host at each forward, would replay as captured (every request at the capture's
-    depth). Refused when asked for; where vLLM would turn them on by itself (VLLM_BATCH_INVARIANT=1 in bf16 with
-    tuned shapes, or an architecture it lists), opted out of through its own switch, set to 0 before it looks."""
-    value = os.environ.get(BREAKABLE_CUDA_GRAPHS)
-    if value is None:
-        os.environ[BREAKABLE_CUDA_GRAPHS] = "0"
-    elif value == "1":
-        raise ValueError(
-            f"recurfit on vLLM: {BREAKABLE_CUDA_GRAPHS}=1 captures whole forwards, but each batch's depth is chosen "
-            f"on the host at every forward: unset it or set {BREAKABLE_CUDA_GRAPHS}=0 (recurfit uses piecewise "
-            "CUDA graphs)."
-        )
 
 
 class TokenDepths:
@@ -282,9 +224,12 @@ class TokenDepths:
     def warm_up(self, num_tokens: int) -> torch.Tensor:
         """A batch of no request (vLLM's profiling, warm-up and CUDA-graph capture runs): every token at depth 1.
         One step compiles and captures every piece (the core step is the same at every depth)."""
+        return self.every_token_at(1, num_tokens)
+
+    def every_token_at(self, depth: int, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.device.numel():
             self.__init__(num_tokens, self.device.device)
-        return self.device[:num_tokens].fill_(1)
+        return self.device[:num_tokens].fill_(depth)
 
 
 def depth_stops(request_depths) -> tuple[int, ...]:

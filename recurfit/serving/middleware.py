@@ -63,7 +63,7 @@ def with_depth(request: dict, limits: Limits) -> dict:
     )
     if xargs.get(NUM_STEPS) is not None:
         depth = xargs[NUM_STEPS]
-        problem = depth_problem(depth, limits.maximum)
+        problem = depth_problem(depth, limits.maximum, limits.only)
         if problem:
             raise RefusedDepth(problem, NUM_STEPS)
     elif effort is not None:
@@ -73,6 +73,12 @@ def with_depth(request: dict, limits: Limits) -> dict:
                 effort_field,
             )
         depth = limits.effort[effort]
+        if limits.only is not None and depth != limits.only:
+            raise RefusedDepth(
+                f"{effort_field} {effort!r} means depth {depth} (depth_for_effort), but this server runs every "
+                f"request at depth {limits.only}: {depth_problem(depth, limits.maximum, limits.only)}",
+                effort_field,
+            )
     else:
         depth = limits.default
     if request.get("use_beam_search") and depth != limits.default:

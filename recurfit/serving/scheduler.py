@@ -7,18 +7,28 @@ first block hash covers its `cache_salt`. So the engine's scheduler (vLLM's `sch
 hook sets) gives every request, before vLLM looks up its blocks, the salt of its depth, `max_recurrence` and cache
 policy (`Limits.salt`, after the client's own salt): offline prompts and every server route alike, with or
 without recurfit's middleware. The depth is the one the worker runs the request at (`Limits.served_depth`).
+
+An engine that runs every request at one depth (speculation on the V1 runner: `depth.one_depth_engine`) has no
+logits processor to refuse a request naming another depth at the frontend, so its scheduler refuses it: the
+request never runs, its client gets vLLM's error (a 500 on the server; the reason is in the engine's log, and the
+middleware refuses it with a 400 before it gets here).
 """
 
 from __future__ import annotations
 
+import logging
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 from .depth import Limits, engine_limits
 
+logger = logging.getLogger(f"vllm.{__name__}")
+
 
 def depth_salted_scheduler(*args, vllm_config, **kwargs):
-    """vLLM's scheduler for this engine (`depth.SCHEDULER`), salting each request by its depth: its asynchronous one
+    """vLLM's scheduler for this engine (`engine.SCHEDULER`), salting each request by its depth: its asynchronous one
     when the engine schedules asynchronously, which vLLM decides after recurfit's config hook has run."""
     salted = DepthSaltedAsyncScheduler if vllm_config.scheduler_config.async_scheduling else DepthSaltedScheduler
     return salted(*args, vllm_config=vllm_config, **kwargs)
@@ -30,10 +40,31 @@ class DepthSalt:
     def __init__(self, *args, vllm_config, **kwargs):
         super().__init__(*args, vllm_config=vllm_config, **kwargs)
         self.depth_limits = engine_limits(vllm_config)
+        self.refused: list = []  # requests refused for their depth, answered with an error at the next step
 
     def add_request(self, request) -> None:
+        if self.depth_limits.only is not None:
+            params = request.sampling_params
+            try:
+                self.depth_limits.depth(params.extra_args if params is not None else None)
+            except ValueError as problem:
+                logger.error("recurfit on vLLM: request %s refused: %s", request.request_id, problem)
+                self.refused.append(request)
+                return
         salt_by_depth(request, self.depth_limits)
         super().add_request(request)
+
+    def has_requests(self) -> bool:
+        return bool(self.refused) or super().has_requests()
+
+    def update_from_output(self, scheduler_output, model_runner_output) -> dict[int, EngineCoreOutputs]:
+        """vLLM's outputs of the step, and an error for each request refused since the last one."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in self.refused:
+            answer = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR)
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(answer)
+        self.refused = []
+        return outputs
 
 
 class DepthSaltedScheduler(DepthSalt, Scheduler):

@@ -51,7 +51,8 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
 from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention
-from .depth import SCHEDULER, Limits, table_for
+from .depth import Limits, TokenDepths, engine_limits, table_for
+from .engine import SCHEDULER
 from .families import (
     OLMO_HYBRID,
     SCALED_EMBEDDINGS,
@@ -281,7 +282,8 @@ class RecurfitForCausalLM(nn.Module):
         split_at_stepped_attention(vllm_config.compilation_config)
         self.config = config
         self.vllm_config = vllm_config  # its engine's key to the V1 runner's depth table (`table_for`)
-        self.limits = Limits.of(config)
+        self.limits = engine_limits(vllm_config)
+        self.one_depth: TokenDepths | None = None  # every token at `limits.only`, when the engine has one depth
         text = config.text_config
         module, _, causal_lm = VLLM_FAMILIES[text.model_type]
         self.body_mapper = getattr(getattr(importlib.import_module(module), causal_lm), "hf_to_vllm_mapper", None)
@@ -321,7 +323,13 @@ class RecurfitForCausalLM(nn.Module):
 
     def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
         """Under the V1 runner: each token's depth and the batch's distinct depths (None for a batch without
-        requests), from the depths the engine's `RequestDepth` keeps per batch row."""
+        requests), from the depths the engine's `RequestDepth` keeps per batch row; in an engine of one depth
+        (`depth.one_depth_engine`: a draft model, or speculation on the V1 runner), every token at that depth."""
+        if self.limits.only is not None:
+            if self.one_depth is None:
+                device = self.lm_head.weight.device
+                self.one_depth = TokenDepths(self.vllm_config.scheduler_config.max_num_batched_tokens, device)
+            return self.one_depth.every_token_at(self.limits.only, num_tokens), (self.limits.only,)
         meta = get_forward_context().attn_metadata if is_forward_context_available() else None
         query_start_loc = next(iter(meta.values())).query_start_loc if isinstance(meta, dict) and meta else None
         return table_for(self.vllm_config).token_depths(query_start_loc, num_tokens)
@@ -363,9 +371,15 @@ def start_line(vllm_config: VllmConfig, limits: Limits, recurrence: RecurrentMod
     else:
         salt = "prefix cache NOT kept apart by depth"
     runner = "Model Runner V2" if vllm_config.use_v2_model_runner else "V1 runner"
+    if vllm_config.model_config.runner_type == "draft":
+        depths = f"speculative draft, every token at depth {limits.only}"
+    elif limits.only is not None:
+        depths = f"every request at depth {limits.only} (speculation on the V1 runner: no depth per request)"
+    else:
+        depths = f"depths 1..{limits.maximum} (default {limits.default})"
     return (
         f"recurfit on vLLM: {runner}; CUDA graphs {graphs}; pieces {compiled}; attention {attention}, {narrowed}; "
-        f"depths 1..{limits.maximum} (default {limits.default}), cache policy {limits.policy}; {salt}."
+        f"{depths}, cache policy {limits.policy}; {salt}."
     )
 
 
