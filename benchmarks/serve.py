@@ -27,6 +27,15 @@ deepest; and each depth's median time to first token (vLLM's per-request stats),
 `--depth-mix-modes` (default compiled, vLLM's default mode) chooses the engines: in either, the core runs each
 step on the tokens still short of their depth.
 
+With `--speculate` it also measures vLLM's speculative decoding with a draft folder (`recurfit draft`): a batch of
+prose prompts, greedy, at each of `--speculate-depths` (the depth the model was trained at, then deeper) and batch
+size (`--speculate-batches`): an engine serving that depth plainly, then one per draft depth (`--draft-depths`) and
+number of speculative tokens (`--speculative-tokens`; at the later batch sizes only the fastest at the first), each
+with its tokens/s over the plain engine's, its acceptance (vLLM's counters: accepted over drafted tokens) and how
+many rows equal the plain engine's; beside them recurfit's `generate` with its own self-speculation
+(`speculative_generate`, drafting at the smallest draft depth, as many drafts as pay) against its plain greedy
+decoding. Engines are eager (`enforce_eager`) on both sides.
+
 The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
 engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
 busy), and the summary takes each side's fastest round. Without MODEL the untrained retrofit has s_0 = 0
@@ -54,6 +63,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCrite
 
 import recurfit  # noqa: E402
 from recurfit.data.sources import embedded_prose  # noqa: E402
+from recurfit.generation.speculative import speculative_generate  # noqa: E402
 from recurfit.model.cache import RecurrentCache  # noqa: E402
 from recurfit.model.compat import cache_kwargs  # noqa: E402
 from recurfit.model.loading import load_model, load_tokenizer, save_tokenizer  # noqa: E402
@@ -234,6 +244,12 @@ def main() -> None:
     parser.add_argument(
         "--depth-mix-modes", default="compiled", help="mixed-depth workload: vLLM's eager, compiled or both"
     )
+    parser.add_argument("--speculate", action="store_true", help="measure speculative decoding (see above)")
+    parser.add_argument("--speculate-depths", default="4,16,32", help="speculation: the served depths")
+    parser.add_argument("--speculate-batches", default="1,16", help="speculation: requests served together")
+    parser.add_argument("--speculate-new-tokens", type=int, default=48, help="speculation: new tokens per request")
+    parser.add_argument("--draft-depths", default="1,2", help="speculation: the draft folders' depths")
+    parser.add_argument("--speculative-tokens", default="2,4", help="speculation: tokens drafted per step")
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     modes = args.modes.split(",")
@@ -289,6 +305,8 @@ def main() -> None:
                 recurfit_round(r)
         if args.depth_mix:
             depth_mix(folder, tokenizer, args)
+        if args.speculate:
+            speculation(folder, tokenizer, model, root, args)
         for work in workloads:
             for r in depths:
                 ours = min(times[work.name, "recurfit", r])
@@ -344,6 +362,76 @@ def depth_mix(folder, tokenizer, args) -> None:
             }
             print(f"summary depth-mix {mode} time to first token, requests of r={r}: "
                   + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in medians.items()))  # fmt: skip
+
+
+def speculation(folder, tokenizer, model, root: str, args) -> None:
+    """vLLM's `draft_model` speculation with recurfit's draft folders against the same engine without it, and
+    recurfit's own self-speculation against its plain greedy decoding, at each served depth and batch size."""
+    from recurfit.serving.draft import write_draft
+
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    batches, drafts, lookaheads = ints(args.speculate_batches), ints(args.draft_depths), ints(args.speculative_tokens)
+    folders = {d: str(write_draft(folder, d, os.path.join(root, f"draft-r{d}"))) for d in drafts}
+    work = uniform_workload(tokenizer, max(batches), args.prompt_length, args.speculate_new_tokens)
+    for r in ints(args.speculate_depths):
+        settings = [(d, k) for d in drafts for k in lookaheads if d < r]  # the first batch size tries every one,
+        for batch in batches:  # the others the fastest of those
+            sub = Workload(f"speculate-b{batch}", work.prompts[:batch], work.budgets[:batch], [])
+            plain, plain_rows, _ = engine_throughput(folder, r, sub, args)
+            print(f"summary speculation r={r} batch {batch}: vLLM plain {plain:.1f} tok/s", flush=True)
+            speeds = {}
+            for d, k in settings:
+                config = {"method": "draft_model", "model": folders[d], "num_speculative_tokens": k}
+                speed, rows, counts = engine_throughput(folder, r, sub, args, speculative_config=config)
+                accepted = counts["vllm:spec_decode_num_accepted_tokens"] / max(
+                    counts["vllm:spec_decode_num_draft_tokens"], 1
+                )
+                same = sum(a == b for a, b in zip(rows, plain_rows))
+                speeds[d, k] = speed
+                print(f"summary speculation r={r} batch {batch}: vLLM draft r={d} k={k} {speed:.1f} tok/s "
+                      f"({speed / plain:.2f}x plain), acceptance {accepted:.0%}, {same}/{batch} rows identical",
+                      flush=True)  # fmt: skip
+            ours = self_speculation(model, sub, r, min(drafts), max(lookaheads), args)
+            print(f"summary speculation r={r} batch {batch}: recurfit generate {ours}", flush=True)
+            settings = [max(speeds, key=speeds.get)] if speeds else []
+
+
+def engine_throughput(folder, r: int, work: Workload, args, **engine_args) -> tuple[float, list[list[int]], dict]:
+    """Tokens/s of an eager engine serving `work` at depth `r` (the fastest of --repeats runs after a warm-up
+    request), its rows, and vLLM's counters."""
+    llm, _ = vllm_engine(folder, r, "eager", work.max_length, args, disable_log_stats=False, **engine_args)
+    vllm_run(llm, Workload("warm-up", work.prompts[:1], [4], []))
+    best, rows = None, None
+    for _ in range(args.repeats):
+        seconds, rows, _ = vllm_run(llm, work)
+        best = seconds if best is None else min(best, seconds)
+    counts = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    return sum(map(len, rows)) / best, rows, counts
+
+
+@torch.no_grad()
+def self_speculation(model, work: Workload, r: int, draft: int, lookahead: int, args) -> str:
+    """recurfit's plain greedy decoding and `speculative_generate` (adaptive drafts) on `work`, one batch."""
+    width = max(map(len, work.prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts], device=model.device)
+    mask = (torch.arange(width, device=model.device) >= width - torch.tensor([len(p) for p in work.prompts],
+            device=model.device)[:, None]).long()  # fmt: skip
+    n = max(work.budgets)
+    speculative_generate(model, ids, mask, max_new_tokens=2, num_steps=r, draft_steps=draft)  # warm-up
+    start = time.perf_counter()
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           num_steps=r, pad_token_id=0, **cache_kwargs(RecurrentCache(model.config)))  # fmt: skip
+    plain_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    spec = speculative_generate(model, ids, mask, max_new_tokens=n, num_steps=r, draft_steps=draft, lookahead=lookahead)
+    spec_seconds = time.perf_counter() - start
+    same = sum(a == b for a, b in zip(plain[:, width:].tolist(), spec.sequences[:, width:].tolist()))
+    tokens = n * len(work.prompts)
+    return (f"plain {tokens / plain_seconds:.1f} tok/s, self-speculative (draft r={draft}, up to {lookahead}) "
+            f"{tokens / spec_seconds:.1f} tok/s ({plain_seconds / spec_seconds:.2f}x), acceptance "
+            f"{spec.acceptance_rate:.0%}, {same}/{len(work.prompts)} rows identical")  # fmt: skip
 
 
 if __name__ == "__main__":
