@@ -1643,7 +1643,7 @@ def draft_logprobs(model, rows: list[list[int]], generated: list[list[int]], r: 
 SPECULATED_LOGPROB_ATOL = 1e-3
 
 
-@pytest.mark.parametrize("compiled, depth", [(False, 4), (True, 8)], ids=["eager-r4", "compiled-r8"])
+@pytest.mark.parametrize("compiled, depth", [(False, 8), (True, 4)], ids=["eager-r8", "compiled-r4"])
 def test_speculation_with_a_draft_folder_gives_the_servers_tokens_and_target_logprobs(tmp_path, compiled, depth):
     """vLLM's `draft_model` speculation (the V1 runner: the server's one depth) with `recurfit draft`'s folder at
     depth 1: drafts are made and some accepted, and every greedy token, and its log-probability, is the target's at
@@ -1711,3 +1711,38 @@ def test_speculating_engines_keep_depth_per_request_on_model_runner_v2_only(tmp_
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(Exception, match="enable_adaptive_verification reassigns draft tokens"):
         engine_config(folder, True, dict(speculative_config=adaptive))
+
+
+def test_vllm_serve_with_a_draft_folder_answers_the_openai_client_at_its_depth_and_refuses_others(tmp_path):
+    """`vllm serve --speculative-config` with `recurfit draft`'s folder and the middleware, driven by the `openai`
+    package: a completion gives recurfit's tokens at the server's depth and says so; a request naming another depth
+    is a 400 that says why; the log's first recurfit lines say what each engine runs."""
+    import openai
+
+    from recurfit.serving.draft import write_draft
+
+    model = served_model("llama", mean_recurrence=4)
+    folder = saved(model, tmp_path / "llama")
+    draft = write_draft(folder, 1, tmp_path / "draft")
+    speculative = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    server, url = start_server(
+        tmp_path, folder, "--enforce-eager", "--served-model-name", "tiny", "--speculative-config", speculative,
+        "--middleware", "recurfit.serving.middleware.EffortToDepth",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+        prompt, body = prompts()[1], dict(return_token_ids=True, ignore_eos=True)
+        reply = client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt, temperature=0, max_tokens=NEW_TOKENS, extra_body=body
+        )
+        assert reply.headers["x-recurfit-depth"] == "4"
+        assert reply.parse().choices[0].token_ids == recurfit_greedy(model, [prompt], 4)[0]
+        with pytest.raises(openai.BadRequestError, match=r"can only be 4 on this server.*V1 runner"):
+            client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=4, extra_body=dict(body, vllm_xargs={"num_steps": 2})
+            )
+        log = (tmp_path / "serve.log").read_text()
+        assert "every request at depth 4 (speculation on the V1 runner" in log
+        assert "speculative draft, every token at depth 1" in log
+    finally:
+        stop_server(server)
