@@ -316,7 +316,7 @@ class RecurfitForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to.
         Model Runner V2 passes the depths (`RecurfitModelState.prepare_inputs`; `depth_stops` None for a batch of
-        no request); under the V1 runner they come from the engine's `RequestDepth`."""
+        no request); otherwise they come from `token_depths`."""
         if token_depths is None:
             token_depths, depth_stops = self.token_depths(positions.shape[-1])
         return self.model(input_ids, positions, inputs_embeds, token_depths, depth_stops)
