@@ -421,8 +421,8 @@ def self_speculation(model, work: Workload, r: int, draft: int, lookahead: int, 
     n = max(work.budgets)
     speculative_generate(model, ids, mask, max_new_tokens=2, num_steps=r, draft_steps=draft)  # warm-up
     start = time.perf_counter()
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           num_steps=r, pad_token_id=0, **cache_kwargs(RecurrentCache(model.config)))  # fmt: skip
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, num_steps=r,
+                           eos_token_id=None, pad_token_id=0, **cache_kwargs(RecurrentCache(model.config)))  # fmt: skip
     plain_seconds = time.perf_counter() - start
     start = time.perf_counter()
     spec = speculative_generate(model, ids, mask, max_new_tokens=n, num_steps=r, draft_steps=draft, lookahead=lookahead)
