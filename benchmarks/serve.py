@@ -34,7 +34,8 @@ number of speculative tokens (`--speculative-tokens`; at the later batch sizes o
 with its tokens/s over the plain engine's, its acceptance (vLLM's counters: accepted over drafted tokens) and how
 many rows equal the plain engine's; beside them recurfit's `generate` with its own self-speculation
 (`speculative_generate`, drafting at the smallest draft depth, as many drafts as pay) against its plain greedy
-decoding. Engines are eager (`enforce_eager`) on both sides.
+decoding. Engines are eager (`enforce_eager`) on both sides. `--speculate-up-to N` has vLLM draft only while a
+step's batch holds at most N requests (its `num_speculative_tokens_per_batch_size`).
 
 The machine is shared and noisy: after one recurfit pass per workload and r, `--repeats` rounds alternate the vLLM
 engines and recurfit (one engine at a time, shut down before the next runs: an idle engine's worker keeps a core
@@ -250,6 +251,13 @@ def main() -> None:
     parser.add_argument("--speculate-new-tokens", type=int, default=48, help="speculation: new tokens per request")
     parser.add_argument("--draft-depths", default="1,2", help="speculation: the draft folders' depths")
     parser.add_argument("--speculative-tokens", default="2,4", help="speculation: tokens drafted per step")
+    parser.add_argument(
+        "--speculate-up-to",
+        type=int,
+        default=0,
+        help="speculation: draft only in batches of at most this many requests (vLLM's "
+        "num_speculative_tokens_per_batch_size; 0: in every batch)",
+    )
     args = parser.parse_args()
     depths = [int(x) for x in args.depths.split(",")]
     modes = args.modes.split(",")
@@ -382,6 +390,9 @@ def speculation(folder, tokenizer, model, root: str, args) -> None:
             speeds = {}
             for d, k in settings:
                 config = {"method": "draft_model", "model": folders[d], "num_speculative_tokens": k}
+                if args.speculate_up_to:  # vLLM's own schedule: no drafts in larger batches
+                    limit = args.speculate_up_to
+                    config["num_speculative_tokens_per_batch_size"] = [[1, limit, k], [limit + 1, 1 << 16, 0]]
                 speed, rows, counts = engine_throughput(folder, r, sub, args, speculative_config=config)
                 accepted = counts["vllm:spec_decode_num_accepted_tokens"] / max(
                     counts["vllm:spec_decode_num_draft_tokens"], 1
