@@ -155,11 +155,18 @@ def trimmed(row: list[int], budget: int, stopped: bool, tokenizer, stop: list[st
     return row
 
 
+def left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch (pad id 0) and its attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 @torch.no_grad()
 def recurfit_run(model, tokenizer, work: Workload, r: int, device) -> tuple[float, list[list[int]]]:
     width = max(map(len, work.prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts], device=device)
+    ids, mask = left_padded(work.prompts, device)
     criteria = StoppingCriteriaList([RowBudgets(work.budgets, width)])
     if work.stop:
         criteria.append(StopStringCriteria(tokenizer, work.stop))
@@ -426,9 +433,7 @@ def engine_throughput(folder, r: int, work: Workload, args, **engine_args) -> tu
 def self_speculation(model, work: Workload, r: int, draft: int, lookahead: int, args) -> str:
     """recurfit's plain greedy decoding and `speculative_generate` (adaptive drafts) on `work`, one batch."""
     width = max(map(len, work.prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts], device=model.device)
-    mask = (torch.arange(width, device=model.device) >= width - torch.tensor([len(p) for p in work.prompts],
-            device=model.device)[:, None]).long()  # fmt: skip
+    ids, mask = left_padded(work.prompts, model.device)
     n = max(work.budgets)
     speculative_generate(model, ids, mask, max_new_tokens=2, num_steps=r, draft_steps=draft)  # warm-up
     start = time.perf_counter()
