@@ -1,11 +1,12 @@
-"""The memory plan (recurfit/train/memory.py) of retrofits of 8 B and 14 B parents on 8 and 16 GPUs of 80 GB:
+"""The memory plan (recurfit/train/memory.py) of retrofits of 8 B to 70 B parents on 8 and 16 GPUs of 80 GB:
 which sharding, micro-batch and gradient checkpointing fit (docs/how-to/large-parents.md quotes it).
 
     python benchmarks/large_parents.py [--seq-len 4096]
 
 The parents are built on the meta device from their public config values (no download, no weights); the
 retrofit keeps half their layers as the paper's (2, 4, 2) of a 16-layer parent: Llama-3.1-8B (32 layers) as
-(4, 8, 4), Qwen3-14B (40 layers) as (5, 10, 5). Training: mean recurrence 32, backprop depth 8, Muon, bf16
+(4, 8, 4), Qwen3-14B (40 layers) as (5, 10, 5), Qwen3-32B (64) as (8, 16, 8), Llama-3.1-70B (80) as
+(10, 20, 10). Training: mean recurrence 32, backprop depth 8, Muon, bf16
 autocast, validation at r = 1…64. A plan is a prediction (checked against measured peaks by
 benchmarks/memory_plan.py); a verdict "fits" leaves 10% of the GPU free.
 """
@@ -31,6 +32,21 @@ PARENTS = {
             tie_word_embeddings=False,
         ),
         [5, 10, 5],
+    ),
+    "Qwen/Qwen3-32B": (
+        dict(
+            model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+            tie_word_embeddings=False,
+        ),
+        [8, 16, 8],
+    ),
+    "meta-llama/Llama-3.1-70B": (
+        dict(
+            model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+            num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+        ),
+        [10, 20, 10],
     ),
 }  # fmt: skip
 GPU_MEMORY = 80 * 10**9

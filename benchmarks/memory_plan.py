@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/memory_plan.py --quick      # one shape, one k (a smoke test)
     .venv/bin/python benchmarks/memory_plan.py --loss       # the loss alone at Llama-3's 128,256-token vocabulary
     .venv/bin/python benchmarks/memory_plan.py --distill    # only the distillation cases
+    .venv/bin/python benchmarks/memory_plan.py --fsdp       # FSDP2 over 2 and 4 gloo processes (torchrun),
+                                                            # a model whose recurrent body dominates
 
 Each measurement runs in a fresh process: build the model (retrofit of a random parent) and its optimizers,
 read the resident set (VmRSS), reset the kernel's high-water mark (`/proc/self/clear_refs`), run two
@@ -15,6 +17,10 @@ less the resident set before the steps, which holds the weights (and the teacher
 plan's peak less the same weights. glibc is told to serve every allocation of 128 KiB or more by mmap
 (MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the resident set at once and the high-water mark is
 that of live memory, not of the heap's fragmentation. torch's CPU allocator caches nothing.
+
+Under FSDP2 (`--fsdp`) each of W processes builds the same model and shards it as the trainer does
+(`Processes.wrap`), then measures as above; the table shows the largest of the processes' peaks, against the plan
+at W processes less its (sharded) weights.
 
 The plain loss is lm_head's whole logits (and the teacher's) and the loss on them (a float32 copy of all the
 logits, a float32 log-softmax kept for backward, the teacher's log-probabilities once per supervised depth);
@@ -36,10 +42,15 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, (P, R, C), micro-bat
     "A": dict(hidden=512, intermediate=1376, heads=8, kv_heads=2, vocab=32000, shape=[2, 2, 2], micro=4, seq=256),
     "B": dict(hidden=768, intermediate=2048, heads=12, kv_heads=4, vocab=8192, shape=[1, 2, 1], micro=2, seq=512),
     "C": dict(hidden=384, intermediate=1024, heads=6, kv_heads=6, vocab=50304, shape=[1, 3, 1], micro=8, seq=128),
+    # FSDP2's: 5 of its 6 layers' weights (core and coda) in the recurrent body, few activations
+    "D": dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=8192, shape=[1, 4, 1], micro=1, seq=128),
 }
+FSDP_WORLDS = (2, 4)
 
 
-def cases(quick: bool, distill_only: bool = False) -> list[dict]:
+def cases(quick: bool, distill_only: bool = False, fsdp: bool = False) -> list[dict]:
+    if fsdp:
+        return [dict(shape="D", k=2, loss="chunked", world=world) for world in FSDP_WORLDS]
     if quick:
         return [dict(shape="A", k=2, loss="chunked")]
     distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
@@ -90,6 +101,7 @@ def build(case: dict):
         f"depth.mean_recurrence={case['k'] + 2}",
         f"depth.backprop_depth={case['k']}",
         "precision=fp32",
+        f"distributed={'fsdp' if case.get('world', 1) > 1 else 'ddp'}",
     ]
     if case.get("distill"):
         overrides += ["distill={alpha: 0.5, temperature: 2.0}", "depth.supervise={last: 2}"]
@@ -135,6 +147,8 @@ def measure(case: dict) -> dict:
 
     torch.set_num_threads(2)
     config, model, teacher = build(case)
+    world = case.get("world", 1)
+    processes = sharded(model) if world > 1 else None
     size = SHAPES[case["shape"]]
     healing = HealingLoss(config.distill, config.depth.supervise)
     optimizers = build_optimizers(model, config.optimizer)
@@ -142,7 +156,7 @@ def measure(case: dict) -> dict:
     readouts = healing.readout_steps(num_steps)
     rows = torch.randint(0, size["vocab"], (2, size["micro"], size["seq"] + 1), generator=torch.Generator())
     teacher_parameters = sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0
-    plan = plan_memory(config, model, size["seq"], device="cpu", teacher_parameters=teacher_parameters)
+    plan = plan_memory(config, model, size["seq"], world=world, device="cpu", teacher_parameters=teacher_parameters)
     before = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as file:
         file.write("5")  # reset VmHWM to the current resident set
@@ -171,8 +185,23 @@ def measure(case: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     measured = status("VmHWM") - before
+    if processes is not None:  # the largest process's
+        peaks = torch.zeros(world, dtype=torch.float64)
+        peaks[processes.rank] = measured
+        measured = int(processes.sum(peaks).max())
+        del model, optimizers
+        processes.close()
     weights = plan.parameters + plan.teacher  # resident before the steps, as measured
     return {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts()}
+
+
+def sharded(model):
+    """This torchrun process's group, `model` sharded in it as the trainer shards it."""
+    from recurfit.train.distributed import Processes
+
+    processes = Processes.from_environment(timeout=600)
+    processes.wrap(model, "fsdp")
+    return processes
 
 
 LOSS_VOCAB, LOSS_TOKENS, LOSS_HIDDEN = 128256, 512, 2048  # Llama-3's vocabulary; 512 positions of Llama-3.2-1B's
@@ -238,8 +267,12 @@ def measure_loss(case: dict) -> dict:
 
 def run_child(case: dict) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="2")
+    world = case.get("world", 1)
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}"] if world > 1 else [sys.executable]
+    )
     done = subprocess.run(
-        [sys.executable, __file__, "--one", json.dumps(case)], env=env, capture_output=True, text=True, check=True
+        [*launch, __file__, "--one", json.dumps(case)], env=env, capture_output=True, text=True, check=True
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -249,6 +282,7 @@ def label(result: dict) -> str:
     what = f"{result['shape']}: h {size['hidden']}, V {size['vocab']:,}, {tuple(size['shape'])}"
     what += f", {size['micro']}×{size['seq']}, k={result['k']}"
     what += ", distill+supervise 2" if result.get("distill") else ""
+    what += f", FSDP2 × {result['world']}" if result.get("world", 1) > 1 else ""
     return what + (", checkpointing" if result.get("checkpointing") else "")
 
 
@@ -257,18 +291,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loss", action="store_true", help="the loss alone, plain against chunked")
     parser.add_argument("--distill", action="store_true", help="only the distillation cases")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over 2 and 4 gloo processes")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.one:
         case = json.loads(args.one)
-        print(json.dumps(measure_loss(case) if "dtype" in case else measure(case)))
+        result = measure_loss(case) if "dtype" in case else measure(case)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(result))
         return
     if args.loss:
         return loss_table(args.json)
     results = []
     print(f"{'case':58s} {'loss':8s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}")
-    for case in cases(args.quick, args.distill):
+    for case in cases(args.quick, args.distill, args.fsdp):
         result = run_child(case)
         results.append(result)
         predicted, measured = result["predicted"], result["measured"]

@@ -27,6 +27,7 @@ from recurfit.train.distributed import Processes
 from recurfit.train.step_plan import MicroBatch, StepPlan
 
 DEPTHS = [(1, 1), (6, 3)]  # one step at each: the collectives must not depend on n + k
+UNEVEN = [(0, 1), (28, 4)]  # then one step at r = 1 on the first process and r = 32 on the second
 
 
 class Counter:
@@ -43,7 +44,8 @@ class Counter:
 
 
 def collectives(trainer: Trainer) -> dict:
-    """Per (n, k) of DEPTHS, one training step's [all-gathers, reduce-scatters]; and `orthogonalised`, the
+    """Per (n, k) of DEPTHS, one training step's [all-gathers, reduce-scatters], and the same for a step at this
+    process's depth of UNEVEN (`uneven`); and `orthogonalised`, the
     matrices this process's Muon orthogonalised in those steps, against the `units` it updates per step."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
@@ -53,11 +55,12 @@ def collectives(trainer: Trainer) -> dict:
     orthogonalised, newton_schulz = [], optim.newton_schulz
     optim.newton_schulz = lambda batch, *args: orthogonalised.append(batch.shape[0]) or newton_schulz(batch, *args)
     counts = {}
-    for n, k in DEPTHS:
+    uneven = UNEVEN[trainer.processes.rank % len(UNEVEN)]  # a step whose depth differs widely between processes
+    for key, (n, k) in [*((f"{n},{k}", (n, k)) for n, k in DEPTHS), ("uneven", uneven)]:
         trainer._plan = lambda step, n=n, k=k: StepPlan(step, (MicroBatch(0, trainer.config.batch.global_, n, k),))
         before = gathers.count, reductions.count
         trainer.train_step()
-        counts[f"{n},{k}"] = [gathers.count - before[0], reductions.count - before[1]]
+        counts[key] = [gathers.count - before[0], reductions.count - before[1]]
     muon = trainer.optimizers[0]
     counts["orthogonalised"] = sum(orthogonalised)
     counts["units"] = sum(len(list(muon._units(group))) for group in muon.param_groups)

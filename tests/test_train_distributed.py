@@ -37,7 +37,7 @@ PROBE = Path(__file__).parent / "distributed_probe.py"
 # A hang (collectives that differ between processes) must fail the test, not the CI run.
 HANG = 300
 
-DEPTHS = [(1, 1), (6, 3)]  # distributed_probe.py's: one training step at each
+DEPTHS = [(1, 1), (6, 3)]  # distributed_probe.py's: one training step at each (then one at uneven depths)
 
 
 def probe(tmp_path: Path, workspace: Path, name: str, processes: int, mode: str = "steps", **overrides) -> list[dict]:
@@ -154,17 +154,21 @@ def test_fsdp2_with_a_depth_per_micro_batch_trains_as_one_process(tmp_path, work
 
 @pytest.mark.two_processes
 def test_fsdp2_collectives_do_not_grow_with_the_recurrence(fsdp_probe):
-    """The recurrent body is gathered once per step and reduced once: its collectives are the same at (1, 1)
-    as at (6, 3), where one FSDP2 unit per core layer would gather each layer 9 times per forward."""
+    """Every unit runs once per micro-batch whatever the depth: its collectives are the same at (1, 1) as at
+    (6, 3), where one FSDP2 unit per core layer would gather each layer 9 times per forward."""
     _, two = fsdp_probe
+    micro_batches = 2  # per process and step
     for result in two:
         counts = result["collectives"]
-        assert counts["1,1"] == counts["6,3"]
+        # one step with each process at its own depth: r = 1 on one, 32 on the other (it would hang otherwise)
+        assert counts["1,1"] == counts["6,3"] == counts["uneven"]
         gathers, reductions = counts["1,1"]
-        # units: 2 prelude layers, the body, the root. Gradients are reduced once per step (not per micro-batch),
-        # each unit once; the prelude layers are gathered for each forward and backward, body and root once.
-        assert reductions == 4
-        assert gathers <= 2 * 2 * 2 + 2
+        # units: the token embeddings (the tiny parent's head has its own weight), 2 prelude layers, the recurrent
+        # body, the head (root). Each micro-batch reduce-scatters every unit's gradients; it gathers the embeddings
+        # for their forward only (their backward reads the token ids), each prelude layer for its forward and again
+        # for its backward, the body and the head once (kept from forward to backward).
+        assert reductions == micro_batches * 5
+        assert gathers == micro_batches * (1 + 2 * 2 + 1 + 1)
     assert two[0]["collectives"]["1,1"] == two[1]["collectives"]["1,1"]
 
 
@@ -184,13 +188,21 @@ def test_validation_is_shared_out_and_reads_every_recurrence_in_one_pass(fsdp_pr
 
 
 @pytest.mark.two_processes
-def test_uneven_validation_shares_need_no_collective(tmp_path, workspace):
-    """3 micro-batches over 2 processes: one process runs 2 forwards, the other 1, under DDP and FSDP2 alike."""
+def test_uneven_validation_shares_pair_the_collectives_and_count_each_micro_batch_once(tmp_path, workspace):
+    """3 micro-batches over 2 processes: under DDP one process runs 2 forwards, the other 1; under FSDP2, whose
+    every forward gathers units, the second runs one more (its first micro-batch again) and discards it, so the
+    record is DDP's: a discarded forward counted would move the mean."""
+    records = {}
     for strategy in ("ddp", "fsdp"):
         settings = {"batch": {"micro": 3, "global": 6}, "distributed": strategy}
         results = probe(tmp_path, workspace, strategy, 2, **settings)
-        assert sorted(r["validation"]["forwards"] for r in results) == [2 * 1, 2 * 2]
+        forwards = sorted(r["validation"]["forwards"] for r in results)
+        assert forwards == ([2 * 1, 2 * 2] if strategy == "ddp" else [2 * 2, 2 * 2])  # 2 stores
         assert results[0]["validation"]["record"] == results[1]["validation"]["record"]
+        records[strategy] = results[0]["validation"]["record"]
+    assert records["fsdp"].keys() == records["ddp"].keys()
+    for key, value in records["ddp"].items():
+        assert key == "kind" or records["fsdp"][key] == pytest.approx(value, rel=1e-5), key
 
 
 @pytest.mark.two_processes
@@ -264,19 +276,22 @@ def test_fsdp2_shards_the_teacher_and_matches_one_process(tmp_path, workspace):
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_fsdp_keeps_the_recurrent_body_whole_and_accumulates_whole_gradients():
-    """distributed.fsdp_units: each prelude layer a unit, the body (all but the head) gathered for the whole
-    step, in bf16 under bf16 on a GPU; gradients accumulate whole over a process's micro-batches."""
+def test_fsdp_plan_gathers_the_body_and_head_and_two_once_per_forward_units_whatever_the_micro_batches():
+    """distributed.fsdp_units: the token embeddings and each prelude layer a unit, the recurrent body and the
+    head gathered from forward to backward, in bf16 under bf16 on a GPU; every micro-batch's gradients are
+    reduce-scattered, so the number of micro-batches per process changes nothing."""
     config, model = tiny_plan_model(distributed="fsdp", precision="fp32")
-    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
     prelude = [sum(p.numel() for p in layer.parameters()) for layer in model.model.prelude]
-    whole = total - sum(prelude)
-    # world 2: 4 rows per process in micro-batches of 2, so gradients of every weight accumulate whole
-    assert plan(config, model, world=2).distributed == 4 * (whole + 2 * max(prelude)) + 4 * total
-    # world 4: one micro-batch per process: only the gathered units' gradients are whole at once
-    assert plan(config, model, world=4).distributed == 4 * (whole + 2 * max(prelude)) + 4 * whole
+    body_and_head = sum(p.numel() for p in model.parameters()) - embedding - sum(prelude)
+    pair = max(embedding + prelude[0], prelude[0] + prelude[1])  # one unit gathered, the next prefetched
+    # world 2: two micro-batches per process; world 4: one
+    for world in (2, 4):
+        planned = plan(config, model, world=world)
+        assert planned.distributed == 4 * (body_and_head + pair)
+        assert planned.unsharded_gradients == 4 * (body_and_head + max(embedding, *prelude))
     config, model = tiny_plan_model(distributed="fsdp", precision="bf16")
-    assert plan(config, model, world=4).distributed == 2 * (whole + 2 * max(prelude)) + 4 * whole
+    assert plan(config, model, world=4).distributed == 2 * (body_and_head + pair)
 
 
 @pytest.mark.two_processes
@@ -391,9 +406,10 @@ def test_closing_the_processes_ends_the_gloo_threads_before_the_interpreter_exit
 
 @pytest.mark.two_processes
 def test_fsdp2_muon_orthogonalises_each_matrix_on_one_process(fsdp_probe):
-    """Sharded Muon deals the matrices out round robin: over the probe's 2 steps, the two processes together
+    """Sharded Muon deals the matrices out round robin: over the probe's 3 steps, the two processes together
     orthogonalise each unit once per step, each half of them (within one per step): none repeats another's work."""
     _, two = fsdp_probe
     units = two[0]["collectives"]["units"]
     done = [result["collectives"]["orthogonalised"] for result in two]
-    assert sum(done) == len(DEPTHS) * units and abs(done[0] - done[1]) <= len(DEPTHS)
+    steps = len(DEPTHS) + 1  # and the step at uneven depths
+    assert sum(done) == steps * units and abs(done[0] - done[1]) <= steps

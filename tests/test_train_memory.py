@@ -224,13 +224,13 @@ def test_validation_peak_is_within_the_plans_validation_term(monkeypatch):
     tokens, vocab = rows * length, vocab_size(model)
     with torch.no_grad(), LiveTensors() as live:
         depth_losses(model, ids, [1, 2, 4, 8], 0, config, Processes(), True, lambda precision: nullcontext())
-    planned = validation_bytes(config, model, tokens, "cpu", 1)
+    planned = validation_bytes(config, model, tokens, "cpu")
     assert live.peak <= planned <= 2 * live.peak
     assert planned < tokens * vocab * 4  # less than one depth's float32 logits
     # more test recurrences add their final hidden states only
     more, _ = tiny_plan_model(**{"eval.steps": "[1, 2, 3, 4, 5, 6, 7, 8]", "precision": "fp32"})
     hidden = model.config.text_config.hidden_size
-    assert validation_bytes(more, model, tokens, "cpu", 1) - planned == 4 * tokens * hidden * 4
+    assert validation_bytes(more, model, tokens, "cpu") - planned == 4 * tokens * hidden * 4
 
 
 def test_the_dry_run_table_shows_the_validation_term():

@@ -6,19 +6,23 @@ machine with one GPU.
 
 FSDP2 and recurrence. Every call of an FSDP unit may be a collective (an all-gather before it runs, a
 reduce-scatter after its backward), and collectives pair up across processes in the order they are issued. A
-core layer runs n + k times per micro-batch, and with `depth.draw: micro_batch` each process draws its own (n, k):
-were each core layer a unit, processes would issue different numbers of collectives, and the run would hang or
-exchange the shards of unrelated layers. So the recurrent body (embedding, adapter, core, coda, final norm) is
-ONE unit whose forward runs once per micro-batch, gathered once and kept until the step's last backward is done;
-only the prelude layers (which run once per forward) are units of their own. Every process then issues the same
-collectives whatever depth it drew, and their number does not grow with n + k.
+core layer runs n + k times per micro-batch, the coda once more per supervised depth, and with
+`depth.draw: micro_batch` each process draws its own (n, k): were each core layer a unit, processes would issue
+different numbers of collectives, and the run would hang or exchange the shards of unrelated layers. So the
+units are the modules whose forward runs once per micro-batch whatever the depth: the token embeddings, each
+prelude layer, the recurrent body (adapter, core, coda and final norm: what the recurrence calls) and the head
+(the root). Every unit is sharded between micro-batches, and its gradients are reduce-scattered after every
+micro-batch's backward, so that each process holds 1/W of every weight, gradient and optimizer state; the
+recurrent body is gathered from its forward to the end of its backward (the recurrence needs the whole core at
+every step), the other units for their own forward and backward. Every process then issues the same collectives
+whatever depth it drew, and their number does not grow with n + k.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -80,30 +84,27 @@ class Processes:
         return DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
 
     def accumulating(self, wrapped: nn.Module, last_micro_batch: bool):
-        """Gradients are synchronised on the last micro-batch of a step only: DDP skips its all-reduce before,
-        FSDP2 its reduce-scatter, and keeps every unit gathered until the step's last backward is done."""
-        if self.sharded:
-            for unit, _ in self.sharded:
-                unit.set_requires_gradient_sync(last_micro_batch, recurse=False)
-                unit.set_reshard_after_backward(last_micro_batch, recurse=False)
-            return nullcontext()
-        if last_micro_batch or not hasattr(wrapped, "no_sync"):
+        """DDP: gradients are all-reduced on the last micro-batch of a step only (its buckets hold whole
+        gradients anyway). FSDP2 reduce-scatters every micro-batch's, so that no process holds whole gradients
+        from one micro-batch into the next."""
+        if self.sharded or last_micro_batch or not hasattr(wrapped, "no_sync"):
             return nullcontext()
         return wrapped.no_sync()
 
-    @contextmanager
-    def gathered(self):
-        """FSDP2: every unit gathered for the block and none resharded inside it, so that processes may run
-        different numbers of forwards without gradient (validation's shares of rows) with no collective at all."""
+    def deal(self, count: int) -> list[int | None]:
+        """This process's share of `count` items dealt in turn (item i to process i mod W). Under FSDP2 every
+        forward gathers units, and the processes' gathers must pair up: a process with fewer items gets None in
+        place of the missing ones, a forward to run and discard."""
+        share: list[int | None] = list(range(self.rank, count, self.world))
+        if self.sharded:
+            share += [None] * (-(-count // self.world) - len(share))
+        return share
+
+    def reshard(self) -> None:
+        """FSDP2: free every gathered unit (local; no collective), as after a forward without backward
+        (validation) the recurrent body and the head stay gathered."""
         for unit, _ in self.sharded:
-            unit.unshard()
-            unit.set_reshard_after_forward(False, recurse=False)
-        try:
-            yield
-        finally:
-            for unit, reshard in self.sharded:
-                unit.set_reshard_after_forward(reshard, recurse=False)
-                unit.reshard()
+            unit.reshard()
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.grouped:
@@ -191,19 +192,22 @@ def fill_from_main(model: nn.Module, built: nn.Module | None, processes: Process
 
 
 def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module | None]:
-    """What FSDP2 shards as units of their own, besides the root (see the module's docstring): the layers that
-    run once per forward, and the recurrent body (`model.model`: all but the head; None for a fixed-depth model,
-    a baseline or a teacher, whose every decoder layer runs once)."""
+    """What FSDP2 shards as units of their own, besides the root (see the module's docstring), in forward order:
+    the modules that run once per forward (the token embeddings, unless the head shares their weight, and each
+    prelude layer), and the recurrent body (`model.model`: adapter, core, coda, final norm; None for a
+    fixed-depth model, a baseline or a teacher, whose every decoder layer runs once)."""
     body = getattr(model, "model", None)
-    if hasattr(body, "core"):
-        return list(body.prelude), body
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")], None
+    if not hasattr(body, "core"):
+        return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")], None
+    embedding = model.get_input_embeddings()
+    tied = embedding.weight is model.get_output_embeddings().weight
+    return ([] if tied else [embedding]) + list(body.prelude), body
 
 
 def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
     """`fully_shard` the `sharding_units`, root last; returns each with its reshard_after_forward. A `trained`
     model keeps its recurrent body gathered from its forward to its backward (a distillation teacher has no
-    backward: resharded).
+    backward: resharded after the forward).
 
     `mixed_precision` (training runs it under bf16 autocast): weights are gathered in bf16, gradients reduced in
     fp32, and the numbers computed are DDP + autocast's: the residual stream, s₀, the adapter's input and RoPE's
@@ -213,16 +217,19 @@ def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) ->
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy()
+    embedding = model.get_input_embeddings()
     if mixed_precision:
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)
-        model.get_input_embeddings().register_forward_hook(_float32_output)
+        embedding.register_forward_hook(_float32_output)
     once, body = sharding_units(model)
     units = [(layer, True) for layer in once]
     if body is not None:
-        units.append((body, not trained))  # runs its core n + k times per forward: gathered once, kept for backward
+        units.append((body, not trained))  # the recurrence: gathered once per forward, kept for its backward
     for module, reshard in units:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy)  # the root: FSDP2 keeps it gathered after forward
+    if once and once[0] is embedding:
+        embedding.set_unshard_in_backward(False)  # its backward reads the token ids, not the weight
+    fully_shard(model, mp_policy=policy)  # the root (the head): FSDP2 keeps it gathered from forward to backward
     return [*units, (model, False)]
 
 

@@ -10,11 +10,12 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     optimizer         Muon: 4 per hidden matrix weight (momentum; FSDP2: / W, each process its shard);
                       AdamW: 8 per weight it updates (two moments; FSDP2: / W)
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
-    FSDP2 gathered    g × (the recurrent body and the head: gathered for the whole step) + 2g × the largest
-                      prelude layer (gathered for its forward, and the next one prefetched), g = 2 when the
-                      units gather in bf16 (precision bf16), else 4; plus the unsharded gradients, 4 per trained
-                      weight when a process runs two or more micro-batches per step (they accumulate whole until
-                      the last one's reduce-scatter), else 4 per trained weight of the body and head
+    FSDP2 gathered    g × (the recurrent body and the head: gathered from their forward to the end of their
+                      backward) + g × the two largest consecutive once-per-forward units (token embeddings,
+                      prelude layers: one gathered, the next prefetched), g = 2 when the units gather in bf16
+                      (precision bf16), else 4; plus the unsharded gradients at the end of backward, 4 per
+                      trained weight of the body and head (reduce-scattered last) and of the largest
+                      once-per-forward unit (each reduce-scattered after its own backward)
     teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
                       2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
@@ -32,8 +33,8 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
                       out at D = the eval.steps' depths: D × T·h·4 final hidden states, the prelude's output and
                       the state (T·h each), one layer's activations L(s) as a bound on its working set, one
                       chunk of the head's logits (c, its float32 upcast, one more float32 buffer); under eval
-                      autocast the head's bf16 copy and one layer's (2 per weight); under FSDP2 the prelude
-                      layers that training gathers two at a time are all gathered (g × the rest of them). A
+                      autocast the head's bf16 copy and one layer's (2 per weight); FSDP2 gathers its units as
+                      training does (counted above). A
                       separate peak: gradients are freed after each step (counted all the same)
 
 with the saved activations of one decoder layer per token (what autograd keeps for backward: transformers'
@@ -113,6 +114,8 @@ class MemoryPlan:
     logits_and_loss: int
     optimizer_step: int
     validation: int
+    unsharded_gradients: int  # FSDP2: the gathered units' whole gradients, at the end of backward
+    activations_beside_them: int  # what forward saved and backward has not yet freed by then
     micro: int
     seq_len: int
     k: int
@@ -123,14 +126,17 @@ class MemoryPlan:
     RESIDENT = ("parameters", "gradients", "optimizer_muon", "optimizer_adamw", "distributed", "teacher")
     FORWARD_BACKWARD = ("autocast_copies", "activations", "readouts", "logits_and_loss")
 
+    LATER = ("unsharded_gradients", "optimizer_step", "validation")  # peaks apart from the forward's
+
     @property
     def peak(self) -> int:
         resident = sum(getattr(self, name) for name in self.RESIDENT)
         transient = sum(getattr(self, name) for name in self.FORWARD_BACKWARD)
-        return resident + max(transient, self.optimizer_step, self.validation)
+        backward = self.unsharded_gradients + self.autocast_copies + self.activations_beside_them
+        return resident + max(transient, backward, self.optimizer_step, self.validation)
 
     def parts(self) -> dict[str, int]:
-        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, "optimizer_step", "validation"]
+        names = [*self.RESIDENT, *self.FORWARD_BACKWARD, *self.LATER]
         return {name: getattr(self, name) for name in names}
 
 
@@ -237,7 +243,7 @@ def plan_memory(
         gradients=4 * _numel(trained) // shard,
         optimizer_muon=muon // shard,
         optimizer_adamw=adamw // shard,
-        distributed=_distributed_bytes(config, model, world, micro, autocast),
+        distributed=_distributed_bytes(config, model, world, autocast),
         teacher=_teacher_bytes(config, teacher_parameters, device) // shard,
     )
     step = _step_bytes(config, model, device, shard)
@@ -248,7 +254,11 @@ def plan_memory(
         readouts=tokens * _readout_bytes(config, model, k, autocast),
         logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
-        validation=validation_bytes(config, model, tokens, device, world),
+        validation=validation_bytes(config, model, tokens, device),
+        unsharded_gradients=_unsharded_gradient_bytes(model) if fsdp else 0,
+        activations_beside_them=tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True)
+        if fsdp
+        else 0,
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -266,19 +276,32 @@ def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
     return 4 * _numel(matrices), 8 * _numel(others)
 
 
-def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, micro: int, autocast: bool) -> int:
+def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, autocast: bool) -> int:
     if world <= 1:
         return 0
     if config.distributed == "ddp":
         return 4 * _numel(p for p in model.parameters() if p.requires_grad)
-    once, _ = sharding_units(model)  # the rest, body and head, is gathered for the whole step
-    in_once = {id(p) for layer in once for p in layer.parameters()}
-    whole = [p for p in model.parameters() if id(p) not in in_once]
+    once, _ = sharding_units(model)
+    sizes = [_numel(unit.parameters()) for unit in once]
+    consecutive = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
     gathered = 2 if autocast else 4  # fsdp_units' MixedPrecisionPolicy
-    accumulating = config.batch.global_ // world > micro
-    gradients = [p for p in (model.parameters() if accumulating else whole) if p.requires_grad]
-    largest = max((_numel(layer.parameters()) for layer in once), default=0)
-    return gathered * (_numel(whole) + 2 * largest) + 4 * _numel(gradients)
+    return gathered * (_numel(_gathered_whole(model)) + consecutive)
+
+
+def _gathered_whole(model: nn.Module) -> list[nn.Parameter]:
+    """FSDP2: the weights of the recurrent body and the head, gathered from their forward to their backward."""
+    once, _ = sharding_units(model)
+    in_once = {id(p) for unit in once for p in unit.parameters()}
+    return [p for p in model.parameters() if id(p) not in in_once]
+
+
+def _unsharded_gradient_bytes(model: nn.Module) -> int:
+    """FSDP2, at the end of backward: the whole gradients of the body and head (reduce-scattered last, as their
+    forwards' inputs are token ids), and of the largest once-per-forward unit (each reduce-scattered after its
+    own backward)."""
+    once, _ = sharding_units(model)
+    largest = max((_numel(p for p in unit.parameters() if p.requires_grad) for unit in once), default=0)
+    return 4 * (_numel(p for p in _gathered_whole(model) if p.requires_grad) + largest)
 
 
 def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) -> int:
@@ -329,8 +352,12 @@ def _readout_head_bytes(shape: LayerShape, autocast: bool, stream: int) -> int:
     return (4 + stream) * shape.hidden + (2 if autocast else 4) * shape.hidden + 4
 
 
-def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:
-    """Per token: what the prelude, k recurrences with gradient, the coda and the final readout keep."""
+def _activation_bytes(
+    config: TrainConfig, model: nn.Module, k: int, autocast: bool, beside_gradients: bool = False
+) -> int:
+    """Per token: what the prelude, k recurrences with gradient, the coda and the final readout keep.
+    `beside_gradients`: what is left of it once backward has been through the head, the coda and the last
+    recurrence, when every weight of the recurrent body has its gradient."""
     shape, counts, flows = layer_shape(model), layer_counts(model), gradient_flows(model)
     checkpointing = config.model.gradient_checkpointing
     stream = _stream_bytes(model, autocast)
@@ -339,16 +366,19 @@ def _activation_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: b
         total += _stack_bytes(shape, counts["prelude"], autocast, 4, checkpointing)
     if is_recurrent(model):
         adapter = model.model.adapter
+        steps = k - 1 if beside_gradients else k
         if any(p.requires_grad for p in adapter.parameters()):
-            total += k * 2 * shape.hidden * (2 if autocast else 4)
+            total += steps * 2 * shape.hidden * (2 if autocast else 4)
         if flows["core"]:
-            total += k * _stack_bytes(shape, counts["core"], autocast, stream, checkpointing)
-        if flows["coda"]:
+            total += steps * _stack_bytes(shape, counts["core"], autocast, stream, checkpointing)
+        if flows["coda"] and not beside_gradients:
             total += _stack_bytes(shape, counts["coda"], autocast, stream, checkpointing)
     if checkpointing:  # one layer's activations exist while backward recomputes it
         total += layer_bytes(shape, autocast, 4)
     if any(p.requires_grad for p in model.get_input_embeddings().parameters()):
         total += 8  # the token ids the embedding keeps
+    if beside_gradients and is_recurrent(model):
+        return total
     return total + _readout_head_bytes(shape, autocast, stream if is_recurrent(model) else 4)
 
 
@@ -388,7 +418,7 @@ def _loss_bytes(config: TrainConfig, model: nn.Module, tokens: int, autocast: bo
     )
 
 
-def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str, world: int) -> int:
+def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device: str) -> int:
     """The validation forward's peak over the resident parts (module docstring: validation), at `tokens` per
     micro-batch."""
     autocast = trains_in_bf16(config.eval.precision or config.precision, device)
@@ -403,18 +433,7 @@ def validation_bytes(config: TrainConfig, model: nn.Module, tokens: int, device:
         layers = decoder_layers(model)
         largest = max((_numel(p for p in layer.parameters() if p.ndim == 2) for layer in layers), default=0)
         casts = 2 * (vocab * shape.hidden + largest)
-    return tokens * per_token + head_chunk + casts + _validation_gathered(config, model, world, device)
-
-
-def _validation_gathered(config: TrainConfig, model: nn.Module, world: int, device: str) -> int:
-    """FSDP2: validation gathers every unit at once; training's plan holds all but the prelude layers after
-    the first two."""
-    if config.distributed != "fsdp" or world <= 1:
-        return 0
-    once, _ = sharding_units(model)
-    sizes = sorted((_numel(layer.parameters()) for layer in once), reverse=True)
-    gathered = 2 if trains_in_bf16(config.precision, device) else 4
-    return gathered * max(0, sum(sizes) - 2 * (sizes[0] if sizes else 0))
+    return tokens * per_token + head_chunk + casts
 
 
 def _step_bytes(config: TrainConfig, model: nn.Module, device: str, shard: int) -> int:

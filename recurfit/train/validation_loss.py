@@ -26,17 +26,19 @@ def validation_record(
     model.eval()
     record = {"kind": "eval", "step": step}
     depths = sorted(set(config.eval.steps)) if recurrent else [1]
-    with processes.gathered():  # processes may run different numbers of micro-batches
-        for store in stores:
-            rows = torch.from_numpy(store[: config.eval.rows].astype("int64"))  # not empty: _check_validation
-            chunks = rows.split(config.batch.micro)
-            totals = torch.zeros(len(depths) + 1, device=processes.device)  # summed losses, micro-batches
-            for index in range(processes.rank, len(chunks), processes.world):
-                totals[:-1] += depth_losses(model, chunks[index], depths, index, config, processes, recurrent, autocast)
+    for store in stores:
+        rows = torch.from_numpy(store[: config.eval.rows].astype("int64"))  # not empty: _check_validation
+        chunks = rows.split(config.batch.micro)
+        totals = torch.zeros(len(depths) + 1, device=processes.device)  # summed losses, micro-batches
+        for index in processes.deal(len(chunks)):
+            losses = depth_losses(model, chunks[index or 0], depths, index or 0, config, processes, recurrent, autocast)
+            if index is not None:  # None: a forward whose collectives pair with another process's last share
+                totals[:-1] += losses
                 totals[-1] += 1
-            totals = processes.sum(totals)
-            for r, loss in zip(depths, (totals[:-1] / totals[-1]).tolist()):
-                record[f"{store.folder.name}/loss" + (f"@{r}" if recurrent else "")] = loss
+        totals = processes.sum(totals)
+        for r, loss in zip(depths, (totals[:-1] / totals[-1]).tolist()):
+            record[f"{store.folder.name}/loss" + (f"@{r}" if recurrent else "")] = loss
+    processes.reshard()
     model.train()
     return record
 
