@@ -15,53 +15,14 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-PARENTS = {
-    "meta-llama/Llama-3.1-8B": (
-        dict(
-            model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-        ),
-        [4, 8, 4],
-    ),
-    "Qwen/Qwen3-14B": (
-        dict(
-            model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-            num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-            tie_word_embeddings=False,
-        ),
-        [5, 10, 5],
-    ),
-    "Qwen/Qwen3-32B": (
-        dict(
-            model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-            num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-            tie_word_embeddings=False,
-        ),
-        [8, 16, 8],
-    ),
-    "meta-llama/Llama-3.1-70B": (
-        dict(
-            model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-            num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-        ),
-        [10, 20, 10],
-    ),
-}  # fmt: skip
-GPU_MEMORY = 80 * 10**9
-
-
-def planned_model(name: str, config):
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from recurfit.train.initial_model import _restructure, planned_parts
-
-    settings = dict(PARENTS[name][0])
-    with torch.device("meta"):
-        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
-    return planned_parts(_restructure(parent, config.model, config.depth, "paper", None, config.seed), config)
+# Each parent retrofitted with half its layers, as the paper's (2, 4, 2) of a 16-layer parent (their configs:
+# recurfit/train/memory.py's PLANNED_PARENTS).
+SHAPES = {
+    "meta-llama/Llama-3.1-8B": [4, 8, 4],
+    "Qwen/Qwen3-14B": [5, 10, 5],
+    "Qwen/Qwen3-32B": [8, 16, 8],
+    "meta-llama/Llama-3.1-70B": [10, 20, 10],
+}
 
 
 def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
@@ -69,7 +30,7 @@ def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
 
     base = {
         "out": "runs/plan",
-        "model": {"path": name, "shape": PARENTS[name][1], "gradient_checkpointing": checkpointing},
+        "model": {"path": name, "shape": SHAPES[name], "gradient_checkpointing": checkpointing},
         "data": {"phases": [{"sources": ["unused"]}]},
         "depth": {"mean_recurrence": 32, "backprop_depth": 8},
         "optimizer": {"name": "muon"},
@@ -82,7 +43,7 @@ def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
 
 
 def main() -> None:
-    from recurfit.train.memory import gb, plan_memory
+    from recurfit.train.memory import PAPER_GPU_MEMORY, gb, plan_memory, planned_model
     from recurfit.train.memory_fit import fits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,15 +54,15 @@ def main() -> None:
         f"{'parent':26s} {'GPUs':>4s} {'sharding':8s} {'checkpointing':13s} "
         + " ".join(f"{m:>12d}" for m in (1, 2, 4, 8))
     )
-    for name in PARENTS:
+    for name in SHAPES:
         for world in (8, 16):
             for strategy in ("ddp", "fsdp"):
                 for checkpointing in (False, True):
                     cells = []
                     for micro in (1, 2, 4, 8):
                         config = train_config(name, strategy, checkpointing, micro)
-                        plan = plan_memory(config, planned_model(name, config), args.seq_len, world=world)
-                        cells.append(f"{gb(plan.peak):>8s} {'fits' if fits(plan, GPU_MEMORY) else '  no'}")
+                        plan = plan_memory(config, planned_model(config), args.seq_len, world=world)
+                        cells.append(f"{gb(plan.peak):>8s} {'fits' if fits(plan, PAPER_GPU_MEMORY) else '  no'}")
                     on = "on" if checkpointing else "off"
                     print(f"{name:26s} {world:4d} {strategy:8s} {on:13s} " + " ".join(f"{c:>12s}" for c in cells))
 

@@ -50,7 +50,8 @@ FSDP_WORLDS = (2, 4)
 
 def cases(quick: bool, distill_only: bool = False, fsdp: bool = False) -> list[dict]:
     if fsdp:
-        return [dict(shape="D", k=2, loss="chunked", world=world) for world in FSDP_WORLDS]
+        runs = [dict(shape="D", k=2, loss="chunked", world=world) for world in FSDP_WORLDS]
+        return runs + [dict(shape="D", k=2, loss="chunked", world=2, precision="bf16")]
     if quick:
         return [dict(shape="A", k=2, loss="chunked")]
     distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
@@ -100,7 +101,7 @@ def build(case: dict):
         f"batch.global={2 * size['micro']}",
         f"depth.mean_recurrence={case['k'] + 2}",
         f"depth.backprop_depth={case['k']}",
-        "precision=fp32",
+        f"precision={case.get('precision', 'fp32')}",
         f"distributed={'fsdp' if case.get('world', 1) > 1 else 'ddp'}",
     ]
     if case.get("distill"):
@@ -148,7 +149,8 @@ def measure(case: dict) -> dict:
     torch.set_num_threads(2)
     config, model, teacher = build(case)
     world = case.get("world", 1)
-    processes = sharded(model) if world > 1 else None
+    bf16 = config.precision == "bf16"  # autocast, and FSDP2 gathering in bf16, as on a GPU
+    processes = sharded(model, bf16) if world > 1 else None
     size = SHAPES[case["shape"]]
     healing = HealingLoss(config.distill, config.depth.supervise)
     optimizers = build_optimizers(model, config.optimizer)
@@ -163,21 +165,24 @@ def measure(case: dict) -> dict:
     for _ in range(2):
         for micro_batch in rows:
             inputs, targets = micro_batch[:, :-1], micro_batch[:, 1:]
-            if case["loss"] == "chunked":  # the trainer's: from the hidden states, a chunk at a time
-                hidden = final_hidden_states(model, model, inputs, num_steps=num_steps, readout_steps=readouts)
-                with torch.no_grad():
-                    teacher_states = (
-                        (final_hidden_states(teacher, teacher, inputs)[-1], head_weight(teacher)) if teacher else None
-                    )
-                loss = healing(hidden, head_weight(model), targets.flatten(), teacher_states, {})
-                del hidden, teacher_states
-            else:
-                output = model(input_ids=inputs, num_steps=num_steps, readout_steps=readouts)
-                logits = [*(output.readout_logits or ()), output.logits]
-                with torch.no_grad():
-                    teacher_logits = teacher(input_ids=inputs).logits if teacher is not None else None
-                loss = plain_loss(healing, logits, targets, teacher_logits)
-                del output, logits, teacher_logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the trainer's autocast
+                if case["loss"] == "chunked":  # the trainer's: from the hidden states, a chunk at a time
+                    hidden = final_hidden_states(model, model, inputs, num_steps=num_steps, readout_steps=readouts)
+                    with torch.no_grad():
+                        teacher_states = (
+                            (final_hidden_states(teacher, teacher, inputs)[-1], head_weight(teacher))
+                            if teacher
+                            else None
+                        )
+                    loss = healing(hidden, head_weight(model), targets.flatten(), teacher_states, {})
+                    del hidden, teacher_states
+                else:
+                    output = model(input_ids=inputs, num_steps=num_steps, readout_steps=readouts)
+                    logits = [*(output.readout_logits or ()), output.logits]
+                    with torch.no_grad():
+                        teacher_logits = teacher(input_ids=inputs).logits if teacher is not None else None
+                    loss = plain_loss(healing, logits, targets, teacher_logits)
+                    del output, logits, teacher_logits
             (loss / len(rows)).backward()
             del loss
         global_grad_norm(model.parameters(), 1.0)
@@ -195,12 +200,12 @@ def measure(case: dict) -> dict:
     return {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts()}
 
 
-def sharded(model):
+def sharded(model, bf16: bool):
     """This torchrun process's group, `model` sharded in it as the trainer shards it."""
     from recurfit.train.distributed import Processes
 
     processes = Processes.from_environment(timeout=600)
-    processes.wrap(model, "fsdp")
+    processes.wrap(model, "fsdp", bf16=bf16)
     return processes
 
 
@@ -283,6 +288,7 @@ def label(result: dict) -> str:
     what += f", {size['micro']}×{size['seq']}, k={result['k']}"
     what += ", distill+supervise 2" if result.get("distill") else ""
     what += f", FSDP2 × {result['world']}" if result.get("world", 1) > 1 else ""
+    what += ", bf16" if result.get("precision") == "bf16" else ""
     return what + (", checkpointing" if result.get("checkpointing") else "")
 
 

@@ -21,7 +21,7 @@ import recurfit
 from recurfit.model.accounting import training_flops_per_token
 from recurfit.train import load_config
 from recurfit.train.counting import paper_run_flops
-from recurfit.train.memory import PAPER_PARENTS as PARENTS
+from recurfit.train.memory import PLANNED_PARENTS as PARENTS
 from recurfit.train.step_plan import depth_schedule
 
 

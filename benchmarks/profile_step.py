@@ -8,9 +8,10 @@ Runs forward and backward at the fixed depth `--depth n,k` (r̄ = 32, k̄ = 8 by
 warm-up step, then prints: the operators by device time (and host time), the host synchronisations
 (`aten::item`, `aten::_local_scalar_dense`, `cudaStreamSynchronize`, `cudaDeviceSynchronize`), the number of
 kernels launched, and the peak memory with the logits' share. `--fsdp` shards the model with FSDP2 in a
-one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun (each prelude layer,
-the recurrent body as one unit, the root; with `--dtype bf16` in training's mixed precision: parameters gathered
-and computed in bf16, gradients reduced in fp32), and lists the all-gathers the profiler saw. In a group of one
+one-process group (NCCL on a GPU, gloo on a CPU), as `recurfit train` does under torchrun (the token
+embeddings, each prelude layer, the recurrent body as one unit, the head as the root; with `--dtype bf16` in
+training's mixed precision: parameters gathered and computed in bf16, gradients reduced in fp32), and lists the
+all-gathers the profiler saw. In a group of one
 FSDP2 communicates nothing (each unit already holds its whole parameters); the counts of 2 processes, which do
 not grow with n + k, are tests/test_train_distributed.py's. The loss is recurfit's own (chunked fp32
 cross-entropy, as `recurfit train` computes it), so the peak memory is training's.

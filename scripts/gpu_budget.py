@@ -6,7 +6,7 @@ run at r̄ = 4, 8 and 32, the parent baseline), written as one page, docs/refere
     .venv/bin/python scripts/gpu_budget.py --check    # exit 1 if the page differs from what the code computes
 
 Nothing is downloaded: Llama-3.2-1B is built on the meta device from its public config values
-(recurfit/train/memory.py's PAPER_PARENTS). Memory is the plan `recurfit train … --dry-run` prints; FLOPs are
+(recurfit/train/memory.py's PLANNED_PARENTS). Memory is the plan `recurfit train … --dry-run` prints; FLOPs are
 what the run's log adds up (each step's drawn depth, `training_flops_per_token`); time assumes the MFU (30 %) of an
 H100's dense bf16 peak that an eager training step of a paper recipe of this size reached on an H200
 (docs/results/gpu.md), and compiled time the speed-up a compiled step measured there; disk counts 4 bytes per
@@ -17,7 +17,6 @@ the page is up to date and that every training command of the docs fits the memo
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -48,19 +47,11 @@ RUNS = (
 
 def planned(recipe: Path, overrides: list[str]):
     """The config and its model (meta device, frozen parts frozen) without download."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     from recurfit.train import load_config
-    from recurfit.train.initial_model import _restructure, planned_parts
-    from recurfit.train.memory import PAPER_PARENTS
+    from recurfit.train.memory import planned_model
 
     config = load_config(recipe, overrides)
-    settings = dict(PAPER_PARENTS[config.model.path])
-    with torch.device("meta"):
-        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
-    model = _restructure(parent, config.model, config.depth, "paper", None, config.seed)
-    return config, planned_parts(model, dataclasses.replace(config, model=config.model))
+    return config, planned_model(config)
 
 
 def memory_plan(recipe: Path, overrides: list[str], world: int = GPUS, built=None):

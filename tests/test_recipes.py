@@ -160,6 +160,19 @@ def test_each_paper_recipe_states_its_planned_peak_and_fits_an_80gb_gpu(path):
     assert fits(plan, PAPER_GPU_MEMORY)
 
 
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-14b"])
+def test_each_large_parent_recipe_states_its_planned_peak_on_8_gpus_and_fits(name):
+    """The header agrees with the FSDP2 plan at rows of 4,096 tokens, and the recipe's micro-batch fits."""
+    from recurfit.train.memory import PAPER_GPU_MEMORY, recipe_header, recipe_plan
+    from recurfit.train.memory_fit import fits
+
+    path = REPO / "recipes" / f"{name}.yaml"
+    plan = recipe_plan(path, seq_len=4096)
+    assert plan.strategy == "fsdp" and plan.world == 8
+    assert recipe_header(plan) in path.read_text().splitlines()
+    assert fits(plan, PAPER_GPU_MEMORY)
+
+
 def test_the_cpu_recipe_trains_from_its_first_step():
     import torch
 

@@ -81,8 +81,9 @@ from .losses import supervised_steps, teacher_dtype
 from .optim import NS_BATCH_ELEMENTS, split_parameters, trains_in_bf16
 from .parts import decoder_layers, part_modules
 
-# The parents of the paper recipes (their Hub configs, written out): the recipes' plans need no download.
-PAPER_PARENTS = {
+# The parents of the paper recipes and of the large-parent ones (their Hub configs, written out): their plans need
+# no download.
+PLANNED_PARENTS = {
     "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T": dict(
         model_type="llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
         num_attention_heads=32, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False,
@@ -94,6 +95,22 @@ PAPER_PARENTS = {
     "allenai/OLMo-2-0425-1B": dict(
         model_type="olmo2", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=16, vocab_size=100352, tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.1-8B": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-14B": dict(
+        model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-32B": dict(
+        model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    ),
+    "meta-llama/Llama-3.1-70B": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
     ),
 }  # fmt: skip
 
@@ -463,30 +480,43 @@ PAPER_WORLD = 8
 PAPER_SEQ_LEN = 1024
 
 
-def recipe_plan(path: Path, micro: int | None = None) -> MemoryPlan:
-    """The plan of a paper recipe (at `micro`, else its own micro-batch) from PAPER_PARENTS, without download.
-    A chained recipe (model.init_from) trains the model of the recipe whose `out` it continues."""
+def planned_model(config: TrainConfig, model_config=None) -> nn.Module:
+    """The model `config` trains (or `model_config` describes), built on the meta device from PLANNED_PARENTS with
+    its frozen parts frozen: no download, no weights."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .config import load_config
     from .initial_model import _restructure, planned_parts
+
+    model_config = model_config or config.model
+    settings = dict(PLANNED_PARENTS[model_config.path])
+    with torch.device("meta"):
+        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
+    model = _restructure(parent, model_config, config.depth, "paper", None, config.seed)
+    return planned_parts(model, dataclasses.replace(config, model=model_config))
+
+
+def recipe_plan(path: Path, micro: int | None = None, seq_len: int = PAPER_SEQ_LEN) -> MemoryPlan:
+    """The plan of a recipe on one of PAPER_WORLD GPUs (at `micro`, else its own micro-batch) without download.
+    A chained recipe (model.init_from) trains the model of the recipe whose `out` it continues."""
+    from .config import load_config
 
     config = load_config(path)
     model_config = config.model
     if model_config.init_from is not None:
         earlier = (load_config(other) for other in sorted(path.parent.glob("*.yaml")))
         model_config = next(c.model for c in earlier if c.out == model_config.init_from)
-    settings = dict(PAPER_PARENTS[model_config.path])
-    with torch.device("meta"):
-        parent = AutoModelForCausalLM.from_config(CONFIG_MAPPING[settings.pop("model_type")](**settings))
-    model = _restructure(parent, model_config, config.depth, "paper", None, config.seed)
-    model = planned_parts(model, dataclasses.replace(config, model=model_config))
-    return plan_memory(config, model, PAPER_SEQ_LEN, world=PAPER_WORLD, micro=micro)
+    return plan_memory(config, planned_model(config, model_config), seq_len, world=PAPER_WORLD, micro=micro)
 
 
 def recipe_header(plan: MemoryPlan) -> str:
-    """The header line of a paper recipe that states its plan."""
+    """The header line of a recipe that states its plan (`scripts/recipe_memory.py` writes the paper recipes')."""
+    if plan.strategy == "fsdp":
+        return (
+            f"# Memory (`recurfit train RECIPE --dry-run --device-memory 80GB --world-size {plan.world}`): predicted "
+            f"peak {gb(plan.peak)} per 80 GB GPU at micro-batch {plan.micro} of {plan.seq_len:,} tokens, k = "
+            f"{plan.k}, {'bf16 autocast' if plan.autocast else 'fp32'}, FSDP2."
+        )
     return (
         f"# Memory (`recurfit train RECIPE --dry-run --device-memory 80GB`): predicted peak {gb(plan.peak)} per "
         f"80 GB GPU at micro-batch {plan.micro}, k = {plan.k}, bf16 autocast, DDP."
