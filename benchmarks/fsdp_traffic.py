@@ -1,6 +1,8 @@
 """FSDP2's traffic per training step: all-gathers and reduce-scatters, calls and bytes, by micro-batches per process.
 
-    .venv/bin/python benchmarks/fsdp_traffic.py            # 2 gloo processes (torchrun), 1, 2 and 4 micro-batches
+    .venv/bin/python benchmarks/fsdp_traffic.py                  # 2 gloo processes (torchrun), 1, 2 and 4
+                                                                 # micro-batches
+    .venv/bin/python benchmarks/fsdp_traffic.py --units layer    # `fsdp_units: layer`
 
 Each process builds memory_plan.py's model D (5 of its 6 layers in the recurrent body), shards it as the trainer
 does (`Processes.wrap`) and runs one step per micro-batch count as the trainer runs it (`Processes.accumulating`
@@ -43,7 +45,7 @@ def reduced_bytes(fsdp_params, unsharded_grads, *args) -> int:
     return sum(grad.numel() * grad.element_size() for grad in unsharded_grads)
 
 
-def measure() -> dict:
+def measure(units: str) -> dict:
     import torch
     from memory_plan import SHAPES, build
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
@@ -53,10 +55,10 @@ def measure() -> dict:
     from recurfit.train.losses import HealingLoss
 
     torch.set_num_threads(1)
-    case = dict(shape="D", k=2, loss="chunked", world=int(os.environ["WORLD_SIZE"]))
+    case = dict(shape="D", k=2, loss="chunked", world=int(os.environ["WORLD_SIZE"]), units=units)
     config, model, _ = build(case)
     processes = Processes.from_environment(timeout=600)
-    processes.wrap(model, "fsdp")
+    processes.wrap(model, "fsdp", layers=units == "layer")
     healing, size = HealingLoss(None, None), SHAPES["D"]
     gathers = count(group, "foreach_all_gather", gathered_bytes)
     reductions = count(group, "foreach_reduce", reduced_bytes)
@@ -83,19 +85,26 @@ def measure() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--units", choices=("recurrence", "layer"), default="recurrence", help="fsdp_units")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        result = measure()
+        result = measure(args.units)
         if os.environ.get("RANK") == "0":
             print(json.dumps(result))
         return
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.processes}", __file__, "--one"]
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.processes}"),
+        *(__file__, "--one", "--units", args.units),
+    ]
     done = subprocess.run(
         command, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"model D, {result['weights'] / 1e6:.1f} M weights (float32), {args.processes} gloo processes, per step:")
+    print(
+        f"model D, {result['weights'] / 1e6:.1f} M weights (float32), fsdp_units {args.units}, {args.processes} gloo "
+        "processes, per step:"
+    )
     print(f"{'micro-batches':>13s} {'all-gathers':>11s} {'gathered':>10s} {'reduce-scatters':>15s} {'reduced':>10s}")
     for micro_batches, step in result["steps"].items():
         gather, reduce = step["gather"], step["reduce"]

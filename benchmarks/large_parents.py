@@ -1,5 +1,6 @@
 """The memory plan (recurfit/train/memory.py) of retrofits of 8 B to 70 B parents on 8 and 16 GPUs of 80 GB:
-which sharding, micro-batch and gradient checkpointing fit (docs/how-to/large-parents.md quotes it).
+which sharding (DDP, FSDP2, FSDP2 layer by layer), micro-batch and gradient checkpointing fit
+(docs/how-to/large-parents.md quotes it).
 
     python benchmarks/large_parents.py [--seq-len 4096]
 
@@ -25,7 +26,11 @@ SHAPES = {
 }
 
 
-def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
+# How the processes share the run: DDP, FSDP2 with the recurrent unit gathered once per micro-batch, or layer by layer.
+SHARDINGS = {"ddp": ("ddp", "recurrence"), "fsdp": ("fsdp", "recurrence"), "fsdp-layer": ("fsdp", "layer")}
+
+
+def train_config(name: str, sharding: str, checkpointing: bool, micro: int):
     from recurfit.train import load_config
 
     base = {
@@ -36,7 +41,8 @@ def train_config(name: str, strategy: str, checkpointing: bool, micro: int):
         "optimizer": {"name": "muon"},
         "batch": {"micro": micro, "global": 512},
         "precision": "bf16",
-        "distributed": strategy,
+        "distributed": SHARDINGS[sharding][0],
+        "fsdp_units": SHARDINGS[sharding][1],
         "eval": {"steps": [1, 2, 4, 8, 16, 32, 64]},
     }
     return load_config(None, base=base)
@@ -51,20 +57,20 @@ def main() -> None:
     args = parser.parse_args()
     print(f"seq_len {args.seq_len}, global batch 512, predicted peak per 80 GB GPU (fits: within 72 GB)")
     print(
-        f"{'parent':26s} {'GPUs':>4s} {'sharding':8s} {'checkpointing':13s} "
+        f"{'parent':26s} {'GPUs':>4s} {'sharding':10s} {'checkpointing':13s} "
         + " ".join(f"{m:>12d}" for m in (1, 2, 4, 8))
     )
     for name in SHAPES:
         for world in (8, 16):
-            for strategy in ("ddp", "fsdp"):
+            for sharding in SHARDINGS:
                 for checkpointing in (False, True):
                     cells = []
                     for micro in (1, 2, 4, 8):
-                        config = train_config(name, strategy, checkpointing, micro)
+                        config = train_config(name, sharding, checkpointing, micro)
                         plan = plan_memory(config, planned_model(config), args.seq_len, world=world)
                         cells.append(f"{gb(plan.peak):>8s} {'fits' if fits(plan, PAPER_GPU_MEMORY) else '  no'}")
                     on = "on" if checkpointing else "off"
-                    print(f"{name:26s} {world:4d} {strategy:8s} {on:13s} " + " ".join(f"{c:>12s}" for c in cells))
+                    print(f"{name:26s} {world:4d} {sharding:10s} {on:13s} " + " ".join(f"{c:>12s}" for c in cells))
 
 
 if __name__ == "__main__":

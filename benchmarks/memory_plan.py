@@ -46,12 +46,17 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, (P, R, C), micro-bat
     "D": dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=8192, shape=[1, 4, 1], micro=1, seq=128),
 }
 FSDP_WORLDS = (2, 4)
+FSDP_UNITS = ("recurrence", "layer")
 
 
 def cases(quick: bool, distill_only: bool = False, fsdp: bool = False) -> list[dict]:
     if fsdp:
-        runs = [dict(shape="D", k=2, loss="chunked", world=world) for world in FSDP_WORLDS]
-        return runs + [dict(shape="D", k=2, loss="chunked", world=2, precision="bf16")]
+        runs = [
+            dict(shape="D", k=2, loss="chunked", world=world, units=units)
+            for units in FSDP_UNITS
+            for world in FSDP_WORLDS
+        ]
+        return runs + [dict(shape="D", k=2, loss="chunked", world=2, units="recurrence", precision="bf16")]
     if quick:
         return [dict(shape="A", k=2, loss="chunked")]
     distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
@@ -103,6 +108,7 @@ def build(case: dict):
         f"depth.backprop_depth={case['k']}",
         f"precision={case.get('precision', 'fp32')}",
         f"distributed={'fsdp' if case.get('world', 1) > 1 else 'ddp'}",
+        f"fsdp_units={case.get('units', 'recurrence')}",
     ]
     if case.get("distill"):
         overrides += ["distill={alpha: 0.5, temperature: 2.0}", "depth.supervise={last: 2}"]
@@ -150,7 +156,7 @@ def measure(case: dict) -> dict:
     config, model, teacher = build(case)
     world = case.get("world", 1)
     bf16 = config.precision == "bf16"  # autocast, and FSDP2 gathering in bf16, as on a GPU
-    processes = sharded(model, bf16) if world > 1 else None
+    processes = sharded(model, bf16, config.fsdp_units == "layer") if world > 1 else None
     size = SHAPES[case["shape"]]
     healing = HealingLoss(config.distill, config.depth.supervise)
     optimizers = build_optimizers(model, config.optimizer)
@@ -200,12 +206,12 @@ def measure(case: dict) -> dict:
     return {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts()}
 
 
-def sharded(model, bf16: bool):
+def sharded(model, bf16: bool, layers: bool):
     """This torchrun process's group, `model` sharded in it as the trainer shards it."""
     from recurfit.train.distributed import Processes
 
     processes = Processes.from_environment(timeout=600)
-    processes.wrap(model, "fsdp", bf16=bf16)
+    processes.wrap(model, "fsdp", bf16=bf16, layers=layers)
     return processes
 
 
@@ -288,6 +294,7 @@ def label(result: dict) -> str:
     what += f", {size['micro']}×{size['seq']}, k={result['k']}"
     what += ", distill+supervise 2" if result.get("distill") else ""
     what += f", FSDP2 × {result['world']}" if result.get("world", 1) > 1 else ""
+    what += " by layer" if result.get("units") == "layer" else ""
     what += ", bf16" if result.get("precision") == "bf16" else ""
     return what + (", checkpointing" if result.get("checkpointing") else "")
 

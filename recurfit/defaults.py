@@ -61,6 +61,10 @@ SNAPSHOT_DTYPES = get_args(SnapshotDtype)
 Compile = Literal["auto", True, False]
 Strategy = Literal["ddp", "fsdp"]  # how several processes share a run
 STRATEGIES = get_args(Strategy)
+# FSDP2's units: the recurrent unit gathered once per micro-batch, or every layer gathered at each use (its
+# weights and gradients never whole on a GPU; the processes then draw the same depths)
+FsdpUnits = Literal["recurrence", "layer"]
+FSDP_UNITS = get_args(FsdpUnits)
 NonfinitePolicy = Literal["skip", "apply"]  # what an update with a non-finite loss or gradient does
 NONFINITE_POLICIES = get_args(NonfinitePolicy)
 # What a run does when it would read a training store more than once: go on silently, go on and say so, or stop.

@@ -55,14 +55,18 @@ def collectives(trainer: Trainer) -> dict:
     orthogonalised, newton_schulz = [], optim.newton_schulz
     optim.newton_schulz = lambda batch, *args: orthogonalised.append(batch.shape[0]) or newton_schulz(batch, *args)
     counts = {}
-    uneven = UNEVEN[trainer.processes.rank % len(UNEVEN)]  # a step whose depth differs widely between processes
-    for key, (n, k) in [*((f"{n},{k}", (n, k)) for n, k in DEPTHS), ("uneven", uneven)]:
+    steps = [(f"{n},{k}", (n, k)) for n, k in DEPTHS]
+    if trainer.config.fsdp_units == "recurrence":  # by layer, the processes draw the same depths
+        steps.append(("uneven", UNEVEN[trainer.processes.rank % len(UNEVEN)]))  # a depth per process, far apart
+    for key, (n, k) in steps:
         trainer._plan = lambda step, n=n, k=k: StepPlan(step, (MicroBatch(0, trainer.config.batch.global_, n, k),))
         before = gathers.count, reductions.count
         trainer.train_step()
         counts[key] = [gathers.count - before[0], reductions.count - before[1]]
     muon = trainer.optimizers[0]
     counts["orthogonalised"] = sum(orthogonalised)
+    body = trainer.model.model
+    counts["shape"] = [len(body.prelude), len(body.core), len(body.coda)]
     counts["units"] = sum(len(list(muon._units(group))) for group in muon.param_groups)
     return counts
 

@@ -106,6 +106,10 @@ def test_config_errors_name_the_key_and_the_fix(tmp_path, workspace):
         load_config(None, ["steps=many"], base=base)
     with pytest.raises(RecurfitError, match="needs 'out'"):
         load_config(None, [], base={k: v for k, v in base.items() if k != "out"})
+    with pytest.raises(RecurfitError, match="fsdp_units=layer shards with FSDP2: set distributed=fsdp as well"):
+        load_config(None, ["fsdp_units=layer"], base=base)
+    with pytest.raises(RecurfitError, match=r"fsdp_units must be one of \['recurrence', 'layer'\]"):
+        load_config(None, ["distributed=fsdp", "fsdp_units=block"], base=base)
     config = load_config(None, ["optimizer.lr=1e-3", "batch.global=16", "depth.fixed=true"], base=base)
     assert config.optimizer.lr == 1e-3 and config.batch.global_ == 16 and config.depth.fixed is True
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(base))

@@ -173,6 +173,44 @@ def test_fsdp2_collectives_do_not_grow_with_the_recurrence(fsdp_probe):
 
 
 @pytest.mark.two_processes
+def test_fsdp2_by_layer_gathers_each_layer_at_each_use_and_the_processes_issue_the_same_collectives(
+    tmp_path, workspace
+):
+    """`fsdp_units: layer`: every layer a unit, gathered for each use (forward and backward) and its gradients
+    reduce-scattered after each use's backward, so the collectives grow with the depth, identically on every
+    process; no unit holds more than a layer."""
+    settings = {"batch": {"micro": 2, "global": 8}, "distributed": "fsdp", "fsdp_units": "layer"}
+    two = probe(tmp_path, workspace, "two", 2, **settings)
+    micro_batches = 2  # per process and step
+    assert all(two[0]["collectives"][f"{n},{k}"] == two[1]["collectives"][f"{n},{k}"] for n, k in DEPTHS)
+    P, R, C = two[0]["collectives"]["shape"]
+    for n, k in DEPTHS:
+        uses = n + k  # of each core layer in a forward; k of them with gradient
+        # the embeddings, prelude, core and coda layers, the body (adapter and final norm), the head
+        gathers = 1 + 2 * P + (uses + k) * R + 2 * C + 1 + 1
+        reductions = 1 + P + k * R + C + 1 + 1
+        assert two[0]["collectives"][f"{n},{k}"] == [micro_batches * gathers, micro_batches * reductions], (
+            n,
+            k,
+            two[0]["collectives"],
+        )
+    assert "uneven" not in two[0]["collectives"]
+
+
+@pytest.mark.two_processes
+def test_fsdp2_by_layer_trains_as_one_process(tmp_path, workspace):
+    """The same numbers as one process (hence as DDP), at the tolerance of the other FSDP2 tests."""
+    optimizer = {"name": "adamw", "lr": 0.003, "warmup": 1}
+    base = tiny_config(workspace, tmp_path / "x", steps=3, optimizer=optimizer, batch={"micro": 1, "global": 4})
+    base["checkpoint"] = {"every": 0, "keep": 1}
+    one_and_two_processes(tmp_path, base, {"distributed": "fsdp", "fsdp_units": "layer"}, timeout=HANG)
+    expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert list(got) == [1, 2, 3]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.two_processes
 def test_validation_is_shared_out_and_reads_every_recurrence_in_one_pass(fsdp_probe):
     one, two = fsdp_probe
     (alone,) = one
@@ -276,6 +314,27 @@ def test_fsdp2_shards_the_teacher_and_matches_one_process(tmp_path, workspace):
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_fsdp_by_layer_runs_the_same_depths_on_every_process_each_drawn_as_one_process_draws_it():
+    """Under `fsdp_units: layer` each process's j-th micro-batch of a step runs the depth one process draws for
+    its j-th (the sampler and its seeds unchanged, so a run's depths have the same distribution); otherwise every
+    micro-batch keeps its own draw, whatever the number of processes."""
+    from recurfit.train.step_plan import depth_schedule, plan_step
+
+    settings = {"depth.draw": "micro_batch", "depth.mean_recurrence": 8, "batch.micro": 2, "batch.global": 8}
+    layer, _ = tiny_plan_model(distributed="fsdp", fsdp_units="layer", **settings)
+    recurrence, _ = tiny_plan_model(distributed="fsdp", **settings)
+    schedule = depth_schedule(layer)
+    drawn_apart = 0
+    for step in range(40):
+        one = [m.num_steps for m in plan_step(layer, schedule, step, 1, True).micro_batches]
+        two = [m.num_steps for m in plan_step(layer, schedule, step, 2, True).micro_batches]
+        assert two == one[:2] + one[:2]  # processes 0 and 1: 2 micro-batches each
+        assert [m.num_steps for m in plan_step(recurrence, schedule, step, 2, True).micro_batches] == one
+        drawn_apart += one[:2] != one[2:]
+    assert drawn_apart > 20  # the negative control: one process's later micro-batches draw other depths
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 def test_fsdp_plan_gathers_the_body_and_head_and_two_once_per_forward_units_whatever_the_micro_batches():
     """distributed.fsdp_units: the token embeddings and each prelude layer a unit, the recurrent body and the
     head gathered from forward to backward, in bf16 under bf16 on a GPU; every micro-batch's gradients are
@@ -292,6 +351,25 @@ def test_fsdp_plan_gathers_the_body_and_head_and_two_once_per_forward_units_what
         assert planned.unsharded_gradients == 4 * (body_and_head + max(embedding, *prelude))
     config, model = tiny_plan_model(distributed="fsdp", precision="bf16")
     assert plan(config, model, world=4).distributed == 2 * (body_and_head + pair)
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_fsdp_plan_by_layer_gathers_two_layers_and_holds_the_cores_gradients_whole():
+    """`fsdp_units: layer`: the head and what is left of the body (adapter, final norm) gathered from forward to
+    backward, and two consecutive units at a time; whole gradients of those, of every core layer (FSDP2 reduces a
+    unit used several times after its last use's backward) and of two other consecutive units."""
+    config, model = tiny_plan_model(distributed="fsdp", fsdp_units="layer", precision="fp32")
+    body = model.model
+    size = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    units = [[model.get_input_embeddings()], *([layer] for layer in [*body.prelude, *body.core, *body.coda])]
+    rest = sum(p.numel() for p in model.parameters()) - sum(size(unit) for unit in units)
+    pair = max(size(a) + size(b) for a, b in zip(units, units[1:]))
+    once = [unit for unit in units if unit[0] not in list(body.core)]
+    once_pair = max(size(a) + size(b) for a, b in zip(once, once[1:]))
+    planned = plan(config, model, world=2)
+    assert planned.distributed == 4 * (rest + pair)
+    assert planned.unsharded_gradients == 4 * (rest + size(body.core) + once_pair)
+    assert planned.peak < plan(*tiny_plan_model(distributed="fsdp", precision="fp32"), world=2).peak
 
 
 @pytest.mark.two_processes

@@ -167,7 +167,20 @@ def test_the_fitting_micro_batch_keeps_the_global_batch():
         f"{0.9 * memory / 1e6:.1f} MB usable of {memory / 1e6:.1f} MB; batch.micro=1 fits (the same global batch).",
     )
     assert verdict(plan_of, config, 1, 10**12)[0]
-    assert "no micro-batch fits" in verdict(plan_of, config, 1, 1000)[1]
+    assert (
+        "no micro-batch fits; try model.gradient_checkpointing=true or distributed=fsdp."
+        in verdict(plan_of, config, 1, 1000)[1]
+    )
+    for overrides, advice in (
+        (dict(distributed="fsdp"), "try model.gradient_checkpointing=true or fsdp_units=layer."),
+        (dict(distributed="fsdp", fsdp_units="layer"), "try model.gradient_checkpointing=true or more GPUs."),
+    ):
+        config, model = tiny_plan_model(**overrides)
+
+        def plan_of(micro, config=config, model=model):
+            return plan(config, model, micro=micro)
+
+        assert advice in verdict(plan_of, config, 2, 1000)[1]
 
 
 class LiveTensors(TorchDispatchMode):

@@ -16,6 +16,11 @@ micro-batch's backward, so that each process holds 1/W of every weight, gradient
 recurrent body is gathered from its forward to the end of its backward (the recurrence needs the whole core at
 every step), the other units for their own forward and backward. Every process then issues the same collectives
 whatever depth it drew, and their number does not grow with n + k.
+
+`fsdp_units: layer` makes every decoder layer a unit instead (each core and coda layer too), gathered at each
+use and resharded after it, its gradients reduce-scattered after each use's backward: no process holds more
+than two layers whole, and the core is gathered once per recurrence. Its collectives follow the depth, so the
+processes draw the same depths (`step_plan.plan_step`).
 """
 
 from __future__ import annotations
@@ -71,13 +76,14 @@ class Processes:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module, strategy: str, bf16: bool = False) -> nn.Module:
+    def wrap(self, model: nn.Module, strategy: str, bf16: bool = False, layers: bool = False) -> nn.Module:
         """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` the model in place (see the module's
-        docstring for its units); `bf16`: gathered and computed in bf16, gradients reduced in fp32."""
+        docstring for its units; `layers`: every layer a unit); `bf16`: gathered and computed in bf16, gradients
+        reduced in fp32."""
         if not self.grouped:
             return model
         if strategy == "fsdp":
-            self.sharded += fsdp_units(model, mixed_precision=bf16)
+            self.sharded += fsdp_units(model, mixed_precision=bf16, layers=layers)
             return model
         from torch.nn.parallel import DistributedDataParallel
 
@@ -191,20 +197,25 @@ def fill_from_main(model: nn.Module, built: nn.Module | None, processes: Process
             dist.broadcast(buffer, src=0)
 
 
-def sharding_units(model: nn.Module) -> tuple[list[nn.Module], nn.Module | None]:
+def sharding_units(model: nn.Module, layers: bool = False) -> tuple[list[nn.Module], nn.Module | None]:
     """What FSDP2 shards as units of their own, besides the root (see the module's docstring), in forward order:
     the modules that run once per forward (the token embeddings, unless the head shares their weight, and each
-    prelude layer), and the recurrent body (`model.model`: adapter, core, coda, final norm; None for a
-    fixed-depth model, a baseline or a teacher, whose every decoder layer runs once)."""
+    prelude layer; with `layers`, each core and coda layer too), and the recurrent body (`model.model`: what is
+    left of it; None for a fixed-depth model, a baseline or a teacher, whose every decoder layer runs once)."""
     body = getattr(model, "model", None)
     if not hasattr(body, "core"):
         return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")], None
     embedding = model.get_input_embeddings()
     tied = embedding.weight is model.get_output_embeddings().weight
-    return ([] if tied else [embedding]) + list(body.prelude), body
+    units = ([] if tied else [embedding]) + list(body.prelude)
+    if layers:  # the adapter stays in the body: its methods other than forward read its weight
+        units += list(body.core) + list(body.coda)
+    return units, body
 
 
-def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) -> list[tuple[nn.Module, bool]]:
+def fsdp_units(
+    model: nn.Module, mixed_precision: bool, trained: bool = True, layers: bool = False
+) -> list[tuple[nn.Module, bool]]:
     """`fully_shard` the `sharding_units`, root last; returns each with its reshard_after_forward. A `trained`
     model keeps its recurrent body gathered from its forward to its backward (a distillation teacher has no
     backward: resharded after the forward).
@@ -221,10 +232,10 @@ def fsdp_units(model: nn.Module, mixed_precision: bool, trained: bool = True) ->
     if mixed_precision:
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)
         embedding.register_forward_hook(_float32_output)
-    once, body = sharding_units(model)
+    once, body = sharding_units(model, layers)
     units = [(layer, True) for layer in once]
     if body is not None:
-        units.append((body, not trained))  # the recurrence: gathered once per forward, kept for its backward
+        units.append((body, not trained))  # gathered once per forward, kept for its backward
     for module, reshard in units:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
     if once and once[0] is embedding:

@@ -113,7 +113,9 @@ class Trainer(Saving):
         on_meta = next(self.model.parameters()).is_meta
         if on_meta and config.distributed == "ddp":
             fill_from_main(self.model, built, self.processes)  # placed; wrapping it sends the main one's weights
-        self.wrapped = self.processes.wrap(self.model, config.distributed, bf16=self._bf16(config.precision))
+        self.wrapped = self.processes.wrap(
+            self.model, config.distributed, bf16=self._bf16(config.precision), layers=config.fsdp_units == "layer"
+        )
         if on_meta and config.distributed == "fsdp":
             fill_from_main(self.model, built, self.processes)  # sharded, then each process's shards sent
         del built

@@ -272,10 +272,8 @@ def plan_memory(
         logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
         validation=validation_bytes(config, model, tokens, device),
-        unsharded_gradients=_unsharded_gradient_bytes(model) if fsdp else 0,
-        activations_beside_them=tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True)
-        if fsdp
-        else 0,
+        unsharded_gradients=_unsharded_gradient_bytes(config, model) if fsdp else 0,
+        activations_beside_them=_activations_beside_gradients(config, model, tokens, k, autocast) if fsdp else 0,
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -298,27 +296,44 @@ def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, autoca
         return 0
     if config.distributed == "ddp":
         return 4 * _numel(p for p in model.parameters() if p.requires_grad)
-    once, _ = sharding_units(model)
-    sizes = [_numel(unit.parameters()) for unit in once]
-    consecutive = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+    units, _ = sharding_units(model, _by_layer(config))
     gathered = 2 if autocast else 4  # fsdp_units' MixedPrecisionPolicy
-    return gathered * (_numel(_gathered_whole(model)) + consecutive)
+    return gathered * (_numel(_gathered_whole(model, units)) + _consecutive(units))
 
 
-def _gathered_whole(model: nn.Module) -> list[nn.Parameter]:
-    """FSDP2: the weights of the recurrent body and the head, gathered from their forward to their backward."""
-    once, _ = sharding_units(model)
-    in_once = {id(p) for unit in once for p in unit.parameters()}
-    return [p for p in model.parameters() if id(p) not in in_once]
+def _by_layer(config: TrainConfig) -> bool:
+    return config.fsdp_units == "layer"
 
 
-def _unsharded_gradient_bytes(model: nn.Module) -> int:
-    """FSDP2, at the end of backward: the whole gradients of the body and head (reduce-scattered last, as their
-    forwards' inputs are token ids), and of the largest once-per-forward unit (each reduce-scattered after its
-    own backward)."""
-    once, _ = sharding_units(model)
-    largest = max((_numel(p for p in unit.parameters() if p.requires_grad) for unit in once), default=0)
-    return 4 * (_numel(p for p in _gathered_whole(model) if p.requires_grad) + largest)
+def _consecutive(units: list[nn.Module], trained: bool = False) -> int:
+    """The weights (`trained`: the trained ones) of the two largest consecutive units: one gathered (or its
+    gradients being reduced) while the next is prefetched (or computes its gradients)."""
+    sizes = [_numel(p for p in unit.parameters() if p.requires_grad or not trained) for unit in units]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+
+
+def _gathered_whole(model: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
+    """FSDP2: the weights of the recurrent body and the head (what `units` leaves them), gathered from their
+    forward to their backward."""
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    return [p for p in model.parameters() if id(p) not in in_units]
+
+
+def _unsharded_gradient_bytes(config: TrainConfig, model: nn.Module) -> int:
+    """FSDP2's whole gradients at their peak: of the recurrent body and the head (reduce-scattered last, as their
+    forwards' inputs are token ids), at the end of backward, and of the largest once-per-forward unit (each
+    reduce-scattered after its own backward). By layer, of the head, the body's rest, every core layer (FSDP2
+    reduce-scatters a unit used several times once, after its last use's backward: the core's gradients are whole
+    through the recurrence's backward) and two other layers."""
+    units, _ = sharding_units(model, _by_layer(config))
+    whole = _numel(p for p in _gathered_whole(model, units) if p.requires_grad)
+    if _by_layer(config):
+        core = {id(layer) for layer in model.model.core}
+        once = [unit for unit in units if id(unit) not in core]
+        recurring = _numel(p for layer in model.model.core for p in layer.parameters() if p.requires_grad)
+        return 4 * (whole + recurring + _consecutive(once, trained=True))
+    largest = max((_numel(p for p in unit.parameters() if p.requires_grad) for unit in units), default=0)
+    return 4 * (whole + largest)
 
 
 def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) -> int:
@@ -397,6 +412,14 @@ def _activation_bytes(
     if beside_gradients and is_recurrent(model):
         return total
     return total + _readout_head_bytes(shape, autocast, stream if is_recurrent(model) else 4)
+
+
+def _activations_beside_gradients(config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool) -> int:
+    """FSDP2: what forward saved that is still held beside the unsharded gradients' peak: at the end of the
+    recurrent unit's backward (module docstring); by layer, at any point of backward, all of it."""
+    if _by_layer(config):
+        return tokens * (_activation_bytes(config, model, k, autocast) + _readout_bytes(config, model, k, autocast))
+    return tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True)
 
 
 def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:

@@ -61,10 +61,18 @@ def verdict(plan_of, config: TrainConfig, world: int, memory: int) -> tuple[bool
         return True, f"Fits: {peak}, within {usable}."
     fitting = fitting_micro(plan_of, config, world, memory)
     if fitting is None:
-        advice = "no micro-batch fits; try model.gradient_checkpointing=true or distributed=fsdp"
+        advice = f"no micro-batch fits; try {' or '.join(_bigger_savings(config))}"
     else:
         advice = f"batch.micro={fitting} fits (the same global batch)"
     return False, f"Does not fit: {peak}, more than {usable}; {advice}."
+
+
+def _bigger_savings(config: TrainConfig) -> list[str]:
+    """The settings that save the most memory and the config does not have yet."""
+    savings = [] if config.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
+    if config.distributed != "fsdp":
+        return [*savings, "distributed=fsdp"]
+    return [*savings, "fsdp_units=layer"] if config.fsdp_units != "layer" else [*savings, "more GPUs"]
 
 
 def planner(config: TrainConfig, model: nn.Module, seq_len: int, *, world: int, device: str, teacher_parameters=0):

@@ -2,7 +2,10 @@
 
 The depths come from the curricula and a sampler seeded by (seed, step[, row]), so every process, and a resumed
 run, plans the same step; a micro-batch is named by its first row in the global batch, whatever the number of
-processes (two processes run the micro-batches that one does).
+processes (two processes run the micro-batches that one does). Under `fsdp_units: layer`, whose collectives
+follow the depth, a micro-batch's draw is seeded by its first row in its process's share instead: the processes
+run the same depths, one draw per micro-batch slot (as the paper authors' loop, whose draws were the same on
+every GPU), each drawn as before.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def plan_step(config: TrainConfig, schedule: DepthSchedule, step: int, world: in
         return StepPlan(step, (MicroBatch(0, global_rows, *schedule.at(step)),))
     share = global_rows // world
     starts = [rank * share + start for rank in range(world) for start in range(0, share, micro)]
+    # fsdp_units: layer seeds each draw by the micro-batch's first row in its process's share: the same everywhere
+    seeded_by = share if config.distributed == "fsdp" and config.fsdp_units == "layer" else global_rows
     return StepPlan(
         step,
-        tuple(MicroBatch(row, min(micro, share - row % share), *schedule.at(step, row)) for row in starts),
+        tuple(MicroBatch(row, min(micro, share - row % share), *schedule.at(step, row % seeded_by)) for row in starts),
     )

@@ -35,6 +35,7 @@ from ...defaults import (
     DataRepeat,
     DecayShape,
     DepthDraw,
+    FsdpUnits,
     ModelInit,
     MuonDtype,
     NonfinitePolicy,
@@ -268,6 +269,11 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 autocast on GPUs and CPUs with native bf16 matmul, fp32 on other CPUs
     compile: Compile = False  # auto: compiled on a GPU, eager on a CPU (recurfit.train.loop.compiles_training)
     distributed: Strategy = "ddp"
+    # FSDP2's units (distributed: fsdp): recurrence gathers the adapter, core and coda once per micro-batch (its
+    # weights and gradients are whole on every GPU then); layer gathers each layer at each use, so no GPU holds
+    # more than two layers whole, at the cost of gathering the core once per recurrence, and every process runs
+    # the same depths (each micro-batch's draw is seeded by its place in its process's share of the batch)
+    fsdp_units: FsdpUnits = "recurrence"
     # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
     # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or
     # the final model; NCCL's own default, 10 minutes, would kill such a run at its first checkpoint.

@@ -70,6 +70,8 @@ def config_problems(config: TrainConfig) -> list[str]:
     ):
         if value < least:
             problems.append(f"{name} must be >= {least}, got {value}")
+    if config.fsdp_units != "recurrence" and config.distributed != "fsdp":
+        problems.append(f"fsdp_units={config.fsdp_units} shards with FSDP2: set distributed=fsdp as well")
     for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
         if not 0 <= getattr(config.depth, name) <= 1:
             problems.append(f"depth.{name} must be in [0, 1]")
