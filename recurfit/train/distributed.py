@@ -18,9 +18,10 @@ every step), the other units for their own forward and backward. Every process t
 whatever depth it drew, and their number does not grow with n + k.
 
 `fsdp_units: layer` makes every decoder layer a unit instead (each core and coda layer too), gathered at each
-use and resharded after it, its gradients reduce-scattered after each use's backward: no process holds more
-than two layers whole, and the core is gathered once per recurrence. Its collectives follow the depth, so the
-processes draw the same depths (`step_plan.plan_step`).
+use and resharded after it: no process holds more than two layers' weights whole, and the core is gathered once
+per recurrence. FSDP2 reduce-scatters a unit used several times once, after its last use's backward, so the
+core's gradients are whole through the recurrence's backward. Its gathers follow the depth, so the processes
+draw the same depths (`step_plan.plan_step`).
 """
 
 from __future__ import annotations

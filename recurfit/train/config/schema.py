@@ -271,8 +271,9 @@ class TrainConfig:
     distributed: Strategy = "ddp"
     # FSDP2's units (distributed: fsdp): recurrence gathers the adapter, core and coda once per micro-batch (its
     # weights and gradients are whole on every GPU then); layer gathers each layer at each use, so no GPU holds
-    # more than two layers whole, at the cost of gathering the core once per recurrence, and every process runs
-    # the same depths (each micro-batch's draw is seeded by its place in its process's share of the batch)
+    # more than two layers' weights whole (the core's gradients still are, through its backward), at the cost of
+    # gathering the core once per recurrence, and every process runs the same depths (each micro-batch's draw is
+    # seeded by its place in its process's share of the batch)
     fsdp_units: FsdpUnits = "recurrence"
     # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
     # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or
