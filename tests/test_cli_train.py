@@ -67,6 +67,10 @@ def test_dry_run_prints_the_plan_and_says_whether_it_fits(tiny_config_file, caps
     assert code == 0, text
     assert "Memory plan per device: micro-batch 2 × 32 tokens, k = 2 with gradient, bf16 autocast, 2 × DDP" in text
     assert "activations" in text and "optimizer muon" in text and "Fits: predicted peak" in text
+    for units in ("recurrence", "layer"):  # FSDP2's plan has parts of its own
+        code, text = run_cli(capsys, *argv, "distributed=fsdp", f"fsdp_units={units}")
+        assert code == 0, text
+        assert "2 × FSDP" in text and "unsharded gradients" in text and "Fits: predicted peak" in text
 
 
 def test_dry_run_that_does_not_fit_is_a_one_line_error(tiny_config_file, capsys):

@@ -107,12 +107,13 @@ DESCRIPTIONS = {
     "gradients": "fp32, of the trained weights",
     "optimizer_muon": "Muon momentum (hidden matrices)",
     "optimizer_adamw": "AdamW moments",
-    "distributed": "DDP buckets / FSDP2 gathered + grads",
+    "distributed": "DDP buckets / FSDP2's gathered weights",
     "teacher": "distillation teacher's weights",
     "autocast_copies": "bf16 weight copies kept for backward",
     "activations": "saved for backward",
     "readouts": "depth supervision's extra readouts",
     "logits_and_loss": "logits, their gradient, loss chunks",
+    "unsharded_gradients": "FSDP2's whole gradients in backward (+ what it keeps)",
     "optimizer_step": "step temporaries (after backward)",
     "validation": "validation forward, one chunk of logits",
 }
@@ -133,5 +134,6 @@ def plan_table(plan: MemoryPlan):
     for name, size in plan.parts().items():
         if size:
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
-    table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", "resident + max(forward/backward, step, validation)")
+    peak = "resident + max(forward/backward, FSDP2's whole gradients, step, validation)"
+    table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", peak)
     return table
