@@ -113,7 +113,7 @@ DESCRIPTIONS = {
     "activations": "saved for backward",
     "readouts": "depth supervision's extra readouts",
     "logits_and_loss": "logits, their gradient, loss chunks",
-    "unsharded_gradients": "FSDP2's whole gradients in backward (+ what it keeps)",
+    "unsharded_gradients": "FSDP2: whole gradients late in backward",
     "optimizer_step": "step temporaries (after backward)",
     "validation": "validation forward, one chunk of logits",
 }
@@ -134,6 +134,6 @@ def plan_table(plan: MemoryPlan):
     for name, size in plan.parts().items():
         if size:
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
-    peak = "resident + max(forward/backward, FSDP2's whole gradients, step, validation)"
+    peak = "resident + max(forward/backward, whole gradients, step, validation)"
     table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", peak)
     return table
