@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 
+from recurfit.defaults import FSDP_UNITS
+
 MICRO_BATCHES = (1, 2, 4)
 
 
@@ -85,7 +87,7 @@ def measure(units: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--units", choices=("recurrence", "layer"), default="recurrence", help="fsdp_units")
+    parser.add_argument("--units", choices=FSDP_UNITS, default=FSDP_UNITS[0], help="fsdp_units")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:

@@ -38,6 +38,8 @@ import os
 import subprocess
 import sys
 
+from recurfit.defaults import FSDP_UNITS
+
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, (P, R, C), micro-batch, seq_len
     "A": dict(hidden=512, intermediate=1376, heads=8, kv_heads=2, vocab=32000, shape=[2, 2, 2], micro=4, seq=256),
     "B": dict(hidden=768, intermediate=2048, heads=12, kv_heads=4, vocab=8192, shape=[1, 2, 1], micro=2, seq=512),
@@ -46,7 +48,6 @@ SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, (P, R, C), micro-bat
     "D": dict(hidden=1024, intermediate=2816, heads=16, kv_heads=4, vocab=8192, shape=[1, 4, 1], micro=1, seq=128),
 }
 FSDP_WORLDS = (2, 4)
-FSDP_UNITS = ("recurrence", "layer")
 
 
 def cases(quick: bool, distill_only: bool = False, fsdp: bool = False) -> list[dict]:
