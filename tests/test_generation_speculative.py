@@ -1,7 +1,9 @@
 """Self-speculative decoding (`recurfit/generation/speculative.py`): plain greedy tokens, EOS, the acceptance
-ratio, and the number of drafts adapting to the acceptance."""
+ratio, and the number of drafts adapting to the acceptance and to the measured round times."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -55,16 +57,36 @@ def test_speculative_accept_ratio_keeps_more_drafts():
     assert loose.acceptance_rate == 1.0 > exact.acceptance_rate
 
 
+class LayerCalls:
+    """A clock that counts decoder-layer calls: a device where a forward costs the weights it reads, whatever its
+    number of tokens (bandwidth-bound decoding), so that the adaptive drafts do not depend on this CPU's timings."""
+
+    def __init__(self, model):
+        self.calls = 0
+        for layer in model.modules():
+            if type(layer).__name__.endswith("DecoderLayer"):
+                layer.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+    def __call__(self) -> float:
+        return float(self.calls)
+
+
 def speculative_against_plain(model, **kwargs) -> dict:
     """Plain greedy decoding and self-speculative decoding with fixed and adaptive drafts, on the same prompts."""
     from recurfit.generation.speculative import speculative_generate
 
+    clock = LayerCalls(model)
     ids, mask = prompts(length=9)
     settings = dict(max_new_tokens=40, num_steps=6)
     plain = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None, **settings)
     runs = {"plain": plain}
     for adaptive in (False, True):
-        run = speculative_generate(model, ids, mask, draft_steps=1, lookahead=4, adaptive=adaptive, **settings)
+        run = speculative_generate(
+            model, ids, mask, draft_steps=1, lookahead=4, adaptive=adaptive, clock=clock, **settings
+        )
         runs["adaptive" if adaptive else "fixed"] = run
     return runs
 
@@ -90,24 +112,73 @@ def test_adaptive_drafting_keeps_the_full_lookahead_where_drafts_are_accepted():
     runs = speculative_against_plain(model)
     fixed, adaptive = runs["fixed"], runs["adaptive"]
     assert torch.equal(adaptive.sequences, runs["plain"]) and adaptive.acceptance_rate == 1.0
-    assert adaptive.drafted == fixed.drafted >= 4 * 7  # 8 rounds of up to 4 drafts and the verifier's token
+    # fixed: 8 rounds of up to 4 drafts and the verifier's token; adaptive: the same but for one plain step (its
+    # second round, which measures t0), so at most one round's drafts fewer
+    assert fixed.drafted >= 4 * 7 and fixed.drafted - 4 <= adaptive.drafted < fixed.drafted
+
+
+class RoundClock:
+    """A clock on which each round takes `cost(d)` seconds, d the drafts the policy chose for it."""
+
+    def __init__(self, cost):
+        self.cost, self.now = cost, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, policy, rounds: int, kept) -> list[tuple[int, int]]:
+        """(drafts, kept) of each round, `kept(d)` drafts kept of d."""
+        record = []
+        for _ in range(rounds):
+            drafts = policy.choose()
+            self.now += self.cost(drafts)
+            record.append((drafts, kept(drafts)))
+            policy.update(*record[-1])
+        return record
 
 
 def test_draft_length_backs_off_while_rejected_and_recovers_when_accepted():
     from recurfit.generation.speculative import DraftLength
 
-    policy = DraftLength(lookahead=4, draft_cost=0.15)
-    choices = []
-    for _ in range(120):  # every draft rejected
-        choices.append(policy.choose())
-        policy.update(choices[-1], 0)
+    clock = RoundClock(lambda d: 1 + 0.15 * d)  # bandwidth-bound: a draft adds its own forward only
+    policy = DraftLength(lookahead=4, draft_cost=0.15, clock=clock)
+    choices = [d for d, _ in clock.run(policy, 120, kept=lambda d: 0)]  # every draft rejected
     assert choices[0] == 4 and set(choices[1:]) == {0, 1}
     # Plain steps between one-draft probes: twice as many after each rejected probe, at most MAX_WAIT.
     runs = "".join(map(str, choices[1:])).strip("0").split("1")
     waits = [len(run) for run in runs if run]
     assert waits[:5] == [2, 4, 8, 16, 32] and set(waits[5:]) == {DraftLength.MAX_WAIT}
-    recovered = []
-    for _ in range(DraftLength.MAX_WAIT + 6):  # every draft accepted from now on
-        recovered.append(policy.choose())
-        policy.update(recovered[-1], recovered[-1])
+    recovered = [d for d, _ in clock.run(policy, DraftLength.MAX_WAIT + 6, kept=lambda d: d)]  # all accepted now
     assert recovered[-1] == 4 and recovered.count(0) <= DraftLength.MAX_WAIT
+
+
+@pytest.mark.parametrize(
+    "device, cost, least",
+    [
+        # Bandwidth-bound (a GPU at small batches): a draft adds 0.1 of a plain step. At α = 0.6 the best is 3 drafts,
+        # 1.67 tokens per plain step's time (2 drafts: 1.63, 4: 1.64, 1: 1.45); the probes of the first rounds cost.
+        ("bandwidth-bound", lambda d: 1 + 0.1 * d, 1.5),
+        # Compute-bound (a CPU, large batches): the verifying forward costs each token it checks, so every d > 0 loses
+        # (1 draft: 1.6 / 2.1 = 0.76 tokens per plain step's time); the one-draft probes cost at most 1/32 of that.
+        ("compute-bound", lambda d: 0.1 * d + (1 + d), 0.95),
+    ],
+)
+def test_draft_length_drafts_only_where_the_measured_round_times_pay(device, cost, least):
+    """The same acceptance (each draft kept with probability 0.6 once the ones before it were) and the same prior
+    (`draft_cost` 0.1, the bandwidth-bound guess), on two devices: the tokens per time decoded, in plain steps'
+    times, reach what the device allows; a policy that ignored the clock would draft 3 on both (0.51 on the
+    compute-bound one)."""
+    from recurfit.generation.speculative import DraftLength
+
+    draw = random.Random(0)
+
+    def kept(d: int) -> int:
+        accepted = 0
+        while accepted < d and draw.random() < 0.6:
+            accepted += 1
+        return accepted
+
+    clock = RoundClock(cost)
+    record = RoundClock.run(clock, DraftLength(lookahead=4, draft_cost=0.1, clock=clock), 400, kept)
+    tokens_per_time = sum(k + 1 for _, k in record) / clock.now
+    assert tokens_per_time >= least, (device, tokens_per_time)

@@ -13,14 +13,17 @@ would (the cache's cached = uncached property), so a round's cost is `lookahead`
 deep forward over `lookahead + 1` tokens instead of `n + 1` deep forwards for the `n + 1` tokens it keeps.
 In a batch, a round keeps the prefix every unfinished row accepted.
 
-Drafts that are rejected cost their shallow forwards and gain nothing, so by default (`adaptive=True`) each round
-drafts as many tokens as pay at the acceptance measured so far (`DraftLength`): up to `lookahead` while drafts are
-accepted, none (a plain full-r step) where they are not, with a one-draft probe now and then to measure again.
+Drafts that are rejected cost their shallow forwards and gain nothing, and where the verifying forward costs as
+many tokens' compute as it checks (a CPU, large batches) even accepted ones may not pay, so by default
+(`adaptive=True`) each round drafts as many tokens as pay at the acceptance and round times measured so far
+(`DraftLength`): up to `lookahead` while drafts are accepted and cheap, none (a plain full-r step) where they do
+not pay, with a one-draft probe now and then to measure again.
 The tokens are the same whatever the number of drafts: only the speed changes.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +58,11 @@ def speculative_generate(
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
     adaptive: bool = True,
+    clock=time.perf_counter,
 ) -> SpeculativeOutput:
     """Decode greedily at `num_steps` (default: the model's mean recurrence), drafting at `draft_steps`: at most
-    `lookahead` tokens a round, as many as the measured acceptance makes worth it (`adaptive`), or always
-    `lookahead`."""
+    `lookahead` tokens a round, as many as the measured acceptance and round times make worth it (`adaptive`;
+    `clock` times the rounds), or always `lookahead`."""
     r = sum(model.model.resolve_num_steps(num_steps))  # the model's own default depth when None
     if not 1 <= draft_steps < r:
         raise RecurfitError(f"draft_steps must be between 1 and the full recurrence - 1 ({r - 1}), got {draft_steps}.")
@@ -70,7 +74,7 @@ def speculative_generate(
     pending = logits.argmax(-1, keepdim=True)  # chosen at the full r, not yet in the cache
     new, finished = [pending], _ended(pending, eos_token_id)
     drafted = accepted = 0
-    length_policy = DraftLength(lookahead, forward_cost(model, draft_steps) / forward_cost(model, r), adaptive)
+    length_policy = DraftLength(lookahead, forward_cost(model, draft_steps) / forward_cost(model, r), adaptive, clock)
     while sum(t.shape[1] for t in new) < max_new_tokens and not finished.all():
         remaining = max_new_tokens - sum(t.shape[1] for t in new)
         length, lookahead_now = cache.get_seq_length(), min(length_policy.choose(), remaining)
@@ -106,62 +110,103 @@ def _draft(model, pending, mask, cache, draft_steps: int, lookahead: int) -> tor
 
 def forward_cost(model, num_steps: int) -> int:
     """Parameters a forward of one token at `num_steps` reads: the body as inference runs it (its FLOPs / 2; the
-    adapter's W_e half once, the core and W_s at every step) and the head. Decoding a few tokens is bound by
-    reading the weights (and by launching their layers' kernels, which scales alike), so this is a round's cost
-    whatever its number of tokens."""
+    adapter's W_e half once, the core and W_s at every step) and the head. Where decoding a few tokens is bound by
+    reading the weights (and by launching their layers' kernels, which scales alike), this is a round's cost
+    whatever its number of tokens: `DraftLength`'s guess until it has measured the rounds."""
     return inference_flops_per_token(model, num_steps) // 2 + model.lm_head.weight.numel()
 
 
 class DraftLength:
-    """The number of drafts of each round, from the acceptance measured in the rounds before.
+    """The number of drafts of each round, from the acceptance and the costs measured in the rounds before.
 
     A draft is accepted with probability α once the ones before it were (greedy drafts fail at the first
-    disagreement), so a round of d drafts yields 1 + α + … + α^d tokens for d draft forwards of `draft_cost` (in
-    full-depth forwards) and one verifying forward; a plain step yields 1 token for 1. Each round takes the d in
-    0..lookahead with the most tokens per cost. α is estimated from decayed counts of accepted drafts and of
-    rejections (recent rounds weigh most), starting from one accepted draft: the first round drafts `lookahead`.
-    Once drafting does not pay, decoding goes on in plain steps and probes with one draft after 2, 4, … up to
-    `MAX_WAIT` of them, so that acceptance at ~0 costs little more than plain decoding and a change is noticed.
+    disagreement), so a round of d drafts yields 1 + α + … + α^d tokens. Its time is modelled as t₀ + d·t₁: t₀ a
+    plain step (one forward at the full r), t₁ what each draft adds (its own shallow forward and one more token
+    in the verifying forward). Each round takes the d in 0..lookahead with the most tokens per time.
+
+    Both are measured, as decayed averages of the rounds' wall times (recent rounds weigh most): a verifying
+    forward over d + 1 tokens costs about one token's where decoding is bound by reading the weights (a GPU at
+    small batches) and d + 1 tokens' where it is bound by compute (a CPU, large batches), and only the clock tells
+    which. Until both kinds of round have run, t₁/t₀ is `draft_cost`, the bandwidth-bound guess (a draft's share
+    of a full-depth forward's reads); the first round drafts `lookahead` (α starts at one accepted draft) and the
+    second is plain, so both are measured from then on, and a plain step is taken again when `MAX_WAIT` rounds
+    passed without one. Once drafting does not pay, decoding goes on in plain steps and probes with one draft
+    after 2, 4, … up to `MAX_WAIT` of them, so that a batch or device where drafting loses costs little more than
+    plain decoding and a change is noticed.
     """
 
-    DECAY = 0.7  # weight of the counts so far at each round
-    MAX_WAIT = 32  # plain steps between probes, at most
+    DECAY = 0.7  # weight of the counts and times so far at each round
+    MAX_WAIT = 32  # plain steps between probes, and rounds between plain steps, at most
 
-    def __init__(self, lookahead: int, draft_cost: float, adaptive: bool = True):
-        self.lookahead, self.draft_cost, self.adaptive = lookahead, draft_cost, adaptive
+    def __init__(self, lookahead: int, draft_cost: float, adaptive: bool = True, clock=time.perf_counter):
+        self.lookahead, self.draft_cost, self.adaptive, self.clock = lookahead, draft_cost, adaptive, clock
         self.accepted, self.rejected = 1.0, 0.0
         self.wait, self.next_wait = 0, 2
+        self.plain = _Decayed(self.DECAY)  # seconds of plain steps
+        self.drafting = _Decayed(self.DECAY)  # seconds and drafts of drafting rounds
+        self.since_plain, self.started = 0, None
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @property
+    def cost_ratio(self) -> float:
+        """t₁/t₀: what a draft adds to a round, in plain steps; measured once both kinds of round have run."""
+        if not (self.plain.weight and self.drafting.weight):
+            return self.draft_cost
+        t0 = self.plain.mean("seconds")
+        return max(self.drafting.mean("seconds") - t0, 0.0) / self.drafting.mean("drafts") / t0
+
     def best(self) -> int:
-        """The number of drafts with the most expected tokens per cost at the current acceptance (0: none)."""
-        alpha = self.acceptance
+        """The number of drafts with the most expected tokens per time at the current acceptance (0: none)."""
+        alpha, ratio = self.acceptance, self.cost_ratio
 
-        def tokens_per_cost(d: int) -> float:
-            return sum(alpha**i for i in range(d + 1)) / (1 + d * self.draft_cost)
+        def tokens_per_time(d: int) -> float:
+            return sum(alpha**i for i in range(d + 1)) / (1 + d * ratio)
 
-        return max(range(self.lookahead + 1), key=lambda d: (tokens_per_cost(d), -d))
+        return max(range(self.lookahead + 1), key=lambda d: (tokens_per_time(d), -d))
 
     def choose(self) -> int:
+        self.started = self.clock()
         if not self.adaptive:
             return self.lookahead
         if self.wait:  # plain steps until the next probe
             self.wait -= 1
             return 0
+        if self.drafting.weight and (not self.plain.weight or self.since_plain >= self.MAX_WAIT):
+            return 0  # a plain step to measure t₀
         return max(self.best(), 1)  # 1 where drafting did not pay: a probe
 
     def update(self, drafted: int, kept: int) -> None:
+        seconds = self.clock() - self.started
         if not drafted:
+            self.plain.add(seconds=seconds)
+            self.since_plain = 0
             return
+        self.drafting.add(seconds=seconds, drafts=drafted)
+        self.since_plain += 1
         self.accepted = self.DECAY * self.accepted + kept
         self.rejected = self.DECAY * self.rejected + (kept < drafted)
         if self.best():
             self.next_wait = 2
         else:  # plain steps before the next probe, twice as many as before
             self.wait, self.next_wait = self.next_wait, min(2 * self.next_wait, self.MAX_WAIT)
+
+
+class _Decayed:
+    """Decayed sums of a round's measurements: each new round weighs 1, the ones before `decay` times less."""
+
+    def __init__(self, decay: float):
+        self.decay, self.weight, self.sums = decay, 0.0, {}
+
+    def add(self, **values: float) -> None:
+        self.weight = self.decay * self.weight + 1
+        for name, value in values.items():
+            self.sums[name] = self.decay * self.sums.get(name, 0.0) + value
+
+    def mean(self, name: str) -> float:
+        return self.sums[name] / self.weight
 
 
 def _agreeing_prefix(logits, drafts, accept_ratio: float, finished) -> int:
