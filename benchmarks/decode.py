@@ -27,6 +27,8 @@ tokens: its times are real, its NLL and agreement are not. `--perturb-adapter ε
 things: drafts are then rejected more the larger ε (about 1: acceptance ≈ 0). `--bandwidth` (GB/s, measured)
 adds the time per token that reading the weights once per layer call takes at that bandwidth, the decode floor
 at batch 1.
+`--text word-problems` takes the passages from recurfit's generated word problems instead of prose (for a model
+trained on them, as the GPU check's part 6 trains one on a device with no prose).
 Use a trained model for 2, 3 and 5: an untrained identity-adapter retrofit ignores its state, so every step
 computes the same thing, no option can cost anything, and every row exits at the same step.
 Times are medians over the decoded tokens of this one run, modes interleaved (the machine is noisy).
@@ -43,7 +45,7 @@ import torch
 from device_peaks import copy_bandwidth, median_seconds  # benchmarks/ is on the path when this file runs
 
 import recurfit
-from recurfit.data.sources import embedded_prose
+from recurfit.data.sources import embedded_prose, math_problems
 from recurfit.generation import ExitRule
 from recurfit.generation.speculative import speculative_generate
 from recurfit.model.cache import RecurrentCache
@@ -53,11 +55,15 @@ from recurfit.model.loading import load_model, load_tokenizer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def passages(tokenizer, count: int, length: int, skip: int = 0, vocab_size: int = 32000) -> torch.Tensor:
-    """English passages of `length` tokens; random tokens (seeded by `skip`) when there is no tokenizer."""
+def passages(tokenizer, count: int, length: int, skip: int = 0, vocab_size: int = 32000, text: str = "prose"):
+    """English passages of `length` tokens; random tokens (seeded by `skip`) when there is no tokenizer; with
+    `text="word-problems"`, consecutive windows of generated word problems (seed 1; training runs draw seed 0)."""
     if tokenizer is None:
         generator = torch.Generator().manual_seed(skip)
         return torch.randint(3, vocab_size, (count, length), generator=generator)
+    if text == "word-problems":
+        stream = tokenizer(" ".join(math_problems((skip + count) * length, seed=1)), add_special_tokens=False).input_ids
+        return torch.tensor(stream[skip * length : (skip + count) * length]).view(count, length)
     rows = []
     for text in embedded_prose():
         ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -135,6 +141,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--parent", default="embedded", help="embedded | tinyllama (random weights) | a folder")
     parser.add_argument("--random-tokens", action="store_true", help="decode random tokens (tinyllama: always)")
+    parser.add_argument(
+        "--text", choices=("prose", "word-problems"), default="prose", help="what the prompts and passages are"
+    )
     parser.add_argument("--shape", default="4,8,4", help="the retrofit of the parent (without MODEL)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument(
@@ -155,7 +164,9 @@ def main() -> None:
         args.bandwidth = float(args.bandwidth)
 
     model, parent, tokenizer = models(args)
-    ids = passages(tokenizer, args.sequences, args.prompt + args.decode, vocab_size=parent.config.vocab_size)
+    ids = passages(
+        tokenizer, args.sequences, args.prompt + args.decode, vocab_size=parent.config.vocab_size, text=args.text
+    )
     ids = ids.to(args.device)
     P, R, C = model.config.shape
     sections = {int(x) for x in args.sections.split(",")}
@@ -307,7 +318,8 @@ def batched_exit(model, tokenizer, args) -> None:
     """A batch whose rows exit at different depths: measured time per token against the predicted compute."""
     r = max(int(d) for d in args.depths.split(","))
     vocab_size = model.config.text_config.vocab_size
-    ids = passages(tokenizer, args.batch, args.prompt + args.decode, args.sequences, vocab_size).to(args.device)
+    ids = passages(tokenizer, args.batch, args.prompt + args.decode, args.sequences, vocab_size, args.text)
+    ids = ids.to(args.device)
     rule = ExitRule("kl", float(args.batch_threshold))
     fixed, adaptive = [], []
     for _ in range(args.repeats):

@@ -29,6 +29,7 @@ PART_STEPS = {
         "train-torchrun"],
     4: ["device", "prepare", "resume-ddp", "resume-fsdp", "autocast-grad", "tests-healing", "recompiles"],
     5: ["device", "train-step-eager", "train-step-compiled"],
+    6: ["device", "prepare-drafting", "train-drafting", "speculative-r32-batch-1", "speculative-r32-batch-32"],
 }  # fmt: skip
 
 
@@ -148,14 +149,14 @@ def test_decode_times_eagerly_the_keys_whose_predicted_compile_does_not_fit_the_
     assert all(math.isfinite(r["eager_tokens_s"]) for r in decode)  # the sign is noise's at 6 toy tokens
 
 
-# Per part: its timeout (on 2 cores, part 1 ~1-2 min, the steps' own limits 3 × the GPU's; parts 2-5 ~1-3 min each,
-# 8.5 min for the four together, limits 6 × the GPU's) and why it is left out of the ISA caps' runs.
+# Per part: its timeout (on 2 cores, part 1 ~1-2 min, the steps' own limits 3 × the GPU's; parts 2-6 ~0.5-3 min each,
+# 9 min for the five together, limits 6 × the GPU's) and why it is left out of the ISA caps' runs.
 SMOKE_PARTS = [
     pytest.param(1, marks=[pytest.mark.timeout(600), pytest.mark.not_under_isa_caps(
         "the smoke computes in float32; bf16 only times the device's peak, asserted > 0")]),
     *(pytest.param(part, marks=[pytest.mark.timeout(1800), pytest.mark.not_under_isa_caps(
         "runs model tests under --dtype bfloat16, whose bound (conftest's BF16_LOGIT_TOLERANCE) is derived from "
-        "bf16's rounding; parts 2-5 together take several times the caps' runs")]) for part in (2, 3, 4, 5)),
+        "bf16's rounding; parts 2-6 together take several times the caps' runs")]) for part in (2, 3, 4, 5, 6)),
 ]  # fmt: skip
 
 
@@ -194,15 +195,16 @@ def test_cpu_smoke_runs_every_step_of_a_part_and_each_reports_ok(part, tmp_path)
 
 # The steps that are functions (of the parts' modules in benchmarks/gpu_check/), which write result lines of their
 # own; the others are commands.
-STEP_FUNCTIONS = {*STEPS, "prepare", "resume-ddp", "resume-fsdp", "recompiles"}
+STEP_FUNCTIONS = {*STEPS, "prepare", "resume-ddp", "resume-fsdp", "recompiles", "prepare-drafting"}
 PART_FILES = [("results", ".jsonl"), ("summary", ".md"), ("log", ".txt"), ("artifacts", ".tar.gz")]
 PART_ARTIFACTS = {
     2: {"junit-float32.xml", "junit-bfloat16.xml"},
     3: {"profile-trace.json.gz", "run/log.jsonl", "train.yaml"},
     4: {"junit-healing.xml"},
     5: set(),
+    6: {"drafting-run/log.jsonl", "drafting.yaml"},
 }
-# What the steps of parts 2-5 must print for docs/results/gpu.md's tables.
+# What the steps of parts 2-6 must print for docs/results/gpu.md's tables.
 PART_OUTPUT = {
     2: {
         "tests-fp32": ["passed"],
@@ -218,6 +220,11 @@ PART_OUTPUT = {
         "profile": ["host synchronisations"],
         "fsdp-gathers": ["FSDP2 over a one-process gloo group", "all-gathers: "],
         "train-torchrun": ["Trained 3 steps"],
+    },
+    6: {  # the retrofit trained in the part decodes word problems, with and without drafts
+        "train-drafting": ["Trained 3 steps"],
+        "speculative-r32-batch-1": ["self-speculative decoding", "2 sequences", "identical output"],
+        "speculative-r32-batch-32": ["self-speculative decoding", "2 sequences", "identical output"],
     },
     4: {  # a real kill and resume, exact on the CPU
         "resume-ddp": ["ddp: killed, resumed from step-000008; losses of steps 1-16 within 0.00e+00"],

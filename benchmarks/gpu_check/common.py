@@ -70,12 +70,12 @@ def full_sizes() -> Sizes:
     )
 
 
-# ---------------------------------------------------------------- parts 2-5: their sizes and command steps
+# ---------------------------------------------------------------- parts 2-6: their sizes and command steps
 
 
 @dataclass(frozen=True)
 class BenchSizes:
-    """What the command steps of parts 2-5 run: TinyLlama-shaped on the GPU (the benchmarks' `--parent tinyllama`,
+    """What the command steps of parts 2-6 run: TinyLlama-shaped on the GPU (the benchmarks' `--parent tinyllama`,
     random weights), a tiny 16-layer llama (train_setup.prepare_train's) in the CPU smoke."""
 
     smoke: bool

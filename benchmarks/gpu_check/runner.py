@@ -4,7 +4,7 @@ measure more, each within one 10-minute command.
 On a lent GPU machine (torch and transformers as installed there, no network), from the repository root:
 
     python benchmarks/gpu_check.py --out "$OUT"            # part 1, the five-minute check: run it first
-    python benchmarks/gpu_check.py --part 2 --out "$OUT"   # later, one part a command: 2 to 5 (< 9.5 min each)
+    python benchmarks/gpu_check.py --part 2 --out "$OUT"   # later, one part a command: 2 to 6 (< 9.5 min each)
     python benchmarks/gpu_check.py --plan [--part N]       # a part's steps in order, each one's limit, the total
     python benchmarks/gpu_check.py --cpu-smoke --out DIR [--part N|all]   # CI: the steps at toy sizes on the CPU
 
@@ -31,7 +31,7 @@ an engine's start would not fit): nothing runs vLLM on CUDA. tests/test_vllm.py 
 pieces recurfit gives Model Runner V2 (vLLM's default runner on CUDA: the per-request model state and the request
 validator) on the CPU build; no engine has started on that runner.
 
-Parts 2-5 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
+Parts 2-6 each begin with the device step (a part may run on a fresh machine), then run the benchmark scripts,
 the CUDA tests and training runs as command steps, on TinyLlama-shaped random weights:
 2. the CUDA tests (`pytest --device cuda`, fp32 and bf16);
 3. benchmarks/decode.py at batch 1 (every section but compiled decoding, which part 1 measures) and
@@ -40,7 +40,9 @@ the CUDA tests and training runs as command steps, on TinyLlama-shaped random we
 4. training at scale: NCCL kill-and-resume with DDP and FSDP2 (losses against a straight run), the core's gradient
    under CUDA bf16 autocast, the healing tests on CUDA, and recompiles of `compile: true` training;
 5. benchmarks/train_step.py eager and compiled (step cost against the parent, activation memory, the optimizer
-   step, throughput at the sampled depth).
+   step, throughput at the sampled depth);
+6. self-speculative decoding at r = 32, batch 1 and 32, on a (4, 8, 4) retrofit first trained on the device for
+   300 steps on generated word problems (random weights alone would make every draft's acceptance meaningless).
 A command step's status line carries the last lines of its output; a part's long outputs (JUnit XML, the
 profiler's trace, the training log) are packed into OUT/artifacts-partN.tar.gz after its last step.
 
@@ -73,7 +75,7 @@ model, as its questions (warm starts and new depths replaying the captured graph
 limit covers no compile, so it runs on the seconds the steps before it left unused (each step may use them).
 
 `--cpu-smoke` runs a part's steps at toy sizes on the CPU (part 1: compiled with inductor as on the GPU, about a
-minute on 2 cores, no CUDA graphs on a CPU; parts 2-5: minutes each), with the packages the device lacks hidden
+minute on 2 cores, no CUDA graphs on a CPU; parts 2-6: minutes each), with the packages the device lacks hidden
 (MISSING_ON_DEVICE), so that CI fails here if a step stops running; scripts/check-device.sh runs part 1's under
 the GPU machine's torch and transformers.
 """
@@ -95,13 +97,13 @@ from pathlib import Path
 
 from train_setup import prepare_train
 
-from . import part1, part2, part3, part4, part5
+from . import part1, part2, part3, part4, part5, part6
 from .common import BENCH, REPO, SCRIPT, Step, append, bench_sizes, has_peaks, output, peaks, read_results
 from .context import Context
 from .smoke import hide_device_missing
 
 # The parts, in order (each one's steps, limits and budget are its module's).
-PARTS = {1: part1.PART, 2: part2.PART, 3: part3.PART, 4: part4.PART, 5: part5.PART}
+PARTS = {1: part1.PART, 2: part2.PART, 3: part3.PART, 4: part4.PART, 5: part5.PART, 6: part6.PART}
 # A part's long outputs, packed after its last step (the device returns few files).
 ARTIFACTS = (
     "peaks.json",
@@ -111,6 +113,8 @@ ARTIFACTS = (
     "profile-trace.json.gz",
     "run/log.jsonl",
     "train.yaml",
+    "drafting-run/log.jsonl",
+    "drafting.yaml",
 )
 
 
@@ -223,7 +227,7 @@ def pack(work: Path, archive: Path) -> None:
 def drop_run_folders(work: Path) -> None:
     """The training runs' folders, once a part has packed their logs: each holds a ~7 GB checkpoint and a final
     model on the GPU, and a warm machine runs the next part on the same 64 GiB disk."""
-    for folder in [work / "run", work / "compiled", *work.glob("resume-*")]:
+    for folder in [work / "run", work / "drafting-run", work / "compiled", *work.glob("resume-*")]:
         if folder.is_dir():
             shutil.rmtree(folder)
 
@@ -247,7 +251,7 @@ def commit() -> str:
 
 
 # The steps that are functions, by name, from the parts' modules (part 4 runs part 3's prepare too).
-STEP_FUNCTIONS = {**part1.STEP_FUNCTIONS, **part3.STEP_FUNCTIONS, **part4.STEP_FUNCTIONS}
+STEP_FUNCTIONS = {**part1.STEP_FUNCTIONS, **part3.STEP_FUNCTIONS, **part4.STEP_FUNCTIONS, **part6.STEP_FUNCTIONS}
 
 
 # ---------------------------------------------------------------- main
@@ -260,7 +264,7 @@ def main() -> int:
         "--part",
         choices=[*map(str, PARTS), "all"],
         default="1",
-        help="1: the five-minute check (default); 2-5: later, one a command; all: each in turn (the smoke, --plan)",
+        help="1: the five-minute check (default); 2-6: later, one a command; all: each in turn (the smoke, --plan)",
     )
     parser.add_argument("--plan", action="store_true", help="print the part's steps, their time limits and the total")
     parser.add_argument("--cpu-smoke", action="store_true", help="the part's steps at toy sizes on the CPU (CI)")
