@@ -153,20 +153,24 @@ def test_draft_length_backs_off_while_rejected_and_recovers_when_accepted():
 
 
 @pytest.mark.parametrize(
-    "device, cost, least",
+    "device, cost, alpha, least",
     [
         # Bandwidth-bound (a GPU at small batches): a draft adds 0.1 of a plain step. At α = 0.6 the best is 3 drafts,
         # 1.67 tokens per plain step's time (2 drafts: 1.63, 4: 1.64, 1: 1.45); the probes of the first rounds cost.
-        ("bandwidth-bound", lambda d: 1 + 0.1 * d, 1.5),
+        ("bandwidth-bound", lambda d: 1 + 0.1 * d, 0.6, 1.5),
         # Compute-bound (a CPU, large batches): the verifying forward costs each token it checks, so every d > 0 loses
         # (1 draft: 1.6 / 2.1 = 0.76 tokens per plain step's time); the one-draft probes cost at most 1/32 of that.
-        ("compute-bound", lambda d: 0.1 * d + (1 + d), 0.95),
+        ("compute-bound", lambda d: 0.1 * d + (1 + d), 0.6, 0.95),
+        # A CPU at batch 1: verifying more than one token costs 0.7 of a plain step more at any d (matrix-matrix
+        # kernels), then 0.07 a draft. At α = 0.9, 4 drafts give 2.07 (1: 1.07); a straight line through t(0) and
+        # t(4) would price 1-3 drafts too low, try them, and spend rounds there (1.91 with these draws).
+        ("a CPU at batch 1", lambda d: 1 + 0.7 * (d > 0) + 0.07 * d, 0.9, 1.95),
     ],
 )
-def test_draft_length_drafts_only_where_the_measured_round_times_pay(device, cost, least):
-    """The same acceptance (each draft kept with probability 0.6 once the ones before it were) and the same prior
-    (`draft_cost` 0.1, the bandwidth-bound guess), on two devices: the tokens per time decoded, in plain steps'
-    times, reach what the device allows; a policy that ignored the clock would draft 3 on both (0.51 on the
+def test_draft_length_drafts_only_where_the_measured_round_times_pay(device, cost, alpha, least):
+    """The same prior (`draft_cost` 0.1, the bandwidth-bound guess) on three devices, each draft kept with
+    probability α once the ones before it were: the tokens per time decoded, in plain steps' times, reach what the
+    device allows; a policy that ignored the clock would draft 3 at α = 0.6 on every device (0.51 on the
     compute-bound one)."""
     from recurfit.generation.speculative import DraftLength
 
@@ -174,7 +178,7 @@ def test_draft_length_drafts_only_where_the_measured_round_times_pay(device, cos
 
     def kept(d: int) -> int:
         accepted = 0
-        while accepted < d and draw.random() < 0.6:
+        while accepted < d and draw.random() < alpha:
             accepted += 1
         return accepted
 

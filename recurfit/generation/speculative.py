@@ -117,22 +117,24 @@ def forward_cost(model, num_steps: int) -> int:
 
 
 class DraftLength:
-    """The number of drafts of each round, from the acceptance and the costs measured in the rounds before.
+    """The number of drafts of each round, from the acceptance and the round times measured in the rounds before.
 
     A draft is accepted with probability α once the ones before it were (greedy drafts fail at the first
-    disagreement), so a round of d drafts yields 1 + α + … + α^d tokens. Its time is modelled as t₀ + d·t₁: t₀ a
-    plain step (one forward at the full r), t₁ what each draft adds (its own shallow forward and one more token
-    in the verifying forward). Each round takes the d in 0..lookahead with the most tokens per time.
+    disagreement), so a round of d drafts yields 1 + α + … + α^d tokens in the time t(d) of its d shallow forwards
+    and its verifying forward over d + 1 tokens; each round takes the d in 0..lookahead with the most tokens per
+    time. t(0) is a plain step.
 
-    Both are measured, as decayed averages of the rounds' wall times (recent rounds weigh most): a verifying
-    forward over d + 1 tokens costs about one token's where decoding is bound by reading the weights (a GPU at
-    small batches) and d + 1 tokens' where it is bound by compute (a CPU, large batches), and only the clock tells
-    which. Until both kinds of round have run, t₁/t₀ is `draft_cost`, the bandwidth-bound guess (a draft's share
-    of a full-depth forward's reads); the first round drafts `lookahead` (α starts at one accepted draft) and the
-    second is plain, so both are measured from then on, and a plain step is taken again when `MAX_WAIT` rounds
+    t(d) is measured: the decayed average of the wall times of the rounds of d drafts (recent rounds weigh most).
+    Only the clock can tell it: a verifying forward over d + 1 tokens costs about one token's where decoding is
+    bound by reading the weights (a GPU at small batches), d + 1 tokens' where it is bound by compute (a CPU,
+    large batches), and on a CPU at batch 1 one step more than a plain token's at any d > 0 (matrix-matrix
+    kernels in place of matrix-vector ones). A d not yet run is interpolated between the measured ones around it;
+    past the largest, each draft adds `draft_cost` plain steps (its own forward's share of a full-depth forward's
+    reads), which is also the whole model until a plain step has run. The first round drafts `lookahead` (α
+    starts at one accepted draft), the second is plain, and a plain step is taken again when `MAX_WAIT` rounds
     passed without one. Once drafting does not pay, decoding goes on in plain steps and probes with one draft
     after 2, 4, … up to `MAX_WAIT` of them, so that a batch or device where drafting loses costs little more than
-    plain decoding and a change is noticed.
+    plain decoding, and a change is noticed.
     """
 
     DECAY = 0.7  # weight of the counts and times so far at each round
@@ -142,28 +144,33 @@ class DraftLength:
         self.lookahead, self.draft_cost, self.adaptive, self.clock = lookahead, draft_cost, adaptive, clock
         self.accepted, self.rejected = 1.0, 0.0
         self.wait, self.next_wait = 0, 2
-        self.plain = _Decayed(self.DECAY)  # seconds of plain steps
-        self.drafting = _Decayed(self.DECAY)  # seconds and drafts of drafting rounds
+        self.times = {d: _Decayed(self.DECAY) for d in range(lookahead + 1)}  # seconds of the rounds of d drafts
         self.since_plain, self.started = 0, None
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    @property
-    def cost_ratio(self) -> float:
-        """t₁/t₀: what a draft adds to a round, in plain steps; measured once both kinds of round have run."""
-        if not (self.plain.weight and self.drafting.weight):
-            return self.draft_cost
-        t0 = self.plain.mean("seconds")
-        return max(self.drafting.mean("seconds") - t0, 0.0) / self.drafting.mean("drafts") / t0
+    def round_time(self, d: int) -> float:
+        """t(d): measured, interpolated, or extrapolated at `draft_cost` plain steps a draft (see above)."""
+        measured = {k: t.mean for k, t in self.times.items() if t.weight}
+        if 0 not in measured:
+            return 1 + d * self.draft_cost  # in plain steps, until one is measured
+        if d in measured:
+            return measured[d]
+        below = max(k for k in measured if k < d)
+        above = [k for k in measured if k > d]
+        if not above:
+            return measured[below] + (d - below) * self.draft_cost * measured[0]
+        above = min(above)
+        return measured[below] + (measured[above] - measured[below]) * (d - below) / (above - below)
 
     def best(self) -> int:
         """The number of drafts with the most expected tokens per time at the current acceptance (0: none)."""
-        alpha, ratio = self.acceptance, self.cost_ratio
+        alpha = self.acceptance
 
         def tokens_per_time(d: int) -> float:
-            return sum(alpha**i for i in range(d + 1)) / (1 + d * ratio)
+            return sum(alpha**i for i in range(d + 1)) / self.round_time(d)
 
         return max(range(self.lookahead + 1), key=lambda d: (tokens_per_time(d), -d))
 
@@ -174,17 +181,15 @@ class DraftLength:
         if self.wait:  # plain steps until the next probe
             self.wait -= 1
             return 0
-        if self.drafting.weight and (not self.plain.weight or self.since_plain >= self.MAX_WAIT):
-            return 0  # a plain step to measure t₀
+        if self.since_plain and (not self.times[0].weight or self.since_plain >= self.MAX_WAIT):
+            return 0  # a plain step, to measure t(0)
         return max(self.best(), 1)  # 1 where drafting did not pay: a probe
 
     def update(self, drafted: int, kept: int) -> None:
-        seconds = self.clock() - self.started
+        self.times[drafted].add(self.clock() - self.started)
         if not drafted:
-            self.plain.add(seconds=seconds)
             self.since_plain = 0
             return
-        self.drafting.add(seconds=seconds, drafts=drafted)
         self.since_plain += 1
         self.accepted = self.DECAY * self.accepted + kept
         self.rejected = self.DECAY * self.rejected + (kept < drafted)
@@ -195,18 +200,18 @@ class DraftLength:
 
 
 class _Decayed:
-    """Decayed sums of a round's measurements: each new round weighs 1, the ones before `decay` times less."""
+    """A decayed average of measurements: each new one weighs 1, the ones before `decay` times less each time."""
 
     def __init__(self, decay: float):
-        self.decay, self.weight, self.sums = decay, 0.0, {}
+        self.decay, self.weight, self.total = decay, 0.0, 0.0
 
-    def add(self, **values: float) -> None:
+    def add(self, value: float) -> None:
         self.weight = self.decay * self.weight + 1
-        for name, value in values.items():
-            self.sums[name] = self.decay * self.sums.get(name, 0.0) + value
+        self.total = self.decay * self.total + value
 
-    def mean(self, name: str) -> float:
-        return self.sums[name] / self.weight
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight
 
 
 def _agreeing_prefix(logits, drafts, accept_ratio: float, finished) -> int:
