@@ -126,15 +126,15 @@ class DraftLength:
 
     t(d) is measured: the decayed average of the wall times of the rounds of d drafts (recent rounds weigh most).
     Only the clock can tell it: a verifying forward over d + 1 tokens costs about one token's where decoding is
-    bound by reading the weights (a GPU at small batches), d + 1 tokens' where it is bound by compute (a CPU,
-    large batches), and on a CPU at batch 1 one step more than a plain token's at any d > 0 (matrix-matrix
-    kernels in place of matrix-vector ones). A d not yet run is interpolated between the measured ones around it;
+    bound by reading the weights (a GPU at small batches), d + 1 tokens' where it is bound by compute (a CPU, large
+    batches), and on a CPU at batch 1 most of a plain step more from d = 1 on (matrix-matrix kernels in place of
+    matrix-vector ones), then little per draft. A d not yet run is interpolated between the measured ones around it;
     past the largest, each draft adds `draft_cost` plain steps (its own forward's share of a full-depth forward's
-    reads), which is also the whole model until a plain step has run. The first round drafts `lookahead` (α
-    starts at one accepted draft), the second is plain, and a plain step is taken again when `MAX_WAIT` rounds
-    passed without one. Once drafting does not pay, decoding goes on in plain steps and probes with one draft
-    after 2, 4, … up to `MAX_WAIT` of them, so that a batch or device where drafting loses costs little more than
-    plain decoding, and a change is noticed.
+    reads), which is also the whole model until a plain step has run. The first round drafts `lookahead` (α starts
+    at one accepted draft), the second is plain, and a plain step is taken again when `MAX_WAIT` rounds passed
+    without one. Once drafting does not pay, decoding goes on in plain steps and probes with one draft after 2, 4, …
+    up to `MAX_WAIT` of them, so that a batch or device where drafting loses costs little more than plain decoding,
+    and a change is noticed.
     """
 
     DECAY = 0.7  # weight of the counts and times so far at each round
