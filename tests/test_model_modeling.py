@@ -256,3 +256,27 @@ def test_inference_multiplies_the_adapters_embedded_half_once_per_forward(adapte
     with AdapterProducts(model.model.adapter) as products:
         model(ids, attention_mask=mask, num_steps=(3, 2))
     assert products.widths == [2 * hidden] * 5
+
+
+def test_readouts_while_decoding_are_the_token_stopped_at_each_step_and_leave_the_cache_as_it_was():
+    """With a cache, `readout_steps` reads what an exit rule reads: the new token's logits had its recurrence stopped
+    at step s (the earlier tokens' final coda entries), which a forward at r = s on a copy of the cache computes, and
+    the cache afterwards is the cache without readouts: the next token's logits are the same. The same operations in
+    the same order on both sides, so the float32 bound is exact."""
+    from recurfit.model.cache import RecurrentCache
+    from recurfit.model.compat import cache_kwargs
+
+    model = model_with_state("llama")
+    ids = token_batch(1, 9)
+    prefilled = RecurrentCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :7], num_steps=5, **cache_kwargs(prefilled))
+        read, plain = copy.deepcopy(prefilled), copy.deepcopy(prefilled)
+        out = model(ids[:, 7:8], num_steps=5, readout_steps=[1, 2, 3, 4], **cache_kwargs(read))
+        assert len(out.readout_logits) == 4
+        for step, logits in enumerate(out.readout_logits, start=1):
+            stopped = model(ids[:, 7:8], num_steps=step, **cache_kwargs(copy.deepcopy(prefilled))).logits
+            torch.testing.assert_close(logits, stopped, **close(0, 0))
+        torch.testing.assert_close(out.logits, model(ids[:, 7:8], num_steps=5, **cache_kwargs(plain)).logits)
+        after_readouts, after_plain = (model(ids[:, 8:9], num_steps=5, **cache_kwargs(c)).logits for c in (read, plain))
+    torch.testing.assert_close(after_readouts, after_plain, **close(0, 0))

@@ -228,7 +228,8 @@ class RecurrentModel(RecurrentPreTrainedModel):
         Decoding one token at a time, `exit_rule` (see `recurfit.generation.exit`) may stop rows early, reading
         their next-token logits through `lm_head`; `warm_start` starts s_0 from the previous token's final state.
         `readout_steps` (each < n + k): also read the coda out after these recurrences, within the same pass
-        (with gradient where the step has it: depth supervision), as `readout_hidden_states`."""
+        (with gradient where the step has it: depth supervision), as `readout_hidden_states`; with a cache, each
+        readout is what an exit rule reads (the earlier tokens' final coda entries; nothing kept in the cache)."""
         cache = take_cache(past_key_values, cache)
         n, k = self.resolve_num_steps(num_steps)
         if any(not 1 <= step < n + k for step in readout_steps):
@@ -247,8 +248,12 @@ class RecurrentModel(RecurrentPreTrainedModel):
         ):
             if output_hidden_states:
                 states.append(state)
-            if step in readout_steps:
-                hidden_at_readout_steps.append(self._coda(state, layer_kwargs))
+            if step in readout_steps:  # with a cache, a look that keeps nothing: the coda caches s_r's entries only
+                hidden_at_readout_steps.append(
+                    self._coda(state, layer_kwargs)
+                    if cache is None
+                    else self._coda_probe(state, cache, layer_kwargs, None, len(state))
+                )
         if cache is not None:
             cache.keep_final_state(state)
             cache.end_forward()
