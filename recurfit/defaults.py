@@ -19,6 +19,12 @@ Curriculum = Literal["constant", "linear", "1-sqrt"]  # how r̄ (and k̄) ramp u
 CURRICULA = get_args(Curriculum)
 DepthDraw = Literal["step", "micro_batch"]  # one (n, k) per optimizer step, or per micro-batch (the authors' loop)
 DEPTH_DRAWS = get_args(DepthDraw)
+# With depth.draw: micro_batch, whether every process runs the same depths (one draw per micro-batch slot, its
+# place in the process's share) or its own (seeded by the micro-batch's first row in the global batch, so that N
+# processes draw the depths one does); auto: the same under FSDP2, whose collectives make every process wait for the
+# deepest at each micro-batch (and by layer follow the depth), own under DDP
+DrawAcross = Literal["auto", "same", "own"]
+DRAWS_ACROSS = get_args(DrawAcross)
 # How the paper's FLOPs accounting rounds a ramp's depth boundaries: floor, as the authors' param_counter.py;
 # ceil, as its commented-out variant.
 RampRounding = Literal["floor", "ceil"]
@@ -62,7 +68,7 @@ Compile = Literal["auto", True, False]
 Strategy = Literal["ddp", "fsdp"]  # how several processes share a run
 STRATEGIES = get_args(Strategy)
 # FSDP2's units: the recurrent unit gathered once per micro-batch, or every layer gathered at each use (its
-# weights and gradients never whole on a GPU; the processes then draw the same depths)
+# weights and gradients never whole on a GPU)
 FsdpUnits = Literal["recurrence", "layer"]
 FSDP_UNITS = get_args(FsdpUnits)
 NonfinitePolicy = Literal["skip", "apply"]  # what an update with a non-finite loss or gradient does

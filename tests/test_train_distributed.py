@@ -25,6 +25,7 @@ from conftest import (
 from safetensors.torch import load_file
 
 import recurfit
+from recurfit.errors import RecurfitError
 from recurfit.train import load_config, train
 from recurfit.train.metrics import read_log
 
@@ -133,15 +134,17 @@ def two_processes_against_one(tmp_path, workspace, optimizer: dict) -> tuple[dic
 
 @pytest.mark.two_processes
 def test_fsdp2_with_a_depth_per_micro_batch_trains_as_one_process(tmp_path, workspace):
-    """Every paper recipe draws (n, k) per micro-batch, so the two processes run their cores a different number of
-    times in the same step; under FSDP2 they must still issue the same collectives (they hung before)."""
+    """Every paper recipe draws (n, k) per micro-batch; with each process's own draws (`depth.across_processes:
+    own`) the two processes run their cores a different number of times in the same step, and under FSDP2 they must
+    still issue the same collectives (they hung before)."""
     optimizer = {"name": "adamw", "lr": 0.003, "warmup": 1}
     depth = {"mean_recurrence": 4, "backprop_depth": 2, "draw": "micro_batch"}
     base = tiny_config(
         workspace, tmp_path / "x", steps=3, optimizer=optimizer, depth=depth, batch={"micro": 1, "global": 4}
     )
     base["checkpoint"] = {"every": 0, "keep": 1}
-    one_and_two_processes(tmp_path, base, {"distributed": "fsdp"}, timeout=HANG)
+    depth = {**depth, "across_processes": "own"}
+    one_and_two_processes(tmp_path, base, {"distributed": "fsdp", "depth": depth}, timeout=HANG)
     logs = {name: [r for r in read_log(tmp_path / name) if r["kind"] == "train"] for name in ("one", "two")}
     # the draws differ between the micro-batches the two processes run at the same time
     assert any(len({tuple(d) for d in record["depths"]}) > 1 for record in logs["two"])
@@ -316,24 +319,57 @@ def test_fsdp2_shards_the_teacher_and_matches_one_process(tmp_path, workspace):
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_fsdp_by_layer_runs_the_same_depths_on_every_process_each_drawn_as_one_process_draws_it():
-    """Under `fsdp_units: layer` each process's j-th micro-batch of a step runs the depth one process draws for
-    its j-th (the sampler and its seeds unchanged, so a run's depths have the same distribution); otherwise every
-    micro-batch keeps its own draw, whatever the number of processes."""
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"distributed": "fsdp"},
+        {"distributed": "fsdp", "fsdp_units": "layer"},
+        {"distributed": "ddp", "depth.across_processes": "same"},
+    ],
+    ids=["fsdp-recurrence", "fsdp-layer", "ddp-same"],
+)
+def test_every_fsdp_run_draws_the_same_depths_on_every_process_each_drawn_as_one_process_draws_it(settings):
+    """Under FSDP2 (either unit layout), and under DDP with `depth.across_processes: same`, each process's j-th
+    micro-batch of a step runs the depth one process draws for its j-th (the sampler and its seeds unchanged, so a
+    run's depths have the same distribution): no process waits at a micro-batch for another's deeper draw. Under
+    DDP by default every micro-batch keeps its own draw, whatever the number of processes."""
     from recurfit.train.step_plan import depth_schedule, plan_step
 
-    settings = {"depth.draw": "micro_batch", "depth.mean_recurrence": 8, "batch.micro": 2, "batch.global": 8}
-    layer, _ = tiny_plan_model(distributed="fsdp", fsdp_units="layer", **settings)
-    recurrence, _ = tiny_plan_model(distributed="fsdp", **settings)
-    schedule = depth_schedule(layer)
+    draws = {"depth.draw": "micro_batch", "depth.mean_recurrence": 8, "batch.micro": 2, "batch.global": 8}
+    shared, _ = tiny_plan_model(**settings, **draws)
+    own, _ = tiny_plan_model(**draws)
+    schedule = depth_schedule(shared)
     drawn_apart = 0
     for step in range(40):
-        one = [m.num_steps for m in plan_step(layer, schedule, step, 1, True).micro_batches]
-        two = [m.num_steps for m in plan_step(layer, schedule, step, 2, True).micro_batches]
+        one = [m.num_steps for m in plan_step(shared, schedule, step, 1, True).micro_batches]
+        assert [m.num_steps for m in plan_step(own, schedule, step, 1, True).micro_batches] == one
+        two = [m.num_steps for m in plan_step(shared, schedule, step, 2, True).micro_batches]
         assert two == one[:2] + one[:2]  # processes 0 and 1: 2 micro-batches each
-        assert [m.num_steps for m in plan_step(recurrence, schedule, step, 2, True).micro_batches] == one
+        four = [m.num_steps for m in plan_step(shared, schedule, step, 4, True).micro_batches]
+        assert four == one[:1] * 4
+        assert [m.num_steps for m in plan_step(own, schedule, step, 2, True).micro_batches] == one
         drawn_apart += one[:2] != one[2:]
     assert drawn_apart > 20  # the negative control: one process's later micro-batches draw other depths
+
+
+@pytest.mark.parametrize(
+    "settings, problem",
+    [
+        (
+            {
+                "distributed": "fsdp",
+                "fsdp_units": "layer",
+                "depth.draw": "micro_batch",
+                "depth.across_processes": "own",
+            },
+            "by layer, FSDP2's collectives follow the depth: use same or auto",
+        ),
+        ({"depth.across_processes": "same"}, "set depth.draw=micro_batch"),
+    ],
+)
+def test_draws_across_processes_that_cannot_apply_are_refused(settings, problem):
+    with pytest.raises(RecurfitError, match=problem):
+        tiny_plan_model(**settings)
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
@@ -493,3 +529,28 @@ def test_fsdp2_muon_orthogonalises_each_matrix_on_one_process(fsdp_probe):
     done = [result["collectives"]["orthogonalised"] for result in two]
     steps = len(DEPTHS) + 1  # and the step at uneven depths
     assert sum(done) == steps * units and abs(done[0] - done[1]) <= steps
+
+
+@pytest.mark.two_processes
+def test_fsdp2_trains_the_head_alone_as_one_process(tmp_path, workspace):
+    """`model.trainable: [head]` under FSDP2: the head's gradient is reduced and applied, so the head moves and the
+    losses, gradient norms and final head are one process's. (The loss once read the head's weight off the module,
+    outside the root unit's forward: no FSDP2 hook was in the loss's graph, the head's gradient was never reduced,
+    and the 2-process run kept its first loss with a gradient norm of 0.)"""
+    optimizer = {"name": "adamw", "lr": 0.01, "warmup": 1}
+    base = tiny_config(workspace, tmp_path / "x", steps=3, checkpoint={"every": 0, "keep": 1}, optimizer=optimizer)
+    base["model"]["trainable"] = ["head"]
+    base["eval"] = {"every": 0, "steps": [1], "rows": 2}
+    one, two = one_and_two_processes(tmp_path, base, {"distributed": "fsdp"}, timeout=HANG)
+    expected, got = ([r for r in read_log(path) if r["kind"] == "train"] for path in (one, two))
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, expected, strict=True):
+        assert a["grad_norm"] > 0
+        # AdamW in float32: the all-reduce's rounding only (DDP_TOLERANCE's reasoning)
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-5, abs=1e-6)
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(workspace / "parent").get_output_embeddings().weight.detach()
+    heads = [load_file(path / "final" / "model.safetensors")["lm_head.weight"] for path in (one, two)]
+    assert (heads[1] - start).abs().max() > 1e-3  # AdamW at lr 0.01 moves each weight by ~0.01 per step
+    assert torch.allclose(heads[1], heads[0], rtol=1e-5, atol=1e-6)

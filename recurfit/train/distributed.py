@@ -21,7 +21,7 @@ whatever depth it drew, and their number does not grow with n + k.
 use and resharded after it: no process holds more than two layers' weights whole, and the core is gathered once
 per recurrence. FSDP2 reduce-scatters a unit used several times once, after its last use's backward, so the
 core's gradients are whole through the recurrence's backward. Its gathers follow the depth, so the processes
-draw the same depths (`step_plan.plan_step`).
+must draw the same depths (`step_plan.draws_shared`, which every FSDP2 run does by default).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 The depths come from the curricula and a sampler seeded by (seed, step[, row]), so every process, and a resumed
 run, plans the same step; a micro-batch is named by its first row in the global batch, whatever the number of
-processes (two processes run the micro-batches that one does). Under `fsdp_units: layer`, whose collectives
-follow the depth, a micro-batch's draw is seeded by its first row in its process's share instead: the processes
-run the same depths, one draw per micro-batch slot (as the paper authors' loop, whose draws were the same on
-every GPU), each drawn as before.
+processes. With one draw per micro-batch, the draws are either each process's own, seeded by the micro-batch's
+first row in the global batch (two processes then run the depths that one does), or the same on every process,
+seeded by its first row in its process's share: one draw per micro-batch slot, as the paper authors' loop, whose
+draws were the same on every GPU (`draws_shared`).
 """
 
 from __future__ import annotations
@@ -72,6 +72,17 @@ class StepPlan:
         return next((m for m in self.micro_batches if m.first_row == first_row), self.first)
 
 
+def draws_shared(config: TrainConfig) -> bool:
+    """Whether every process runs the same depths, one draw per micro-batch slot (`depth.across_processes`).
+
+    FSDP2 synchronises the processes at every micro-batch (each unit's all-gather and reduce-scatter), so a step
+    costs the sum over micro-batches of the deepest process's draw; by layer its collectives also follow the depth.
+    DDP synchronises once per step, at the last micro-batch's all-reduce: each process's own draws then cost only
+    the spread of the processes' sums, and keep a run's depths those of one process."""
+    across = config.depth.across_processes
+    return across == "same" or (across == "auto" and config.distributed == "fsdp")
+
+
 def plan_step(config: TrainConfig, schedule: DepthSchedule, step: int, world: int, recurrent: bool) -> StepPlan:
     """The plan of optimizer step `step` (0-based) of a run on `world` processes."""
     global_rows, micro = config.batch.global_, config.batch.micro
@@ -81,8 +92,7 @@ def plan_step(config: TrainConfig, schedule: DepthSchedule, step: int, world: in
         return StepPlan(step, (MicroBatch(0, global_rows, *schedule.at(step)),))
     share = global_rows // world
     starts = [rank * share + start for rank in range(world) for start in range(0, share, micro)]
-    # fsdp_units: layer seeds each draw by the micro-batch's first row in its process's share: the same everywhere
-    seeded_by = share if config.distributed == "fsdp" and config.fsdp_units == "layer" else global_rows
+    seeded_by = share if draws_shared(config) else global_rows  # a row's seed: its place in its share, or the batch
     return StepPlan(
         step,
         tuple(MicroBatch(row, min(micro, share - row % share), *schedule.at(step, row % seeded_by)) for row in starts),

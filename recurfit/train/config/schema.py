@@ -35,6 +35,7 @@ from ...defaults import (
     DataRepeat,
     DecayShape,
     DepthDraw,
+    DrawAcross,
     FsdpUnits,
     ModelInit,
     MuonDtype,
@@ -146,6 +147,10 @@ class DepthConfig:
     # How `flops_paper` rounds the ramp's depth boundaries (accounting.paper_ramp): floor, as the authors'
     # param_counter.py; ceil, as its commented-out variant, which counted their loop_whole_model runs.
     paper_ramp_rounding: RampRounding = "floor"
+    # With draw: micro_batch, the same depths on every process (same) or each its own (own: N processes then draw
+    # the depths one does, each waiting at every FSDP2 micro-batch for the deepest); auto: same under FSDP2, own
+    # under DDP
+    across_processes: DrawAcross = "auto"
     supervise: SuperviseConfig | None = None  # None: the loss at the final recurrence only
 
 
@@ -272,8 +277,8 @@ class TrainConfig:
     # FSDP2's units (distributed: fsdp): recurrence gathers the adapter, core and coda once per micro-batch (its
     # weights and gradients are whole on every GPU then); layer gathers each layer at each use, so no GPU holds
     # more than two layers' weights whole (the core's gradients still are, through its backward), at the cost of
-    # gathering the core once per recurrence, and every process runs the same depths (each micro-batch's draw is
-    # seeded by its place in its process's share of the batch)
+    # gathering the core once per recurrence (its collectives then follow the depth: depth.across_processes: own is
+    # refused)
     fsdp_units: FsdpUnits = "recurrence"
     # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
     # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or

@@ -72,6 +72,7 @@ def config_problems(config: TrainConfig) -> list[str]:
             problems.append(f"{name} must be >= {least}, got {value}")
     if config.fsdp_units != "recurrence" and config.distributed != "fsdp":
         problems.append(f"fsdp_units={config.fsdp_units} shards with FSDP2: set distributed=fsdp as well")
+    problems += draw_problems(config)
     for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
         if not 0 <= getattr(config.depth, name) <= 1:
             problems.append(f"depth.{name} must be in [0, 1]")
@@ -85,6 +86,15 @@ def config_problems(config: TrainConfig) -> list[str]:
     elif config.model.trainable == []:
         problems.append("model.trainable is empty: name the parts to train (or leave it out to train all)")
     return problems
+
+
+def draw_problems(config: TrainConfig) -> list[str]:
+    across = config.depth.across_processes
+    if across != "auto" and config.depth.draw != "micro_batch":
+        return [f"depth.across_processes={across} applies to one draw per micro-batch: set depth.draw=micro_batch"]
+    if across == "own" and config.distributed == "fsdp" and config.fsdp_units == "layer":
+        return ["depth.across_processes=own: by layer, FSDP2's collectives follow the depth: use same or auto"]
+    return []
 
 
 def model_problems(model: ModelConfig) -> list[str]:
