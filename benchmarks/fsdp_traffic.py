@@ -53,7 +53,7 @@ def measure(units: str) -> dict:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
     from recurfit.train.distributed import Processes
-    from recurfit.train.head import final_hidden_states, head_weight
+    from recurfit.train.head import final_hidden_states
     from recurfit.train.losses import HealingLoss
 
     torch.set_num_threads(1)
@@ -70,8 +70,8 @@ def measure(units: str) -> dict:
         rows = torch.randint(0, size["vocab"], (micro_batches, size["micro"], size["seq"] + 1))
         for index, micro_batch in enumerate(rows):
             with processes.accumulating(model, index == micro_batches - 1):
-                hidden = final_hidden_states(model, model, micro_batch[:, :-1], num_steps=(2, 2))
-                loss = healing(hidden, head_weight(model), micro_batch[:, 1:].flatten(), None, {})
+                hidden, weight = final_hidden_states(model, model, micro_batch[:, :-1], num_steps=(2, 2))
+                loss = healing(hidden, weight, micro_batch[:, 1:].flatten(), None, {})
                 (loss / micro_batches).backward()
         model.zero_grad(set_to_none=True)
         results[micro_batches] = {

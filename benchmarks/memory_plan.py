@@ -148,7 +148,7 @@ def plain_loss(healing, logits: list, targets, teacher_logits):
 def measure(case: dict) -> dict:
     import torch
 
-    from recurfit.train.head import final_hidden_states, head_weight
+    from recurfit.train.head import final_hidden_states
     from recurfit.train.losses import HealingLoss
     from recurfit.train.memory import plan_memory
     from recurfit.train.optim import build_optimizers, global_grad_norm
@@ -174,14 +174,15 @@ def measure(case: dict) -> dict:
             inputs, targets = micro_batch[:, :-1], micro_batch[:, 1:]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the trainer's autocast
                 if case["loss"] == "chunked":  # the trainer's: from the hidden states, a chunk at a time
-                    hidden = final_hidden_states(model, model, inputs, num_steps=num_steps, readout_steps=readouts)
-                    with torch.no_grad():
-                        teacher_states = (
-                            (final_hidden_states(teacher, teacher, inputs)[-1], head_weight(teacher))
-                            if teacher
-                            else None
-                        )
-                    loss = healing(hidden, head_weight(model), targets.flatten(), teacher_states, {})
+                    hidden, weight = final_hidden_states(
+                        model, model, inputs, num_steps=num_steps, readout_steps=readouts
+                    )
+                    teacher_states = None
+                    if teacher:
+                        with torch.no_grad():
+                            teacher_hidden, teacher_weight = final_hidden_states(teacher, teacher, inputs)
+                        teacher_states = (teacher_hidden[-1], teacher_weight)
+                    loss = healing(hidden, weight, targets.flatten(), teacher_states, {})
                     del hidden, teacher_states
                 else:
                     output = model(input_ids=inputs, num_steps=num_steps, readout_steps=readouts)

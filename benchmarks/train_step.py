@@ -39,7 +39,7 @@ from recurfit.model.loading import load_model
 from recurfit.model.sampling import sample_depth
 from recurfit.train import optim
 from recurfit.train.config import OptimizerConfig
-from recurfit.train.head import final_hidden_states, head_losses, head_weight
+from recurfit.train.head import final_hidden_states, head_losses
 from recurfit.train.metrics import peak_flops
 from recurfit.train.optim import (
     BatchedMuon,
@@ -73,8 +73,8 @@ def training_loss(model, rows: torch.Tensor, autocast, **kwargs) -> torch.Tensor
     hidden states, then the head's float32 cross-entropy against `rows[:, 1:]` a chunk of positions at a time
     (transformers' loss would upcast every logit at once, which training never does)."""
     with autocast:
-        hidden = final_hidden_states(model, model, rows[:, :-1], **kwargs)
-        return head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0]
+        hidden, weight = final_hidden_states(model, model, rows[:, :-1], **kwargs)
+        return head_losses(hidden[-1], weight, rows[:, 1:])[0]
 
 
 def optimizer_step(model, ids, autocast, depth, optimizers, clip: float | None = None) -> None:

@@ -254,11 +254,14 @@ def test_validation_in_fp32_as_the_authors_measured(tmp_path, workspace, monkeyp
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32).eval()
     rows = torch.from_numpy(TokenStore(workspace / "prose", "val")[:4].astype("int64"))
     chunks = rows.split(config["batch"]["micro"])
-    validated = [torch.cat(depth) for depth in zip(*read[-len(chunks) :])]  # the last validation's, by depth
+    # the last validation's, by depth
+    validated = [torch.cat(depth) for depth in zip(*(r.hidden for r in read[-len(chunks) :]))]
 
     def hidden(autocast: bool) -> list[torch.Tensor]:  # by depth, the micro-batches' states concatenated
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            each = [final_hidden_states(model, model, c[:, :-1], num_steps=(0, 3), readout_steps=[1]) for c in chunks]
+            each = [
+                final_hidden_states(model, model, c[:, :-1], num_steps=(0, 3), readout_steps=[1]).hidden for c in chunks
+            ]
         return [torch.cat(depth) for depth in zip(*each)]
 
     def largest_difference(states: list[torch.Tensor]) -> float:

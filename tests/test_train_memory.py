@@ -95,7 +95,7 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
     from conftest import tiny_parent
 
     from recurfit import retrofit
-    from recurfit.train.head import final_hidden_states, head_losses, head_weight
+    from recurfit.train.head import final_hidden_states, head_losses
     from recurfit.train.memory import (
         _activation_bytes,
         _autocast_copies,
@@ -123,8 +123,8 @@ def test_the_whole_models_saved_tensors_are_the_plans(autocast, checkpointing):
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            hidden = final_hidden_states(model, model, ids, num_steps=(1, k))
-            head_losses(hidden[-1], head_weight(model), ids)
+            hidden, weight = final_hidden_states(model, model, ids, num_steps=(1, k))
+            head_losses(hidden[-1], weight, ids)
     recomputed_layer = layer_bytes(layer_shape(model), autocast, 4) if checkpointing else 0
     planned = _activation_bytes(config, model, k, autocast) - recomputed_layer  # the head's loss keeps no logits
     assert sum(activations.values()) == batch * length * planned

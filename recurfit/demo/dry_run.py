@@ -22,7 +22,7 @@ from torch import nn
 from ..model.sampling import split_depth
 from ..train import load_config as load_train_config
 from ..train.config import TrainConfig
-from ..train.head import final_hidden_states, head_losses, head_weight
+from ..train.head import final_hidden_states, head_losses
 from ..train.initial_model import is_recurrent, planned_model
 from ..train.memory import MemoryPlan, gb, plan_memory
 from ..train.memory_fit import plan_table
@@ -100,8 +100,8 @@ def time_step(config: TrainConfig, model: nn.Module, seq_len: int) -> StepTiming
     model.train()
 
     def forward_backward(rows: torch.Tensor) -> None:
-        hidden = final_hidden_states(model, model, rows[:, :-1], **kwargs)
-        head_losses(hidden[-1], head_weight(model), rows[:, 1:])[0].backward()
+        hidden, weight = final_hidden_states(model, model, rows[:, :-1], **kwargs)
+        head_losses(hidden[-1], weight, rows[:, 1:])[0].backward()
 
     forward_backward(rows[:1, :WARM_UP_TOKENS])
     start = time.perf_counter()

@@ -10,6 +10,7 @@ float32 log-sum-exp per position, and backward computes each chunk's logits agai
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +25,10 @@ def chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab_size)
 
 
-def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwargs) -> list[torch.Tensor]:
-    """`call(input_ids=..., **kwargs)` (the model, or its DDP/FSDP2 wrapper) run without its head; the final
+def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwargs) -> Readout:
+    """`call(input_ids=..., **kwargs)` (the model, or its DDP/FSDP2 wrapper) run without its head's logits: the final
     hidden states (after the final norm), each supervised depth's first (`readout_steps`) and the last depth's
-    last, flattened to (positions, hidden).
+    last, flattened to (positions, hidden), and the head's weight as that forward handed it out (`headless`).
 
     The body's output is taken from a hook on it, so the same wrapped call serves DDP (whose forward prepares the
     gradients' reduction) and FSDP2 (whose root unit holds the head), for a recurrent model and a baseline."""
@@ -37,30 +38,36 @@ def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwarg
         with headless(model):
             # No KV cache: a transformers parent builds one whenever its config's use_cache is set, training too, and
             # under torch.compile each layer then recompiles on the cache's state.
-            call(input_ids=input_ids, use_cache=False, **kwargs)
+            weight = call(input_ids=input_ids, use_cache=False, **kwargs).logits
     finally:
         hook.remove()
     (output,) = captured
     hidden = [*(output.get("readout_hidden_states") or ()), output.last_hidden_state]
-    return [states.flatten(0, 1) for states in hidden]
+    return Readout([states.flatten(0, 1) for states in hidden], weight)
+
+
+class Readout(NamedTuple):
+    hidden: list[torch.Tensor]  # (positions, hidden) per depth read out, the last depth last
+    weight: torch.Tensor  # the head's weight, a view made in the model's forward: the loss's path to its gradient
 
 
 @contextmanager
 def headless(model: nn.Module):
-    """The model's head reads out nothing for the block (empty logits): the loss reads the hidden states. Even
-    logits of no position would have autocast cast the head's weight and keep that copy for backward."""
+    """The model's head computes no logits for the block: it returns a view of its own weight, which the model
+    hands out as its `logits`, and the loss reads the hidden states through it (`HeadLoss`). Even logits of no
+    position would have autocast cast the head's weight and keep that copy for backward.
+
+    The weight comes out of the forward rather than being read off the module afterwards because FSDP2's root
+    unit (which holds the head) reduces the head's gradient only after a backward that reaches its forward's
+    output: its pre-backward hook sits on that output and queues the reduction of every unit at the backward's
+    end. Read off the module, the weight is the same gathered tensor, but when nothing else trains
+    (`model.trainable: [head]`) no unit's hook fires, the head's gradient is never reduced and it never trains."""
     head = model.get_output_embeddings()
-    head.forward = lambda hidden: hidden[..., :0]
+    head.forward = lambda hidden: head.weight.view_as(head.weight)
     try:
         yield
     finally:
         del head.forward  # the class's forward again
-
-
-def head_weight(model: nn.Module) -> torch.Tensor:
-    """The head's weight as the forward just used it (FSDP2: the gathered one, held from forward to backward)."""
-    weight = model.get_output_embeddings().weight
-    return weight.full_tensor() if type(weight).__name__ == "DTensor" else weight
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

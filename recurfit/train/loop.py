@@ -37,7 +37,7 @@ from ..progress import progress_bar
 from .config import TrainConfig
 from .counting import Counters, count_step, step_flops
 from .distributed import Processes, fill_from_main
-from .head import final_hidden_states, head_losses, head_weight
+from .head import final_hidden_states, head_losses
 from .initial_model import initial_model, is_recurrent
 from .losses import HealingLoss, Teacher, describe
 from .metrics import MetricsLog, peak_flops, read_log
@@ -294,8 +294,7 @@ class Trainer(Saving):
         if healing and self.healing.supervise is not None:
             kwargs["readout_steps"] = self.healing.readout_steps(num_steps)
         with self._autocast():
-            hidden = final_hidden_states(self.wrapped, self.model, inputs, **kwargs)
-            weight = head_weight(self.model)
+            hidden, weight = final_hidden_states(self.wrapped, self.model, inputs, **kwargs)
             if not healing:
                 return head_losses(hidden[-1], weight, targets)[0]
             teacher = self.teacher.hidden_states(inputs) if self.teacher is not None else None

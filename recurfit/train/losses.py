@@ -21,7 +21,7 @@ from ..model.loading import load_model
 from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
 from .distributed import fsdp_units
-from .head import final_hidden_states, head_losses, head_weight
+from .head import final_hidden_states, head_losses
 
 
 def supervised_steps(num_steps: tuple[int, int], supervise: SuperviseConfig | None) -> list[int]:
@@ -112,7 +112,8 @@ class Teacher:
     @torch.no_grad()
     def hidden_states(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(its final hidden states at `inputs`, its head's weight): what the loss reads its distribution from."""
-        return final_hidden_states(self.model, self.model, inputs)[-1], head_weight(self.model)
+        hidden, weight = final_hidden_states(self.model, self.model, inputs)
+        return hidden[-1], weight
 
 
 def teacher_dtype(config: DistillConfig, device: torch.device) -> torch.dtype:

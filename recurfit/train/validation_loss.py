@@ -8,7 +8,7 @@ from ..data import TokenStore
 from ..model.sampling import mixed_seed
 from .config import TrainConfig
 from .distributed import Processes
-from .head import final_hidden_states, head_losses, head_weight
+from .head import final_hidden_states, head_losses
 
 
 @torch.no_grad()
@@ -53,6 +53,5 @@ def depth_losses(model, rows: torch.Tensor, depths: list[int], index: int, confi
     inputs, targets = rows[:, :-1], rows[:, 1:]
     kwargs = {"num_steps": (0, depths[-1]), "readout_steps": depths[:-1]} if recurrent else {}
     with autocast(config.eval.precision):
-        hidden = final_hidden_states(model, model, inputs, **kwargs)
-        weight = head_weight(model)
+        hidden, weight = final_hidden_states(model, model, inputs, **kwargs)
         return torch.stack([head_losses(each, weight, targets)[0] for each in hidden]).float()
