@@ -150,6 +150,50 @@ def test_draft_length_backs_off_while_rejected_and_recovers_when_accepted():
     assert waits[:5] == [2, 4, 8, 16, 32] and set(waits[5:]) == {DraftLength.MAX_WAIT}
     recovered = [d for d, _ in clock.run(policy, DraftLength.MAX_WAIT + 6, kept=lambda d: d)]  # all accepted now
     assert recovered[-1] == 4 and recovered.count(0) <= DraftLength.MAX_WAIT
+    clock.run(policy, 40, kept=lambda d: d)
+    # Rejected again: once the drafts fall to one, the back-off starts over from 2 plain steps (4, 8, …; a periodic
+    # plain step may come between), not from the MAX_WAIT it had reached.
+    again = "".join(str(d) for d, _ in clock.run(policy, 60, kept=lambda d: 0))
+    waits = [len(run) for run in again[again.rindex("2") + 1 :].split("1") if run]
+    assert max(waits[:3]) <= 8, again
+
+
+def drafts_on(clock, policy, rounds: int) -> str:
+    """The drafts of each of `rounds` rounds, every draft accepted, as a string of digits."""
+    return "".join(str(d) for d, _ in clock.run(policy, rounds, kept=lambda d: d))
+
+
+def test_draft_length_follows_a_device_whose_round_times_change():
+    """A device that turns compute-bound mid-run (a batch that grows): while drafting pays, a plain step still runs
+    every MAX_WAIT rounds or sooner (t(0) is measured again); once drafts cost each token's compute, drafting stops
+    within a few rounds, since recent rounds weigh most in t(d) (an average over the whole run would keep drafting 4
+    for some 70 rounds, its 100 cheap rounds outweighing the new ones)."""
+    from recurfit.generation.speculative import DraftLength
+
+    costs = [lambda d: 1 + 0.1 * d]  # bandwidth-bound: a draft adds 0.1 of a plain step
+    clock = RoundClock(lambda d: costs[0](d))
+    policy = DraftLength(lookahead=4, draft_cost=0.1, clock=clock)
+    cheap = drafts_on(clock, policy, 100)
+    plain_runs = [len(run) for run in cheap[1:].split("0")[1:-1]]
+    assert set(cheap) == {"0", "4"} and plain_runs and max(plain_runs) <= DraftLength.MAX_WAIT, cheap
+    costs[0] = lambda d: 1 + 2 * d  # compute-bound: 4 drafts cost 9 plain steps for 5 tokens
+    dear = drafts_on(clock, policy, 60)
+    assert set(dear[10:]) <= {"0", "1"}, dear  # plain steps and one-draft probes only
+
+
+def test_draft_length_interpolates_a_draft_count_not_run_between_the_measured_ones():
+    """t(d) for a d not yet run lies on the line between the measured round times around it: on a CPU at batch 1
+    (t(0) = 1, t(4) = 1.98 plain steps), t(2) is 1.49, where the per-draft prior (0.1 of a plain step) would say
+    1.2 and try it."""
+    from recurfit.generation.speculative import DraftLength
+
+    clock = RoundClock(lambda d: 1 + 0.7 * (d > 0) + 0.07 * d)
+    policy = DraftLength(lookahead=4, draft_cost=0.1, clock=clock)
+    for drafts in (0, 4):
+        policy.choose()
+        clock.now += clock.cost(drafts)
+        policy.update(drafts, drafts)
+    assert [policy.round_time(d) for d in range(5)] == pytest.approx([1, 1.245, 1.49, 1.735, 1.98])
 
 
 @pytest.mark.parametrize(
