@@ -153,3 +153,117 @@ def test_import_raven_with_a_tokenizer_that_needs_code_writes_nothing(folders, t
     assert_never_asked(folders, result)
     assert result.returncode == 2 and len(error_lines(result)) == 1, result.stdout + result.stderr
     assert not out.exists()
+
+
+# Huginn-0125's config as the authors' conversions load it (`AutoConfig.from_pretrained("models/huginn-0125")`,
+# class `RavenConfig` of their raven_config_minimal.py) before they overwrite the parent's sizes: what their saved
+# config.json keeps of it. `RavenConfig.attribute_map` stores num_attention_heads and hidden_size as n_heads and
+# n_embd, so neither standard name is written.
+HUGINN_0125 = {
+    "architectures": ["RavenForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+    },
+    "model_type": "huginn_raven",
+    "block_size": 4096,
+    "padding_multiple": 4096,
+    "tie_embeddings": True,
+    "tie_word_embeddings": True,
+    "bias": False,
+    "architecture_class_name": "RecurrentGPT",
+    "block_class_name": "SandwichBlock",
+    "norm_class_name": "RMSNorm_llama",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "init_strategy": "takase",
+    "init_orthogonal": False,
+    "state_init": "like-init",
+    "injection_type": "linear",
+    "mean_recurrence": 32,
+    "sampling_scheme": "poisson-lognormal-filling",
+    "mean_backprop_depth": 8,
+    "qk_bias": True,
+    "activation_checkpoint_impl": "per-iteration",
+    "rope_base": 50000,
+    "test_time_noise": 0,
+    "test_time_noise_type": "fixed",
+    "effective_expected_depth": 132,
+    "init_values": {  # computed by RavenConfig for Huginn's width 5280, and not recomputed for the parent's
+        "std": math.sqrt(2 / (5 * 5280)),
+        "out_proj": math.sqrt(2 / (5 * 5280)) / math.sqrt(2 * 132),
+        "embedding": math.sqrt(2 / (5 * 5280)),
+        "embed_scale": math.sqrt(5280),
+    },
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def authors_config(model, family: str, rope_theta: float, rope_scaling: dict | None) -> dict:
+    """config.json as their convert_llama.py (`get_llama_huginn_config`) or convert_olmo.py
+    (`get_olmo_huginn_config`) writes it for `model`'s parent: Huginn-0125's config with their `update_dict`."""
+    text, (P, R, C) = model.config.text_config, model.config.shape
+    config = HUGINN_0125 | {
+        "head_dim": text.hidden_size // text.num_attention_heads,
+        "intermediate_size": text.intermediate_size,
+        "n_embd": text.hidden_size,
+        "n_heads": text.num_attention_heads,
+        "num_key_value_heads": text.num_key_value_heads,
+        "n_layers": P + R + C,
+        "n_layers_in_prelude": P,
+        "n_layers_in_recurrent_block": R,
+        "n_layers_in_coda": C,
+        "norm_eps": text.rms_norm_eps,
+        "vocab_size": text.vocab_size,
+        "padded_vocab_size": text.vocab_size,
+        "tie_embeddings": False,
+        "torch_dtype": "float32",
+        "qk_bias": False,
+        "max_position_embeddings": text.max_position_embeddings,
+    }
+    config["init_values"] = config["init_values"] | {"embed_scale": 1.0}
+    if family == "olmo2":  # rope_base is the parent's rope_theta; tie_word_embeddings is dropped after saving
+        del config["tie_word_embeddings"]
+        return config | {"rope_base": rope_theta}
+    # Llama: rope_base is fixed at 500000.0, rope_theta copied from the parent, which is what their model computes
+    # with (LlamaRotaryEmbedding reads rope_theta); TinyLlama's 10000 differs from rope_base.
+    config |= {"rope_base": 500000.0, "rope_theta": rope_theta}
+    return config | ({"rope_scaling": rope_scaling} if rope_scaling else {})
+
+
+@pytest.mark.parametrize(
+    "family, rope_theta, rope_scaling",
+    [
+        ("llama", 500000.0, LLAMA3_ROPE),  # Llama-3.2-1B
+        ("llama", 10000.0, None),  # TinyLlama-1.1B-3T
+        ("olmo2", 500000.0, None),  # OLMo-2-0425-1B
+    ],
+    ids=["llama-3.2", "tinyllama", "olmo-2"],
+)
+def test_import_reads_the_config_and_tensors_their_conversion_code_writes(tmp_path, family, rope_theta, rope_scaling):
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}
+    parent = tiny_parent(family, rope_parameters=rope, tie_word_embeddings=False)
+    original = recurfit.retrofit(parent, shape=(1, 2, 1), adapter_init="random")
+    write_raven_checkpoint(original, tmp_path, family, padded_vocab=original.config.text_config.vocab_size)
+    (tmp_path / "config.json").write_text(json.dumps(authors_config(original, family, rope_theta, rope_scaling)))
+    imported = import_raven(tmp_path)
+    text = imported.config.text_config
+    assert (text.num_attention_heads, text.num_key_value_heads) == (4, 2)  # from n_heads, grouped-query kept
+    assert text.rope_parameters["rope_theta"] == rope_theta and imported.config.embedding_scale is None
+    # s₀'s σ: Huginn-0125's std, which their converted models keep, times their embed_scale of 1
+    assert imported.config.state_init_std == pytest.approx(math.sqrt(2 / (5 * 5280)))
+    assert (imported.config.mean_recurrence, imported.config.backprop_depth) == (32, 8)
+    # Untied although their config.json says tie_word_embeddings: their model reads tie_embeddings.
+    assert imported.lm_head.weight.data_ptr() != imported.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(1, text.vocab_size, (2, 100), generator=torch.Generator().manual_seed(0))
+    zero = torch.zeros(2, 100, text.hidden_size)
+    with torch.no_grad():
+        for r in (1, 4):
+            expected = original.eval()(ids, num_steps=r, initial_state=zero).logits
+            torch.testing.assert_close(imported(ids, num_steps=r, initial_state=zero).logits, expected)
