@@ -243,6 +243,48 @@ def char_tokenizer(chars: str = CHARS):
     )
 
 
+# ChatML's layout in the character tokenizer's own special tokens; each assistant turn in a generation block
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<s>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '</s>\\n' }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '</s>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<s>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_tokenizer(generation: bool = True):
+    """The character tokenizer with a chat template, its vocabulary unchanged (a store of it trains the workspace's
+    parent); with `generation`, the template marks assistant turns with {% generation %} blocks."""
+    tokenizer = char_tokenizer()
+    template = CHAT_TEMPLATE
+    if not generation:
+        template = template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def conversations(count: int, seed: int = 0) -> list[list[dict]]:
+    """Sums asked and answered in one or two exchanges, some after a system message (lengths vary)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        messages = [{"role": "system", "content": "answer in words."}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 2)):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            reply = f"{a} plus {b} is {a + b}." + " ok then." * rng.randint(0, 3)
+            messages += [{"role": "user", "content": f"what is {a} plus {b}?"}, {"role": "assistant", "content": reply}]
+        out.append(messages)
+    return out
+
+
+def write_conversations(path, items: list[list[dict]]) -> None:
+    import json
+
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in items))
+
+
 def write_documents(path, count: int, seed: int = 0, words=WORDS) -> None:
     import json
     import random

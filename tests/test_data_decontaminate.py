@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SMALL, char_tokenizer, run_cli, write_documents
+from conftest import SMALL, char_tokenizer, chat_tokenizer, conversations, run_cli, write_conversations, write_documents
 
 from recurfit.data import TokenStore, prepare
 from recurfit.errors import RecurfitError
@@ -48,6 +48,31 @@ def test_decontamination_drops_every_test_item_keeps_every_clean_document_and_co
     assert kept["tokens"]["train"] > meta["tokens"]["train"] and kept["fingerprint"] != meta["fingerprint"]
     only = prepare(char_tokenizer(), mixed, 16, tmp_path / "math-only", decontaminate="math,hellaswag", **settings)
     assert only.meta["decontamination"]["dropped"] == 0  # neither set holds these items
+
+
+def test_a_conversation_holding_a_test_item_is_dropped_by_its_rendered_text(tmp_path):
+    """A gsm8k test question asked by the user, and an ARC item quoted in an assistant's reply, among clean
+    conversations: both are dropped, and the store is the clean conversations' store, tokens and masks."""
+    from recurfit.data.decontaminate import EVAL_SETS
+
+    gsm8k, arc = next(EVAL_SETS["gsm8k"]()), list(EVAL_SETS["arc_easy"]())[5]
+    clean = conversations(40)
+    asked = [{"role": "user", "content": gsm8k}, {"role": "assistant", "content": "let me see."}]
+    quoted = [{"role": "user", "content": "a quiz?"}, {"role": "assistant", "content": f"sure: {arc}"}]
+    write_conversations(tmp_path / "clean.jsonl", clean)
+    write_conversations(tmp_path / "mixed.jsonl", clean[:10] + [asked] + clean[10:30] + [quoted] + clean[30:])
+    settings = dict(val_fraction=0, show_progress=False, layout=SMALL)
+    meta = prepare(chat_tokenizer(), [str(tmp_path / "mixed.jsonl")], 16, tmp_path / "decontaminated", **settings).meta
+    report = meta["decontamination"]
+    assert report["dropped"] == 2 and {name: n for name, n in report["by_set"].items() if n} == {
+        "gsm8k": 1,
+        "arc_easy": 1,
+    }
+    prepare(chat_tokenizer(), [str(tmp_path / "clean.jsonl")], 16, tmp_path / "clean", decontaminate="none", **settings)
+    for masks in (False, True):
+        np.testing.assert_array_equal(
+            TokenStore(tmp_path / "decontaminated", masks=masks)[:], TokenStore(tmp_path / "clean", masks=masks)[:]
+        )
 
 
 def test_an_unknown_set_is_one_line_naming_the_sets(tmp_path, documents, capsys, workspace):

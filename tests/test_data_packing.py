@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import char_tokenizer, write_documents
+from conftest import SMALL, char_tokenizer, chat_tokenizer, conversations, write_conversations, write_documents
 
 from recurfit.data import TokenStore, prepare
 from recurfit.errors import RecurfitError
@@ -121,3 +121,40 @@ def test_a_tokenizer_that_has_padded_a_batch_still_packs_documents_unpadded(tmp_
     whole_rows = sum(len(t) + 1 for t in texts) // 9  # of 9 tokens: the documents and their EOS, nothing more
     assert again.meta["tokens"] == fresh.meta["tokens"] == {"train": whole_rows * 9, "val": 0}
     np.testing.assert_array_equal(TokenStore(tmp_path / "used")[:], TokenStore(tmp_path / "fresh")[:])
+
+
+def test_conversations_are_packed_with_their_masks_aligned_across_shards_and_a_cut(tmp_path):
+    """A source of conversations and one of plain text, in shards of 16 documents and cut by a token budget: the
+    tokens are each conversation's rendering and each text, each followed by EOS, in order; the masks, read as rows
+    as the tokens are, mark each conversation's assistant tokens (not its EOS) and every token of the text."""
+    from recurfit.data.chat import ChatRenderer
+
+    tokenizer, chats = chat_tokenizer(), conversations(60)
+    write_conversations(tmp_path / "chat.jsonl", chats)
+    write_documents(tmp_path / "docs.jsonl", 30)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "docs.jsonl").read_text().splitlines()]
+    sources, eos = [str(tmp_path / "chat.jsonl"), str(tmp_path / "docs.jsonl")], tokenizer.eos_token_id
+    ids, mask = [], []
+    for messages in chats:
+        _, tokens, marks = ChatRenderer(tokenizer)(messages)
+        ids, mask = ids + tokens + [eos], mask + marks + [0]
+    in_chats = len(ids)
+    for text in texts:
+        tokens = tokenizer(text.strip())["input_ids"]
+        ids, mask = ids + tokens + [eos], mask + [1] * (len(tokens) + 1)
+    budget = (in_chats + len(ids)) // 2  # cut inside the texts' shards
+    settings = dict(val_fraction=0, show_progress=False, layout=SMALL, decontaminate="none")
+    meta = prepare(tokenizer, sources, 16, tmp_path / "store", max_tokens=budget, **settings).meta
+    assert meta["loss_mask"] == "assistant" and meta["assistant_tokens"] == "generation" and meta["budget_reached"]
+    assert len(meta["shards"]) > 4 and all("mask_sha256" in shard for shard in meta["shards"])
+    assert in_chats < meta["tokens"]["train"] < len(ids) - 17
+    store, masks = TokenStore(tmp_path / "store"), TokenStore(tmp_path / "store", masks=True)
+    assert len(store) == len(masks) == meta["rows"]["train"] and 0 < sum(mask) < len(mask)
+    used = len(store) * 17
+    np.testing.assert_array_equal(store[:].reshape(-1), ids[:used])
+    np.testing.assert_array_equal(masks[:].reshape(-1), mask[:used])
+    np.testing.assert_array_equal(masks[3], mask[3 * 17 : 4 * 17])  # a row read alone, as training reads it
+    # The template frames a conversation whatever the packing: `eos` packing stores the same conversations.
+    eos_meta = prepare(tokenizer, sources[:1], 16, tmp_path / "eos", packing="eos", **settings).meta
+    assert eos_meta["fingerprint"] != meta["fingerprint"]
+    np.testing.assert_array_equal(TokenStore(tmp_path / "eos")[: in_chats // 17], store[: in_chats // 17])

@@ -38,12 +38,30 @@ def test_embedded_sources_are_offline_and_deterministic():
 
 
 def test_a_field_that_is_not_text_is_an_error_naming_file_and_line(tmp_path):
-    for value, kind in ((123, "int 123"), (["a", "b"], "list ['a', 'b']"), ({"t": 1}, "dict {'t': 1}")):
+    shapeless = [{"from": "human", "value": "hi"}]  # ShareGPT's layout, not OpenAI's {role, content}
+    for value, kind in (
+        (123, "int 123"),
+        (["a", "b"], "list ['a', 'b']"),
+        ({"t": 1}, "dict {'t': 1}"),
+        (shapeless, "list [{'from': 'human', 'value': 'hi'}]"),
+    ):
         (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
-        with pytest.raises(RecurfitError, match=re.escape(f"docs.jsonl:2: field 'text' holds {kind}, not text")):
+        expected = f"docs.jsonl:2: field 'text' holds {kind}, neither text nor a list of {{role, content}} messages"
+        with pytest.raises(RecurfitError, match=re.escape(expected)):
             list(iter_documents(str(tmp_path / "docs.jsonl")))
     (tmp_path / "docs.jsonl").write_text('{"text": null}\n{"text": ""}\n{"text": "kept"}\n')
     assert list(iter_documents(str(tmp_path / "docs.jsonl"))) == ["kept"]  # empty rows are skipped, as before
+
+
+def test_a_messages_field_is_read_as_conversations_and_tells_the_store_to_keep_masks(tmp_path):
+    from recurfit.data.sources import is_chat
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"id": 1, "messages": messages}) + "\n")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "plain"}) + "\n")
+    assert list(iter_documents(str(tmp_path / "chat.jsonl"))) == [messages]
+    assert is_chat(str(tmp_path / "chat.jsonl"), None) and not is_chat(str(tmp_path / "docs.jsonl"), None)
+    assert not is_chat("embedded:math:3", None)
 
 
 def test_unreadable_data_files_are_named_in_one_line(tmp_path):

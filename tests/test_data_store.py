@@ -32,6 +32,14 @@ def test_damaged_store_and_bad_sources_are_clear_errors(tmp_path):
         TokenStore(tmp_path)
 
 
+def test_a_store_of_plain_text_has_no_masks_to_read(workspace):
+    """Stores made before instruction data hold no masks: they load as before, and asking their masks says why."""
+    store = TokenStore(workspace / "prose")
+    assert not store.has_masks and "loss_mask" not in store.meta and len(store) > 0
+    with pytest.raises(RecurfitError, match=r"holds no assistant masks .* prepare it from conversations"):
+        TokenStore(workspace / "prose", masks=True)
+
+
 def test_stores_of_format_1_still_load(tmp_path):
     """A store as recurfit wrote it before shards: train.bin and val.bin of whole rows."""
     store = tmp_path / "old"

@@ -11,8 +11,14 @@ Two packings (`data prepare --packing`):
 - `eos`: the document as it is, tokenised without special tokens, then EOS (recurfit's packing before BOS
   packing existed; stores made then were packed this way).
 
-`BlockEncoder` is what worker processes run: it holds the tokenizer, and turns a list of texts into two
-arrays of token ids (the training and the held-out documents, each followed by EOS).
+A conversation (instruction data, `chat.py`) is its chat template's rendering, tokens and all, whatever the
+packing (the template writes its own BOS and turn markers), then EOS. A store with conversations keeps a mask
+beside its tokens: 1 for the assistant's tokens, 0 for the rest of a conversation and for the EOS after it, and 1
+for every token of a plain-text document in it (trained on whole, as without a mask).
+
+`BlockEncoder` is what worker processes run: it holds the tokenizer, and turns a list of documents into two
+arrays of token ids (the training and the held-out documents, each followed by EOS), and with conversations
+their two masks.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import numpy as np
 
 from ..defaults import DEFAULT_PACKING, PACKINGS
 from ..errors import RecurfitError
+from .chat import ChatRenderer, is_conversation
 from .store import SPLITS
 
 __all__ = ["DEFAULT_PACKING", "PACKINGS", "BlockEncoder", "split_of", "token_dtype"]
@@ -52,9 +59,10 @@ def _plain_copy(backend):
 
 
 class BlockEncoder:
-    """Texts → (train ids, val ids), each a flat array of whole documents followed by EOS."""
+    """Documents → (train ids, val ids), each a flat array of whole documents followed by EOS. With `chat`, a
+    document may be a conversation, and the assistant masks of both arrays come with them."""
 
-    def __init__(self, tokenizer, packing: str, val_fraction: float, screen=None):
+    def __init__(self, tokenizer, packing: str, val_fraction: float, screen=None, chat: bool = False):
         if packing not in PACKINGS:
             raise RecurfitError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}.")
         if tokenizer.eos_token_id is None:
@@ -66,6 +74,7 @@ class BlockEncoder:
         # The Rust tokenizer's batch call without offsets is the fastest way to the same ids as tokenizer(...).
         self.backend = _plain_copy(tokenizer.backend_tokenizer) if getattr(tokenizer, "is_fast", False) else None
         self.tokenizer = None if self.backend is not None else tokenizer
+        self.chat = ChatRenderer(tokenizer) if chat else None
 
     @property
     def special_tokens(self) -> bool:
@@ -90,17 +99,41 @@ class BlockEncoder:
         framed = self.encode(["a"])[0]
         return framed[0] if len(framed) > len(plain) and framed[1 : 1 + len(plain)] == plain else None
 
-    def __call__(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, dict | None]:
-        """The training ids, the held-out ids, and what decontamination dropped (None without it). Screening
-        runs here, in the worker, so that it is spread over the workers as tokenising is."""
+    def __call__(self, documents: Sequence) -> tuple[np.ndarray, np.ndarray, dict | None, tuple | None]:
+        """The training ids, the held-out ids, what decontamination dropped (None without it), and with `chat`
+        the (training, held-out) assistant masks (else None). Conversations are rendered first: decontamination
+        and the split read their rendered text. Screening runs here, in the worker, so that it is spread over
+        the workers as tokenising is."""
+        rendered = [self._render(document) for document in documents]  # (text, ids, mask); ids None: plain text
         dropped = None
         if self.screen is not None:
-            masks = self.screen.masks(texts)
-            texts, dropped = [text for text, mask in zip(texts, masks) if not mask], self.screen.count(masks)
+            masks = self.screen.masks([text for text, _, _ in rendered])
+            rendered, dropped = [one for one, mask in zip(rendered, masks) if not mask], self.screen.count(masks)
+        encoded = iter(self.encode([text for text, ids, _ in rendered if ids is None]))
         streams: dict[str, list[int]] = {"train": [], "val": []}
-        for text, ids in zip(texts, self.encode(texts)):
-            stream = streams[split_of(text, self.val_fraction)]
-            stream.extend(ids)
-            stream.append(self.eos)
+        marks: dict[str, list[int]] = {"train": [], "val": []}
+        for text, ids, mask in rendered:
+            split = split_of(text, self.val_fraction)
+            if ids is None:
+                ids = next(encoded)
+                mask = [1] * (len(ids) + 1)  # plain text: every token, EOS too, as a store without masks
+            else:
+                mask = [*mask, 0]  # the EOS after a conversation is packing, not the assistant's
+            streams[split] += ids
+            streams[split].append(self.eos)
+            marks[split] += mask
         train, val = (np.asarray(streams[split], dtype=self.dtype) for split in SPLITS)
-        return train, val, dropped
+        if self.chat is None:
+            return train, val, dropped, None
+        return train, val, dropped, tuple(np.asarray(marks[split], dtype=np.uint8) for split in SPLITS)
+
+    def _render(self, document) -> tuple[str, list[int] | None, list[int] | None]:
+        if isinstance(document, str):
+            return document, None, None
+        if self.chat is None or not is_conversation(document):
+            raise RecurfitError(
+                "A row holds a conversation (`messages`) but the sources' first rows are text, so the store was "
+                "set up for plain text: put the conversations in a source of their own (its first row a "
+                "conversation), or write them as text."
+            )
+        return self.chat(document)

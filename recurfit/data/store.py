@@ -5,6 +5,8 @@
                                    and each shard's documents, token counts and SHA-256 checksums
     DATA/shards/00000.train.bin    the tokens of the shard's training documents, one after another
     DATA/shards/00000.val.bin      its held-out documents, the same way
+    DATA/shards/00000.train.mask   with instruction data: one byte per token of the .bin beside it, 1 where
+    DATA/shards/00000.val.mask     the token is the assistant's (meta.json's `loss_mask` is then `assistant`)
     ...
 
 A split is the concatenation of its shard files in order, cut into rows of `seq_len + 1` tokens (the tail
@@ -12,6 +14,10 @@ shorter than a row is not used), so a row may begin in one shard and end in the 
 reads exactly as one made in one piece. A row holds `seq_len + 1` tokens so that inputs `row[:-1]` and targets
 `row[1:]` are both `seq_len` long. Each document is followed by EOS (and, with `bos-eos` packing, preceded by
 the tokenizer's BOS), as in the paper's pretraining data.
+
+`TokenStore(folder, split, masks=True)` reads a store's masks as rows, as `TokenStore(folder, split)` reads its
+tokens: row i of the masks belongs to row i of the tokens. Stores without masks (all stores of plain text, and
+every store made before instruction data) load as before.
 
 Stores of format 1 (before shards) hold one `train.bin` and `val.bin` of whole rows; they still load. Stores
 that record no vocabulary hash (`tokenizer_vocabulary`) load too; `check_tokenizer` cannot check them, and
@@ -56,8 +62,20 @@ def check_tokenizer(folder: str | Path, meta: dict, tokenizer) -> None:
     )
 
 
+LOSS_MASK = "assistant"  # meta.json's `loss_mask`: what a store's masks mark
+MASK_DTYPE = np.uint8
+
+
 def shard_path(folder: str | Path, name: str, split: str) -> Path:
     return Path(folder) / SHARDS / f"{name}.{split}.bin"
+
+
+def mask_path(folder: str | Path, name: str, split: str) -> Path:
+    return Path(folder) / SHARDS / f"{name}.{split}.mask"
+
+
+def has_masks(meta: dict) -> bool:
+    return meta.get("loss_mask") == LOSS_MASK
 
 
 def read_meta(folder: str | Path) -> dict:
@@ -111,26 +129,34 @@ def _valid_shard(shard) -> bool:
     )
 
 
-def split_files(folder: Path, meta: dict, split: str) -> list[tuple[Path, int]]:
-    """The files of a split, in order, each with the number of tokens of it the store uses."""
+def split_files(folder: Path, meta: dict, split: str, masks: bool = False) -> list[tuple[Path, int]]:
+    """The files of a split (of its masks, with `masks`), in order, each with the number of tokens of it the
+    store uses."""
     if meta["format"] == 1:
         return [(folder / f"{split}.bin", meta["rows"][split] * (meta["seq_len"] + 1))]
-    return [(shard_path(folder, shard["name"], split), shard["tokens"][split]) for shard in meta["shards"]]
+    path = mask_path if masks else shard_path
+    return [(path(folder, shard["name"], split), shard["tokens"][split]) for shard in meta["shards"]]
 
 
 class TokenStore:
     """One split of a prepared folder: `store[i]` is row i as a numpy array of `seq_len + 1` ids; a slice of
-    rows is a 2-D array."""
+    rows is a 2-D array. With `masks`, the rows of the split's assistant masks (0 or 1 per token) instead."""
 
-    def __init__(self, folder: str | Path, split: str = "train"):
+    def __init__(self, folder: str | Path, split: str = "train", masks: bool = False):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
         self.folder, self.split = Path(folder), split
         self.meta = read_meta(folder)
+        if masks and not has_masks(self.meta):
+            raise RecurfitError(
+                f"{folder} holds no assistant masks (it was prepared from plain text); prepare it from "
+                "conversations (a `messages` field) to mask the loss to the assistant's tokens."
+            )
+        self.has_masks = has_masks(self.meta)
         self.seq_len: int = self.meta["seq_len"]
         self.num_rows: int = self.meta["rows"][split]
-        self.dtype = np.dtype(self.meta["dtype"])
-        self.files = split_files(self.folder, self.meta, split)
+        self.dtype = np.dtype(MASK_DTYPE if masks else self.meta["dtype"])
+        self.files = split_files(self.folder, self.meta, split, masks)
         for path, tokens in self.files:
             expected = tokens * self.dtype.itemsize
             actual = path.stat().st_size if path.is_file() else -1

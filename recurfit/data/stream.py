@@ -11,6 +11,8 @@ the stream's whole position (`state_dict`) is a handful of integers saved with e
   the first N tokens, then a mixture, as in the paper's two-phase training).
 - A store asked for more rows than it holds starts another pass; `repeat_warning` says so before a run starts,
   or refuses the run.
+- With `masks` (training's `data.assistant_only_loss`), each row comes with its assistant mask (`next_rows`);
+  every store must then have masks (prepared from conversations).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class Phase:
 
 
 class RowStream:
-    """`vocab_size`: token ids must be below it (the model's vocabulary); a row that is not stops the run."""
+    """`vocab_size`: token ids must be below it (the model's vocabulary); a row that is not stops the run.
+    `masks`: rows come with their assistant masks (`next_rows`)."""
 
-    def __init__(self, phases: Sequence[Phase], seed: int = 0, vocab_size: int | None = None):
+    def __init__(self, phases: Sequence[Phase], seed: int = 0, vocab_size: int | None = None, masks: bool = False):
         if not phases:
             raise RecurfitError("The data config needs at least one source.")
         for index, phase in enumerate(phases):
@@ -50,6 +53,7 @@ class RowStream:
         self.phases, self.seed, self.vocab_size = list(phases), seed, vocab_size
         self.paths = list(dict.fromkeys(path for phase in phases for path in phase.mixture))
         self.stores = [TokenStore(path, "train") for path in self.paths]
+        self.masks = [self._masks(store) for store in self.stores] if masks else None
         for store in self.stores:
             if len(store) == 0:
                 raise RecurfitError(
@@ -101,8 +105,24 @@ class RowStream:
             self._permutations[key] = rng.permutation(len(self.stores[source]))
         return self._permutations[key]
 
+    @staticmethod
+    def _masks(store: TokenStore) -> TokenStore:
+        if not store.has_masks:
+            raise RecurfitError(
+                f"data.assistant_only_loss is on, but {store.folder} holds no assistant masks (it was prepared "
+                "from plain text): prepare it from conversations (a `messages` field), or set "
+                "data.assistant_only_loss=false to train on every token."
+            )
+        return TokenStore(store.folder, "train", masks=True)
+
     def next_batch(self, global_rows: int, rank: int = 0, world: int = 1) -> torch.LongTensor:
         """The next `global_rows` rows of the stream; this rank's contiguous share as a (rows/world, L+1) tensor."""
+        return self.next_rows(global_rows, rank, world)[0]
+
+    def next_rows(
+        self, global_rows: int, rank: int = 0, world: int = 1
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """`next_batch`'s rows, and with masks their assistant masks (a bool tensor of the same shape; else None)."""
         if global_rows % world:
             raise RecurfitError(f"The global batch ({global_rows} rows) must divide among {world} processes.")
         order = [self._next() for _ in range(global_rows)]
@@ -113,7 +133,10 @@ class RowStream:
             index = int((rows >= self.vocab_size).any(axis=1).argmax())
             source, row = mine[index]
             self.check_ids(rows[index], self.stores[source].folder, f"train row {row}")
-        return torch.from_numpy(rows.astype(np.int64))
+        masks = None
+        if self.masks is not None:
+            masks = torch.from_numpy(np.stack([self.masks[source][row] for source, row in mine]).astype(bool))
+        return torch.from_numpy(rows.astype(np.int64)), masks
 
     def check_ids(self, ids: np.ndarray, folder, where: str) -> None:
         """An id the model has no embedding for would crash the forward: say which store holds it."""
