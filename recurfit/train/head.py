@@ -79,6 +79,8 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 class HeadLoss(torch.autograd.Function):
     """Mean next-token cross-entropy of `hidden @ weight.T`, and with a teacher (its hidden states and head
     weight) the mean KL(teacher_T ‖ student_T), over chunks of positions, in float32 whatever the logits' dtype.
+    With `mask` (bool per position), both are means over the masked positions alone (0 when none is), and the
+    others get no gradient: `positions` below is then their count.
 
     The logits of a chunk are computed in `dtype` (the run's autocast dtype, as `lm_head` under autocast), upcast,
     and dropped; the teacher's log-probabilities likewise, in its own weight's dtype. Backward recomputes them and
@@ -90,24 +92,26 @@ class HeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, temperature: float, dtype):
+    def forward(ctx, hidden, weight, targets, teacher_hidden, teacher_weight, temperature: float, dtype, mask=None):
         with torch.autocast(hidden.device.type, enabled=False):
             matrix = weight.to(dtype)
             ce, kl = hidden.new_zeros((), dtype=torch.float32), hidden.new_zeros((), dtype=torch.float32)
             for chunk, logits, teacher in _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
-                ce += (logits.logsumexp(-1) - logits.gather(-1, targets[chunk, None]).squeeze(-1)).sum()
+                each = logits.logsumexp(-1) - logits.gather(-1, targets[chunk, None]).squeeze(-1)
+                ce += _counted(each, mask, chunk).sum()
                 if teacher is not None:
-                    kl += (teacher.exp() * (teacher - F.log_softmax(logits / temperature, dim=-1))).sum()
+                    each = (teacher.exp() * (teacher - F.log_softmax(logits / temperature, dim=-1))).sum(-1)
+                    kl += _counted(each, mask, chunk).sum()
         # Kept for backward in the head's dtype, as autocast's linear keeps its input
-        ctx.save_for_backward(hidden.to(dtype), matrix, targets, teacher_hidden, teacher_weight)
+        ctx.save_for_backward(hidden.to(dtype), matrix, targets, teacher_hidden, teacher_weight, mask)
         ctx.temperature, ctx.weight_dtype, ctx.hidden_dtype = temperature, weight.dtype, hidden.dtype
-        count = hidden.shape[0]
+        count = _count(hidden, mask)
         return ce / count, kl / count
 
     @staticmethod
     def backward(ctx, grad_ce, grad_kl):
-        hidden, matrix, targets, teacher_hidden, teacher_weight = ctx.saved_tensors
-        temperature, count = ctx.temperature, hidden.shape[0]
+        hidden, matrix, targets, teacher_hidden, teacher_weight, mask = ctx.saved_tensors
+        temperature, count = ctx.temperature, _count(hidden, mask)
         grad_hidden = torch.empty_like(hidden, dtype=ctx.hidden_dtype) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
@@ -121,6 +125,8 @@ class HeadLoss(torch.autograd.Function):
                     teacher = teacher.exp()
                     student = (logits / temperature).softmax(-1) * teacher.sum(-1, keepdim=True)
                     grad += (student - teacher) * (grad_kl / (temperature * count))
+                if mask is not None:
+                    grad.masked_fill_(~mask[chunk, None], 0)
                 grad = grad.to(matrix.dtype)  # as autograd's: the gradient of logits in their dtype
                 if grad_hidden is not None:
                     grad_hidden[chunk] = grad @ matrix
@@ -128,7 +134,17 @@ class HeadLoss(torch.autograd.Function):
                     grad_weight += grad.mT @ hidden[chunk]  # summed in float32 over the chunks
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _counted(values: torch.Tensor, mask: torch.Tensor | None, chunk: slice) -> torch.Tensor:
+    """A chunk's per-position losses, 0 where `mask` leaves a position out (where, not a product: 0 · inf)."""
+    return values if mask is None else values.where(mask[chunk], 0.0)
+
+
+def _count(hidden: torch.Tensor, mask: torch.Tensor | None):
+    """The positions a mean is over: all of them, or the masked ones (at least 1: none gives a loss of 0)."""
+    return hidden.shape[0] if mask is None else mask.sum().clamp(min=1).float()
 
 
 def _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
@@ -144,12 +160,15 @@ def _chunks(hidden, matrix, teacher_hidden, teacher_weight, temperature):
         yield chunk, logits, teacher
 
 
-def head_losses(hidden, weight, targets, teacher=None, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def head_losses(
+    hidden, weight, targets, teacher=None, temperature: float = 1.0, mask=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(CE, KL(teacher_T ‖ student_T)) of the head `weight` read at `hidden` (positions × hidden), per token, in
-    float32 (KL not scaled by T², and 0 without a `teacher` = (its hidden states, its head weight))."""
+    float32 (KL not scaled by T², and 0 without a `teacher` = (its hidden states, its head weight)); with `mask`
+    (bool per position), the means over the masked positions alone."""
     teacher_hidden, teacher_weight = teacher if teacher is not None else (None, None)
     if teacher_hidden is not None:
         teacher_hidden, teacher_weight = teacher_hidden.detach(), teacher_weight.detach()
     return HeadLoss.apply(
-        hidden, weight, targets.flatten(), teacher_hidden, teacher_weight, temperature, compute_dtype(weight)
+        hidden, weight, targets.flatten(), teacher_hidden, teacher_weight, temperature, compute_dtype(weight), mask
     )

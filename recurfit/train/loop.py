@@ -39,7 +39,7 @@ from .counting import Counters, count_step, step_flops
 from .distributed import Processes, fill_from_main
 from .head import final_hidden_states, head_losses
 from .initial_model import initial_model, is_recurrent
-from .losses import HealingLoss, Teacher, describe
+from .losses import HealingLoss, Teacher, describe, micro_batch_weights
 from .metrics import MetricsLog, peak_flops, read_log
 from .optim import BatchedMuon, build_optimizers, build_schedulers, global_grad_norm, trains_in_bf16
 from .parts import decoder_layers, trained_parts_line
@@ -101,6 +101,7 @@ class Trainer(Saving):
             [Phase({s.path: s.weight for s in p.sources}, p.tokens) for p in config.data.phases],
             seed=config.seed,
             vocab_size=self.model.config.vocab_size,
+            masks=config.data.assistant_only_loss,
         )
         self.validation = [TokenStore(path, "val") for path in config.data.validation]
         self._check_vocabulary()
@@ -265,9 +266,11 @@ class Trainer(Saving):
         and its terms averaged over all processes."""
         processes, micro = self.processes, self.config.batch.micro
         batch_start = self.stream.position
-        rows = self.stream.next_batch(self.config.batch.global_, processes.rank, processes.world)
+        rows, masks = self.stream.next_rows(self.config.batch.global_, processes.rank, processes.world)
         chunks = rows.split(micro)
         share = rows.shape[0]
+        weights = micro_batch_weights(share, masks, micro, processes)  # each one's share of the counted targets
+        targets_masks = masks[:, 1:].split(micro) if masks is not None else [None] * len(chunks)
         total_loss = torch.zeros((), device=processes.device)
         totals = {}  # the objective's terms, weighted by rows as the loss
         for index, chunk in enumerate(chunks):
@@ -275,20 +278,23 @@ class Trainer(Saving):
             num_steps = plan.at_row(first_row).num_steps
             with processes.accumulating(self.wrapped, index == len(chunks) - 1):
                 terms = {}
-                loss = self._micro_batch_loss(chunk, num_steps, batch_start + first_row, terms)
-                (loss * chunk.shape[0] / share).backward()
-            total_loss += loss.detach() * chunk.shape[0] / share
+                loss = self._micro_batch_loss(chunk, num_steps, batch_start + first_row, terms, targets_masks[index])
+                (loss * weights[index]).backward()
+            total_loss += loss.detach() * weights[index]
             for name, value in terms.items():
-                totals[name] = totals.get(name, 0.0) + value * chunk.shape[0] / share
+                totals[name] = totals.get(name, 0.0) + value * weights[index]
         terms = {name: processes.mean(value.detach().float()).item() for name, value in totals.items()}
         return processes.mean(total_loss).item(), terms
 
-    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, terms: dict):
-        """The training objective of one micro-batch, its terms added to `terms`."""
+    def _micro_batch_loss(self, rows: torch.Tensor, num_steps: tuple[int, int], first_row: int, terms: dict, mask=None):
+        """The training objective of one micro-batch, its terms added to `terms`; with `mask` (1 per target the
+        loss counts: data.assistant_only_loss), the mean over those targets alone."""
         # The initial state s_0 is random: seed it from the micro-batch's place in the global data order.
         torch.manual_seed(mixed_seed(self.config.seed, first_row))
         rows = rows.to(self.processes.device, non_blocking=True)
         inputs, targets = rows[:, :-1], rows[:, 1:]
+        if mask is not None:
+            mask = mask.to(self.processes.device, non_blocking=True).flatten().bool()
         healing = self.healing.active
         kwargs = {"num_steps": num_steps} if self.recurrent else {}
         if healing and self.healing.supervise is not None:
@@ -296,9 +302,9 @@ class Trainer(Saving):
         with self._autocast():
             hidden, weight = final_hidden_states(self.wrapped, self.model, inputs, **kwargs)
             if not healing:
-                return head_losses(hidden[-1], weight, targets)[0]
+                return head_losses(hidden[-1], weight, targets, mask=mask)[0]
             teacher = self.teacher.hidden_states(inputs) if self.teacher is not None else None
-            return self.healing(hidden, weight, targets, teacher, terms)
+            return self.healing(hidden, weight, targets, teacher, terms, mask)
 
     def _update_or_skip(self, finite: bool) -> None:
         """Apply the update, or skip it for a non-finite loss or gradient (`nonfinite: skip`), stopping the run

@@ -4,7 +4,8 @@
     depth supervision:  loss = Σ_d w_d · loss_d over the last m recurrences with gradient, Σ w_d = 1
 
 KL is taken between the next-token distributions at temperature T (softmax of logits / T), averaged over
-tokens; T² keeps its gradient's scale independent of T (Hinton et al., 2015). With both on, every supervised
+tokens; T² keeps its gradient's scale independent of T (Hinton et al., 2015). With `data.assistant_only_loss`,
+every term is averaged over the assistant's tokens alone (`micro_batch_weights`). With both on, every supervised
 depth is distilled from the same teacher. docs/how-to/healing.md gives the settings and costs.
 
 Every loss is read from final hidden states through the head a chunk of positions at a time (`head.HeadLoss`):
@@ -64,14 +65,16 @@ class HealingLoss:
         targets: torch.Tensor,
         teacher: tuple[torch.Tensor, torch.Tensor] | None,
         terms: dict,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss from each supervised depth's final `hidden` states (shallowest first, the final one last) read
         through the head `weight`, and the `teacher`'s (final hidden states, head weight); `terms` receives the
         final depth's `ce` (and `kl`), and with supervision the weighted means `ce_supervised` (and
-        `kl_supervised`), detached. Call it under the forward's autocast: the head multiplies in its dtype."""
+        `kl_supervised`), detached; with `mask` (bool per target), every term over the masked targets alone.
+        Call it under the forward's autocast: the head multiplies in its dtype."""
         weights = depth_weights(len(hidden), self.supervise.weighting if self.supervise else "uniform")
         temperature = self.distill.temperature if self.distill is not None else 1.0
-        pairs = [head_losses(depth, weight, targets, teacher, temperature) for depth in hidden]
+        pairs = [head_losses(depth, weight, targets, teacher, temperature, mask) for depth in hidden]
         by_depth = {"ce": [ce for ce, _ in pairs]}
         if self.distill is None:
             losses = by_depth["ce"]
@@ -84,6 +87,22 @@ class HealingLoss:
             if self.supervise is not None:
                 terms[f"{name}_supervised"] = sum(w * v.detach() for w, v in zip(weights, values))
         return sum(weight * loss for weight, loss in zip(weights, losses))
+
+
+def micro_batch_weights(share: int, masks: torch.Tensor | None, micro: int, processes) -> list:
+    """Each micro-batch's weight in this process's loss, given its share of the global batch as rows (and with
+    `data.assistant_only_loss` the rows' assistant masks): micro-batch means weighted so, and averaged over the
+    processes as DDP and FSDP2 average gradients, make the mean over every counted target of the global batch.
+
+    Without masks every target counts and every row has as many: a micro-batch weighs its rows / the share's.
+    With them a micro-batch's mean is over its assistant targets (`head.HeadLoss`), and it weighs its count of
+    them × processes / the global batch's count (summed over the processes); a batch without any gives 0."""
+    if masks is None:
+        return [min(micro, share - start) / share for start in range(0, share, micro)]
+    counts = masks[:, 1:].to(processes.device).sum(dim=1, dtype=torch.float32)
+    per_micro = torch.stack([part.sum() for part in counts.split(micro)])
+    total = processes.sum(per_micro.sum()).clamp(min=1)
+    return list(per_micro * processes.world / total)
 
 
 class Teacher:

@@ -120,6 +120,9 @@ class DataConfig:
     phases: list[PhaseConfig] = field(default_factory=list)
     validation: list[str] = field(default_factory=list)  # stores whose `val` split is evaluated
     repeat: DataRepeat = "warn"  # a store the run reads more than once (a second pass over its rows)
+    # The loss over the assistant's tokens only (stores of conversations, `data prepare` of a `messages` field);
+    # off: every token, as plain text trains
+    assistant_only_loss: bool = False
 
 
 @dataclass
