@@ -62,7 +62,9 @@ def _library_output(verbose: bool) -> None:
 
 
 def _report_error(error: Exception) -> int:
-    status.print(f"[bold red]error:[/] {error}", highlight=False)
+    from rich.markup import escape
+
+    status.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)  # a message's [x] is text
     return 2
 
 

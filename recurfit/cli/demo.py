@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..demo.settings import DEPTH_TASK_TIME, DemoSettings
 from ..errors import RecurfitError
+from ..extras import require
 from .common import MODEL_HELP, _placement, add_placement_arguments, console, positive_float, shape_arg, status
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(DemoSettings) if f.default is not dataclasses.MISSING}
@@ -89,8 +90,6 @@ def add_parsers(commands) -> None:
 
 def cmd_demo(args) -> None:
     """The main job: retrofit, heal, train, evaluate against the parent trained on the same tokens; a report."""
-    from ..demo import run
-
     given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
     settings = DemoSettings(out=Path(args.out), **given)
     placement = _placement(args)  # a bad --device or --dtype fails now, not after training; --threads applies
@@ -102,18 +101,23 @@ def cmd_demo(args) -> None:
         from ..demo.dry_run import dry_run
 
         return dry_run(settings, console)  # the plan is the result: stdout
+    require("`recurfit demo`", "eval", "data")  # its data is embedded:prose; it evaluates on tasks, draws figures
+    from ..demo import run
+
     report = run.run_demo(settings, status)  # stages, progress and times: stderr
     if report is not None:
         console.print(f"Wrote {report}.", highlight=False)  # the result: stdout
 
 
 def _depth_task(args, device) -> None:
-    from ..demo.depth_act import run_depth_act
     from ..train.depth_task import DepthRecipeFile, load_depth_recipe
 
     if args.model:  # its prelude, core and coda are the embedded model's layers, chosen by where its lookups happen
         raise RecurfitError("--depth-task runs on the embedded model only; leave out --model.")
     if args.dtype not in ("auto", "float32"):  # the recipe is measured in float32 only
         raise RecurfitError(f"--depth-task trains and scores in float32; leave out --dtype {args.dtype}.")
+    require("`recurfit demo --depth-task` (its figure)", "plots")
+    from ..demo.depth_act import run_depth_act
+
     file = load_depth_recipe(args.depth_recipe) if args.depth_recipe else DepthRecipeFile()
     run_depth_act(Path(args.out), status, force=args.force, recipe=file.train, scoring=file.score, device=device)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import RecurfitError
+from ..extras import require
 from .common import (
     _placement,
     add_placement_arguments,
@@ -216,6 +217,7 @@ def _evaluate_run(args, settings: dict, sweep_one, served: bool = False) -> None
 
 
 def cmd_eval_loss(args) -> None:
+    require("`recurfit eval`", "eval")  # in one line, before anything is loaded
     from ..evaluate.loss import load_examples, loss_sweep, sweep_plan
     from ..evaluate.over_training import find_snapshots
     from ..model.loading import load_tokenizer
@@ -250,6 +252,7 @@ def cmd_eval_loss(args) -> None:
 
 
 def cmd_eval_tasks(args) -> None:
+    require("`recurfit eval`", "eval")
     if args.backend == "vllm":
         from ..evaluate.vllm_backend import check_installed
 
@@ -342,6 +345,7 @@ def _served_models(args):
 
 
 def cmd_plot(args) -> None:
+    require("`recurfit plot`", "plots")
     from ..evaluate.figures import plot_paths
 
     written = plot_paths(args.paths, Path(args.out), args.paper_tokens_per_step)

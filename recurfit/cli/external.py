@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..extras import require
 from .common import console, positive_int, status
 
 
@@ -40,6 +41,7 @@ def cmd_push(args) -> None:
 
 def cmd_lm_eval(args) -> None:
     """lm-eval's own command line, with the `recurfit` model type registered and the offline tasks included."""
+    require("`recurfit lm-eval`", "eval")
     from lm_eval.__main__ import cli_evaluate
 
     from ..evaluate import lm  # noqa: F401  (registers --model recurfit)

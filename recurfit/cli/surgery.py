@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import RecurfitError
+from ..extras import require
 from ..model.shape import shape_or_indices_problem
 from .common import (
     MODEL_HELP,
@@ -195,6 +196,7 @@ def _inspect_layers(args, config) -> None:
 
     if config.model_type == "recurfit":
         raise RecurfitError("This is already a recurfit model; --layers scores the layers of a parent model.")
+    require("`recurfit inspect --layers` (its figure)", "plots")
     layers = config.num_hidden_layers
     if args.shape:
         try:  # an impossible shape fails before the parent runs

@@ -20,11 +20,15 @@ import os
 from contextlib import contextmanager
 
 import torch
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
 
-from ..generation.exit import ExitRule
-from ..model.modeling import RecurrentForCausalLM
+from ..extras import require
+
+require("The lm-eval model type `recurfit`", "eval", modules=("lm_eval",))
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from ..generation.exit import ExitRule  # noqa: E402
+from ..model.modeling import RecurrentForCausalLM  # noqa: E402
 
 STATE_INITS = ("random", "zeros", "previous")
 

@@ -25,9 +25,12 @@ from rich.console import Console
 
 from ..defaults import TASK_RECURRENCES
 from ..errors import RecurfitError
+from ..extras import require
 from ..model.modeling import RecurrentForCausalLM
 from ..progress import progress_bar
 from .results import Row, Sweep
+
+require("Evaluating on tasks", "eval")  # lm-eval runs them (imported where used), math-verify scores MATH
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 OFFLINE = "_offline"

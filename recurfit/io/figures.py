@@ -6,7 +6,10 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-import matplotlib
+from ..extras import require
+
+require("Drawing figures", "plots")
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402

