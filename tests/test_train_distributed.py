@@ -554,3 +554,109 @@ def test_fsdp2_trains_the_head_alone_as_one_process(tmp_path, workspace):
     heads = [load_file(path / "final" / "model.safetensors")["lm_head.weight"] for path in (one, two)]
     assert (heads[1] - start).abs().max() > 1e-3  # AdamW at lr 0.01 moves each weight by ~0.01 per step
     assert torch.allclose(heads[1], heads[0], rtol=1e-5, atol=1e-6)
+
+
+# After the failed process exits, the others end within the store's polling interval (1 s) and their own exit,
+# whatever distributed_timeout (left at its default, an hour): measured 0.5-1.5 s on 2 busy cores, bounded at 15 s
+# for slower machines. Without the error watch, a process waiting in a gloo collective for one that exited raises
+# gloo's connection error (a traceback, status 1), and one waiting in NCCL waits for the hour.
+AFTER_THE_FAILED_SECONDS = 15
+
+FAILING_STEP = """
+import sys
+from recurfit.errors import RecurfitError
+from recurfit.train import loop
+real = loop.Trainer._micro_batch_loss
+def failing(self, *args, **kwargs):
+    if self.processes.rank == 1 and self.counters.step == 1:
+        raise RecurfitError("process 1's second step failed (injected)")
+    return real(self, *args, **kwargs)
+loop.Trainer._micro_batch_loss = failing
+from recurfit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def processes_without_agent(tmp_path: Path, config: dict, script: str | None = None) -> list[tuple[int, str, float]]:
+    """`recurfit train` of `config` (or `script` with its arguments) in 2 processes launched as a cluster's
+    scheduler launches them, with no torchrun agent to end the others when one fails (as across nodes): per process,
+    its exit status, its stderr and the seconds it ran (None: still running after HANG seconds, then killed)."""
+    import socket
+    import time
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    command = ["-c", script] if script else ["-m", "recurfit"]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    started, running = time.monotonic(), []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(REPO))
+        argv = [sys.executable, *command, "train", str(tmp_path / "run.yaml")]
+        running.append(subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+    ended = [None, None]
+    while None in ended and time.monotonic() - started < HANG:
+        for rank, process in enumerate(running):
+            if ended[rank] is None and process.poll() is not None:
+                ended[rank] = time.monotonic() - started
+        time.sleep(0.1)
+    for process in running:
+        if process.poll() is None:
+            process.kill()
+    return [(p.wait(), p.stderr.read(), seconds) for p, seconds in zip(running, ended, strict=True)]
+
+
+def assert_every_process_ends_with(results: list[tuple[int, str, float]], message: str) -> None:
+    """Both processes exited with status 2 (a RecurfitError), process 0 within AFTER_THE_FAILED_SECONDS of process 1,
+    each saying `message` on one line of its stderr, without a traceback."""
+    for rank, (status, stderr, seconds) in enumerate(results):
+        assert seconds is not None, f"process {rank} still ran after {HANG} s: {stderr[-2000:]}"
+        assert status == 2, f"process {rank} exited with {status}: {stderr[-2000:]}"
+        assert "Traceback" not in stderr and "Exception raised from" not in stderr, stderr[-3000:]  # Python's, c10's
+        lines = [line for line in stderr.splitlines() if message in line]
+        expected = "error: process 1 failed: " if rank == 0 else "error: "
+        assert len(lines) == 1 and lines[0].startswith(expected), stderr[-2000:]
+    assert results[0][2] - results[1][2] <= AFTER_THE_FAILED_SECONDS
+
+
+@pytest.mark.two_processes
+def test_an_id_outside_the_vocabulary_in_one_processs_share_ends_every_process(tmp_path, workspace):
+    """A store damaged in one row that only process 1's share of the first batch holds: process 1 fails at its
+    check, before the step's collectives, and process 0, already waiting for it in FSDP2's first gather, ends too."""
+    import shutil
+
+    import numpy as np
+    from transformers import AutoConfig
+
+    from recurfit.data import Phase, RowStream, TokenStore
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(workspace / "prose", damaged)
+    config = tiny_config(workspace, tmp_path / "run", steps=3, distributed="fsdp")
+    config["data"] = {"phases": [{"sources": [str(damaged)]}], "validation": []}
+    seed, store = load_config(None, [], base=config).seed, TokenStore(damaged)
+    shares = [RowStream([Phase({str(damaged): 1.0})], seed=seed).next_batch(8, rank, 2).numpy() for rank in (0, 1)]
+    rows = store[:]
+    (row,) = np.flatnonzero((rows == shares[1][0]).all(axis=1))  # process 1's first row of step 1
+    assert not (shares[0] == rows[row]).all(axis=1).any()  # not in process 0's share
+    bad = AutoConfig.from_pretrained(workspace / "parent").vocab_size + 7
+    width, offset = store.seq_len + 1, 0
+    for path, tokens in store.files:  # a token of the row, in the file that holds it
+        if row * width < offset + tokens:
+            tokens_of_file = np.memmap(path, dtype=store.dtype, mode="r+")
+            tokens_of_file[row * width - offset + 5] = bad
+            tokens_of_file.flush()
+            break
+        offset += tokens
+    results = processes_without_agent(tmp_path, config)
+    assert_every_process_ends_with(results, f"holds token id {bad}, but the model's vocabulary has")
+
+
+@pytest.mark.two_processes
+def test_an_error_in_one_processs_step_ends_every_process(tmp_path, workspace):
+    """Process 1 fails in its second step, while process 0 waits for it in FSDP2's collectives."""
+    config = tiny_config(workspace, tmp_path / "run", steps=3, distributed="fsdp")
+    config["eval"] = {"every": 0, "steps": [1], "rows": 2}
+    results = processes_without_agent(tmp_path, config, FAILING_STEP)
+    assert_every_process_ends_with(results, "process 1's second step failed (injected)")

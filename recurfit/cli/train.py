@@ -60,13 +60,6 @@ def cmd_train(args) -> None:
     main_process = int(os.environ.get("RANK", "0")) == 0
     say = console.print if main_process else (lambda *a, **k: None)  # results
     note = status.print if main_process else (lambda *a, **k: None)  # progress, warnings
-    finished = None if args.dry_run else already_finished(config, args.resume, args.force)
-    if finished is not None:
-        say(
-            f"{finished.out} is already finished ({finished.counters.step} steps): nothing to do. To train it "
-            f"further, start a new run from it with model.init_from={finished.out}."
-        )
-        return
     memory = _device_memory(args)
     if args.dry_run:
         model = check_plan(config)  # a missing store or a shape the parent cannot hold fails here, as the run would
@@ -76,9 +69,16 @@ def cmd_train(args) -> None:
         if not fits:
             raise RecurfitError(line)
         return
-    if main_process:
-        _warn_memory(config, args, memory, note)
     with Processes.from_environment(config.distributed_timeout) as processes:
+        finished = processes.agree(already_finished, config, args.resume, args.force)  # the main process's view
+        if finished is not None:
+            say(
+                f"{finished.out} is already finished ({finished.counters.step} steps): nothing to do. To train it "
+                f"further, start a new run from it with model.init_from={finished.out}."
+            )
+            return
+        if main_process:
+            _warn_memory(config, args, memory, note)
         result = _run(config, args, processes, note)
     counters, out = result.counters, result.out
     table = validation_table(result.validation)

@@ -27,7 +27,11 @@ must draw the same depths (`step_plan.draws_shared`, which every FSDP2 run does 
 from __future__ import annotations
 
 import gc
+import json
 import os
+import sys
+import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +39,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..errors import RecurfitError
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Processes:
     device: torch.device = torch.device("cpu")
     grouped: bool = False  # in a process group: under torchrun, even with one process
     sharded: list = field(default_factory=list)  # FSDP2: (unit, reshard_after_forward) of every unit `wrap` made
+    watch: ErrorWatch | None = None  # another process's error ends this one (grouped processes)
 
     @classmethod
     def from_environment(cls, timeout: float) -> Processes:
@@ -71,7 +78,7 @@ class Processes:
                 device_id=device if device.type == "cuda" else None,
                 timeout=timedelta(seconds=timeout),
             )
-        return cls(rank, world, local_rank, device, grouped)
+        return cls(rank, world, local_rank, device, grouped, watch=ErrorWatch.start(world) if grouped else None)
 
     @property
     def is_main(self) -> bool:
@@ -130,6 +137,31 @@ class Processes:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value) -> list:
+        """Every process's `value` (any picklable object), in rank order, on every process."""
+        if not self.grouped:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    def agree(self, decide, *args):
+        """`decide(*args)` as the main process finds it, on every process; its RecurfitError is raised on every
+        process. For checks of the file system that decide whether a process runs: each process asking its own
+        (a node with a stale view of a shared folder) could answer otherwise."""
+        if not self.grouped:
+            return decide(*args)
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = (None, decide(*args))
+            except RecurfitError as error:
+                outcome = (str(error), None)
+        error, result = self.broadcast(outcome)
+        if error is not None:
+            raise RecurfitError(error)
+        return result
+
     def barrier(self) -> None:
         if self.grouped:
             dist.barrier()
@@ -145,6 +177,8 @@ class Processes:
         process (`terminate called without an active exception`, SIGABRT): a failed exit after a finished run.
         tests/test_train_distributed.py checks that no gloo thread is left after `close`."""
         self.sharded.clear()  # the FSDP2 units, the model among them
+        if self.watch is not None:
+            self.watch.close()
         if self.grouped and dist.is_initialized():
             _forget_dtensor_caches()
             gc.collect()
@@ -156,9 +190,85 @@ class Processes:
     def __exit__(self, kind, error, traceback) -> None:
         """The group is destroyed after a block that ended normally. After an error it is left to the process's
         exit, which reports the error: another process may still be in a collective with this one, and
-        destroying a group under a peer's collective can hang."""
+        destroying a group under a peer's collective can hang. The error is first told to the other processes
+        (`ErrorWatch.fail`), which end: they may be waiting for this one in a collective."""
         if kind is None:
             self.close()
+        elif self.watch is not None and isinstance(error, Exception):  # not Ctrl-C: every process gets its own
+            self.watch.fail(self.rank, error)
+
+
+# How often each process looks for another's error in the store: a failed process ends the others within this.
+ERROR_WATCH_SECONDS = 1.0
+# How long a failed process waits for the others to have read its error: the store may live in this process (the
+# main one, launched without torchrun), and goes when it exits.
+ERROR_READ_SECONDS = 5.0
+
+
+class ErrorWatch:
+    """The first error of any process, one line in the run's store, read by a thread in every other process,
+    which prints it and ends its process (`os._exit`: its main thread may be blocked in a collective that only the
+    failed process could complete). The thread has a store client of its own, so that it reads while the main
+    thread waits in the store (a barrier, a group's creation)."""
+
+    def __init__(self, store, world: int):
+        self.store, self.world, self.stopped = store, world, threading.Event()
+        # Keys of this attempt: torchrun's store outlives the workers it restarts (--max-restarts)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.error, self.read, self.told = (f"recurfit/{key}/{attempt}" for key in ("error", "error_read", "told"))
+        self.thread = threading.Thread(target=self._watch, name="recurfit_error_watch", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls, world: int) -> ErrorWatch | None:
+        """A watch on the store at MASTER_ADDR:MASTER_PORT (torchrun's agent's, or the main process's when launched
+        without torchrun); None for one process, or a group made otherwise."""
+        if world < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            return None
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+        )
+        return cls(store, world)
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(ERROR_WATCH_SECONDS):
+            try:
+                if not self.store.check([self.error]):
+                    continue
+                error = json.loads(self.store.get(self.error))
+                self.store.add(self.read, 1)
+            except Exception:  # the store is gone: the process that held it has ended (done, or failed and told)
+                return
+            try:  # until the failed process is done with the store, which may be this one's (ends with the process)
+                self.store.wait([self.told], timedelta(seconds=ERROR_READ_SECONDS))
+            except Exception:
+                pass
+            print(f"error: process {error['rank']} failed: {error['message']}", file=sys.stderr, flush=True)
+            os._exit(2 if error["kind"] == RecurfitError.__name__ else 1)
+
+    def fail(self, rank: int, error: Exception) -> None:
+        """Tell the other processes of this process's `error` (unless another told its own first), and wait a few
+        seconds for them to have read it."""
+        self.close()  # this process's own watch would read its own error
+        message = " ".join(str(error).split())  # one line
+        if not isinstance(error, RecurfitError):
+            message = f"{type(error).__name__}: {message}"
+        try:
+            told = json.dumps({"rank": rank, "kind": type(error).__name__, "message": message})
+            if self.store.compare_set(self.error, "", told).decode() != told:
+                self.store.add(self.read, 1)  # another process failed first: its error is the run's
+                return
+            deadline = time.monotonic() + ERROR_READ_SECONDS
+            while self.store.add(self.read, 0) < self.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.store.set(self.told, "")  # the others may end, the store's process among them
+        except Exception:  # the store is gone: no one left to tell
+            pass
+
+    def close(self) -> None:
+        self.stopped.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
 
 
 def _forget_dtensor_caches() -> None:

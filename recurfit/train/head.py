@@ -48,12 +48,12 @@ def final_hidden_states(call, model: nn.Module, input_ids: torch.Tensor, **kwarg
 
 class Readout(NamedTuple):
     hidden: list[torch.Tensor]  # (positions, hidden) per depth read out, the last depth last
-    weight: torch.Tensor  # the head's weight, a view made in the model's forward: the loss's path to its gradient
+    weight: torch.Tensor  # the head's weight as the model's forward handed it out: the loss's path to its gradient
 
 
 @contextmanager
 def headless(model: nn.Module):
-    """The model's head computes no logits for the block: it returns a view of its own weight, which the model
+    """The model's head computes no logits for the block: it returns its own weight (`HandedOut`), which the model
     hands out as its `logits`, and the loss reads the hidden states through it (`HeadLoss`). Even logits of no
     position would have autocast cast the head's weight and keep that copy for backward.
 
@@ -63,11 +63,24 @@ def headless(model: nn.Module):
     end. Read off the module, the weight is the same gathered tensor, but when nothing else trains
     (`model.trainable: [head]`) no unit's hook fires, the head's gradient is never reduced and it never trains."""
     head = model.get_output_embeddings()
-    head.forward = lambda hidden: head.weight.view_as(head.weight)
+    head.forward = lambda hidden: HandedOut.apply(head.weight)
     try:
         yield
     finally:
         del head.forward  # the class's forward again
+
+
+class HandedOut(torch.autograd.Function):
+    """A tensor's storage as a tensor of its own, whose gradient is the tensor's: no copy, and not a view (FSDP2
+    warns of a view among a unit's outputs, which an in-place operation would cut from its backward hook)."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

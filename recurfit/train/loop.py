@@ -466,11 +466,9 @@ def compiles_training(choice, device_type: str) -> bool:
 def train(config: TrainConfig, resume: bool = False, force: bool = False) -> TrainResult:
     """Run (`resume`: continue, `force`: start over) the training `config` describes; returns the counters and
     this run's losses. See `run_folder.py` for what each does with the folder's earlier run."""
-    finished = already_finished(config, resume, force)
-    if finished is not None:
-        return finished
     with Processes.from_environment(config.distributed_timeout) as processes:
-        return _run(config, resume, force, processes)
+        finished = processes.agree(already_finished, config, resume, force)  # the main process's view of the folder
+        return finished if finished is not None else _run(config, resume, force, processes)
 
 
 def _run(config: TrainConfig, resume: bool, force: bool, processes: Processes) -> TrainResult:
