@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROWS, bad_data_files, run_cli, write_documents, write_jsonl
+from conftest import (
+    ROWS,
+    bad_data_files,
+    conversations,
+    run_cli,
+    write_conversations,
+    write_documents,
+    write_jsonl,
+)
 from conftest import run_cli as run
 
 
@@ -117,3 +125,19 @@ def test_data_prepare_without_tokenizer_says_which_it_used(tmp_path, capsys):
     assert "Tokenising with the tokenizer of the embedded SmolLM2-135M-Instruct (no --tokenizer)" in text
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert meta["tokenizer"] == "embedded SmolLM2-135M-Instruct" and len(meta["tokenizer_vocabulary"]) == 16
+
+
+def test_data_prepare_of_conversations_with_the_embedded_tokenizer_keeps_the_assistants_tokens(tmp_path, capsys):
+    """The embedded SmolLM2-135M-Instruct's chat template renders a `messages` source, and the command says how to
+    train on the assistant's tokens; its masks mark tokens of the replies only (the rest: test_data_chat.py)."""
+    from recurfit.data import TokenStore
+    from recurfit.model.loading import load_tokenizer
+
+    write_conversations(tmp_path / "chat.jsonl", conversations(100))
+    code, text = run(capsys, "data", "prepare", "--source", tmp_path / "chat.jsonl", "--seq-len", "64",
+                     "--val-fraction", "0", "--decontaminate", "none", "--out", tmp_path / "chat")  # fmt: skip
+    assert code == 0, text
+    assert "found by prefixes): train on them alone with data.assistant_only_loss=true" in text
+    tokens, masks = TokenStore(tmp_path / "chat")[:].reshape(-1), TokenStore(tmp_path / "chat", masks=True)[:]
+    marked = load_tokenizer(None).decode(tokens[masks.reshape(-1).astype(bool)])
+    assert " plus " in marked and "what is" not in marked and "assistant" not in marked and "system" not in marked

@@ -23,7 +23,11 @@ def add_parsers(commands) -> None:
     )
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per training sequence (rows hold one more)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for validation")
-    p.add_argument("--text-field", help="JSON/parquet field holding the text (default: text, content or document)")
+    p.add_argument(
+        "--text-field",
+        help="JSON/parquet field holding the text, or conversations as lists of {role, content} messages "
+        "(default: text, content, document or messages)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of generated sources (embedded:math)")
     _add_filter_arguments(p)
     p.add_argument(
@@ -141,6 +145,11 @@ def cmd_data_prepare(args) -> None:
         console.print(summary(meta["filter"]), markup=False, highlight=False)
     if "decontamination" in meta:
         console.print(decontamination_summary(meta["decontamination"]), markup=False, highlight=False)
+    if meta.get("loss_mask"):
+        console.print(
+            "Conversations rendered with the tokenizer's chat template; the assistant's tokens are kept as a mask "
+            f"(found by {meta['assistant_tokens']}): train on them alone with data.assistant_only_loss=true."
+        )
     if meta.get("packing") == "bos-eos" and meta.get("bos_token_id") is None:
         status.print("The tokenizer adds no BOS token: each document is packed as its text and EOS.")
     console.print(
