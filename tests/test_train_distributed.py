@@ -577,10 +577,12 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def processes_without_agent(tmp_path: Path, config: dict, script: str | None = None) -> list[tuple[int, str, float]]:
-    """`recurfit train` of `config` (or `script` with its arguments) in 2 processes launched as a cluster's
-    scheduler launches them, with no torchrun agent to end the others when one fails (as across nodes): per process,
-    its exit status, its stderr and the seconds it ran (None: still running after HANG seconds, then killed)."""
+def processes_without_agent(
+    tmp_path: Path, config: dict, script: str | None = None, *flags: str
+) -> list[tuple[int, str, float]]:
+    """`recurfit train` of `config` with `flags` (or `script` with these arguments) in 2 processes launched as a
+    cluster's scheduler launches them, with no torchrun agent to end the others when one fails (as across nodes): per
+    process, its exit status, its stderr and the seconds it ran (None: still running after HANG seconds, killed)."""
     import socket
     import time
 
@@ -593,7 +595,7 @@ def processes_without_agent(tmp_path: Path, config: dict, script: str | None = N
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", PYTHONPATH=str(REPO))
-        argv = [sys.executable, *command, "train", str(tmp_path / "run.yaml")]
+        argv = [sys.executable, *command, "train", str(tmp_path / "run.yaml"), *flags]
         running.append(subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
     ended = [None, None]
     while None in ended and time.monotonic() - started < HANG:
@@ -660,3 +662,27 @@ def test_an_error_in_one_processs_step_ends_every_process(tmp_path, workspace):
     config["eval"] = {"every": 0, "steps": [1], "rows": 2}
     results = processes_without_agent(tmp_path, config, FAILING_STEP)
     assert_every_process_ends_with(results, "process 1's second step failed (injected)")
+
+
+STALE_VIEW = """
+import os, sys
+from recurfit.train import run_folder
+if os.environ["RANK"] == "1":  # this node's view of the shared run folder is stale: it sees a final model
+    run_folder.RunFolder.finished = property(lambda self: True)
+from recurfit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.two_processes
+def test_whether_a_run_is_finished_is_the_main_processs_answer(tmp_path, workspace):
+    """`--resume` of a run that one process alone sees finished (a stale view of a shared folder): the processes
+    train it, as the main process sees it. (Each process once asked the folder itself: the one that saw it finished
+    exited before joining the group, and the other waited for it for distributed_timeout.)"""
+    config = tiny_config(workspace, tmp_path / "run", steps=2, distributed="fsdp")
+    config["eval"] = {"every": 0, "steps": [1], "rows": 2}
+    results = processes_without_agent(tmp_path, config, STALE_VIEW, "--resume")
+    for rank, (status, stderr, seconds) in enumerate(results):
+        assert seconds is not None and status == 0, (rank, status, stderr[-2000:])
+        assert "already finished" not in stderr
+    assert list(train_losses(tmp_path / "run")) == [1, 2]
