@@ -35,6 +35,12 @@ COMPILED_SPEEDUP = 9406 / 6536
 STORE_TOKENS = 52.5e9  # `data prepare --max-tokens 52.5B`: the run's 52.43 B tokens and a margin
 VAL_FRACTION = 0.01
 TOKEN_BYTES = 4
+# The large-parent recipes (docs/how-to/large-parents.md): rows of 4,096 tokens, as their headers prepare them.
+LARGE_RECIPES = (
+    ("Llama-3.1-8B, (4, 8, 4)", REPO / "recipes" / "llama-3.1-8b.yaml"),
+    ("Qwen3-14B, (5, 10, 5)", REPO / "recipes" / "qwen3-14b.yaml"),
+)
+LARGE_SEQ_LEN = 4096
 # (name, overrides, processes): the runs of the tutorial, in its order
 RUNS = (
     ("smoke run (1 GPU, 20 steps)", ["steps=20", "checkpoint.every=10", "snapshots.every=0", "eval.every=0"], 1),
@@ -63,20 +69,35 @@ def memory_plan(recipe: Path, overrides: list[str], world: int = GPUS, built=Non
     return plan_memory(config, model, PAPER_SEQ_LEN, world=world, device="cuda")
 
 
-def run_flops(config, model) -> float:
+def run_flops(config, model, seq_len: int | None = None) -> float:
     """Training FLOPs: what the run's log adds up (each step's drawn depth (n, k) on its tokens, the body only)
-    and the LM head's 6·V·h per token."""
+    and the LM head's 6·V·h per token (rows of `seq_len` tokens; default the paper's)."""
     import recurfit
     from recurfit.model.accounting import training_flops_per_token
     from recurfit.train.memory import PAPER_SEQ_LEN
     from recurfit.train.step_plan import depth_schedule
 
     counts = recurfit.count_parameters(model)
-    tokens = config.batch.global_ * PAPER_SEQ_LEN
+    tokens = config.batch.global_ * (seq_len or PAPER_SEQ_LEN)
     schedule = depth_schedule(config)
     head = 6 * model.config.vocab_size * model.config.hidden_size
     body = sum(tokens * training_flops_per_token(counts, schedule.at(step)) for step in range(config.steps))
     return float(body + config.steps * tokens * head)
+
+
+def recompute_flops(config, model, seq_len: int) -> float:
+    """What gradient checkpointing adds: backward runs again the forward of every layer with gradient (the
+    prelude, the coda and each step's k core passes), 2 FLOPs per parameter and token, a third of their 6."""
+    import recurfit
+    from recurfit.model.accounting import training_flops_per_token
+    from recurfit.train.step_plan import depth_schedule
+
+    counts = recurfit.count_parameters(model)
+    schedule = depth_schedule(config)
+    tokens = config.batch.global_ * seq_len
+    return float(
+        sum(tokens * training_flops_per_token(counts, (0, schedule.at(step)[1])) // 3 for step in range(config.steps))
+    )
 
 
 def disk(config, model) -> dict[str, float]:
@@ -124,6 +145,61 @@ def rows() -> list[dict]:
             )
         )
     return found
+
+
+def large_rows() -> list[dict]:
+    """The 8 B and 14 B recipes on one node of GPUS: memory, FLOPs and time, recomputation included."""
+    from recurfit.train.memory import plan_memory
+
+    found = []
+    for name, recipe in LARGE_RECIPES:
+        config, model = planned(recipe, [])
+        plan = plan_memory(config, model, LARGE_SEQ_LEN, world=GPUS, device="cuda")
+        flops = run_flops(config, model, LARGE_SEQ_LEN)
+        recompute = recompute_flops(config, model, LARGE_SEQ_LEN) if config.model.gradient_checkpointing else 0.0
+        gpu_hours = (flops + recompute) / (MFU * PEAK_FLOPS) / 3600
+        found.append(
+            dict(
+                name=name,
+                recipe=recipe,
+                plan=plan,
+                flops=flops,
+                recompute=recompute,
+                gpu_hours=gpu_hours,
+                hours=gpu_hours / GPUS,
+                compiled_hours=gpu_hours / GPUS / COMPILED_SPEEDUP,
+                disk=disk(config, model),
+            )
+        )
+    return found
+
+
+def large_section() -> list[str]:
+    lines = [
+        "",
+        "## The 8 B and 14 B recipes",
+        "",
+        "Computed the same way, for the [large parents](../how-to/large-parents.md)' recipes on one node of "
+        f"{GPUS} 80 GB GPUs:",
+        "5,000 steps of 512 rows of 4,096 tokens (10.5 B tokens), r̄ = 32 reached by a linear curriculum over the",
+        "first 12.5 % of the steps, k̄ = 8. Gradient checkpointing runs the forward of every layer with gradient",
+        "again in backward: the hours include it, the training FLOPs (as `train` logs them and counts its MFU) do",
+        "not. Attention's own FLOPs, a few per cent at 4,096 tokens, are in neither. A checkpoint (fp32 weights and",
+        "the optimizers' state) is written whole by the main process and, on `--resume`, read whole by each one.",
+        "",
+        "| recipe | micro-batch | peak memory per GPU | training FLOPs | recomputed | GPU-hours | hours (days) "
+        "| compiled | a checkpoint |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in large_rows():
+        recipe = row["recipe"].relative_to(REPO)
+        lines.append(
+            f"| [{row['name']}](../../{recipe}) | {row['plan'].micro} | {gb(row['plan'].peak)} (k = {row['plan'].k}) "
+            f"| {row['flops']:.2e} | {row['recompute']:.2e} | {row['gpu_hours']:,.0f} "
+            f"| {hours(row['hours'])} ({row['hours'] / 24:.1f}) "
+            f"| {hours(row['compiled_hours'])} ({row['compiled_hours'] / 24:.1f}) | {gb(row['disk']['checkpoint'])} |"
+        )
+    return lines
 
 
 def run_bytes(row: dict) -> float:
@@ -196,6 +272,7 @@ def page() -> str:
         "",
     ]
     lines += [f"- {row['name']}: `{' '.join(row['overrides'])}`" for row in table]
+    lines += large_section()
     return "\n".join(lines) + "\n"
 
 
