@@ -353,6 +353,16 @@ def test_user_pages_are_short_except_reference_tables():
     assert not long, long
 
 
+def test_each_how_to_page_is_at_most_180_lines():
+    """A how-to does one job, short enough to read through before doing it; a second job is a page of its own."""
+    long = [
+        f"{page.relative_to(REPO)}: {len(page.read_text().splitlines())} lines"
+        for page in sorted((REPO / "docs" / "how-to").glob("*.md"))
+        if len(page.read_text().splitlines()) > 180
+    ]
+    assert not long, long
+
+
 # ---------------------------------------------------------------- what a page promises, what has run
 
 SERVE_MIDDLEWARE = "--middleware recurfit.serving.middleware.EffortToDepth"
