@@ -82,6 +82,10 @@ CachePolicy = Literal["all", "latest"]
 CACHE_POLICIES = get_args(CachePolicy)
 ExitCriterion = Literal["kl", "state", "argmax"]
 EXIT_CRITERIA = get_args(ExitCriterion)
+# `recurfit lens`: the exit rules it marks (one of each criterion; kl's and argmax's are `generate --exit`'s
+# defaults) and the tokens of greedy continuation it reads after the prompt
+LENS_EXIT_RULES = ("kl:5e-4", "state:0.01", "argmax:2")
+LENS_NEW_TOKENS = 16
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES = get_args(Dtype)
 

@@ -17,6 +17,7 @@ COMMANDS = [
     ["chat"],
     ["eval", "loss", "--data", "d"],
     ["eval", "tasks"],
+    ["lens", "--prompt", "x"],
     ["retrofit", "--out", "o"],
     ["inspect"],
     ["demo"],

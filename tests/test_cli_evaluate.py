@@ -128,3 +128,33 @@ def test_eval_tasks_table_has_a_row_per_r_the_parent_and_chance(saved, tmp_path,
     assert set(json.loads((out / "lm_eval.json").read_text())) == {"r=1", "r=2", "parent"}
     code, text = run_cli(capsys, "eval", "tasks", saved / "model", "--tasks", "gsm8k", "--out", tmp_path / "bad")
     assert code == 2 and "did you mean 'gsm8k_cot'" in text and not (tmp_path / "bad").exists()
+
+
+def test_lens_writes_its_figure_and_prints_its_table_and_never_overwrites(saved, tmp_path, capsys):
+    out = tmp_path / "lens.png"
+    argv = ["lens", saved / "model", "--prompt", "the cat", "-r", "3", "--max-new-tokens", "2", "--out", out]
+    code, text = run_cli(capsys, *argv, "--exit", "kl:1e-3,argmax:2")
+    assert code == 0, text
+    assert out.read_bytes().startswith(b"\x89PNG") and sorted(tmp_path.iterdir()) == [out]  # no staging file left
+    assert "| # | token | top at r = 3 | p | KL at r | kl:1e-3 | argmax:2 |" in text
+    assert "| 7 | `t` |" in text  # the prompt's 7 characters, then the continuation
+    assert f"Wrote {out}." in text
+    code, text = run_cli(capsys, *argv)
+    assert code == 2 and f"error: {out} already exists; pass --force" in text
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--exit", "entropy:3"], "--exit takes CRITERION[:VALUE] with CRITERION one of kl, state, argmax"),
+        (["--exit", "kl:often"], "--exit 'kl:often': 'often' is not a number."),
+        (["-r", "0"], "--recurrence must be between 1 and 1024, got 0."),
+        (["--out", "{tmp}/lens.jpg"], "must name a .png, .svg or .pdf file"),
+    ],
+)
+def test_lens_refuses_bad_settings_in_one_line_before_the_model_loads(tmp_path, capsys, options, message):
+    options = [option.format(tmp=tmp_path) for option in options]
+    out = ["--out", tmp_path / "lens.png"] if "--out" not in options else []
+    code, text = run_cli(capsys, "lens", tmp_path / "no-model", "--prompt", "x", *out, *options)
+    assert code == 2 and message in text and text.count("error:") == 1 and "no-model" not in text
+    assert list(tmp_path.iterdir()) == []

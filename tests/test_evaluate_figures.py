@@ -282,3 +282,65 @@ def test_legends_name_runs_by_the_settings_that_differ():
         "fast": "fast (lr 0.005)",
         "deep": "deep (mean_recurrence 8, lr ref)",
     }
+
+
+def lens_of(tokens: int, r: int, prompt_length: int):
+    """A lens of `tokens` tokens × `r` steps with predictions that settle part-way up (no model needed)."""
+    import torch
+
+    from recurfit.evaluate.lens import Lens
+
+    generator = torch.Generator().manual_seed(0)
+    settle = torch.randint(1, r + 1, (tokens, 1), generator=generator)
+    steps = torch.arange(1, r + 1)
+    top_ids = torch.where(steps < settle, steps % 3, 10 + torch.arange(tokens)[:, None])
+    kl = torch.logspace(-1, -6, r).repeat(tokens, 1)
+    kl[:, 0] = float("nan")
+    names = [f"t{i}" for i in range(10 + tokens)]
+    return Lens(
+        tokens=[f" word{i}" if i % 4 else "\n" for i in range(tokens)],
+        prompt_length=prompt_length,
+        rules=["kl:5e-4", "argmax:2"],
+        top_ids=top_ids,
+        top_tokens=[[names[t] for t in row] for row in top_ids.tolist()],
+        probabilities=torch.rand(tokens, r, generator=generator),
+        kl=kl,
+        exits={"kl:5e-4": settle[:, 0].tolist(), "argmax:2": [r] * tokens},
+    )
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_the_lens_figure_is_one_file_in_the_format_its_suffix_names(tmp_path, suffix):
+    from recurfit.evaluate.figures.lens import plot_lens
+
+    path = plot_lens(lens_of(6, 4, prompt_length=6), tmp_path / f"lens{suffix}", "lens")
+    assert sorted(tmp_path.iterdir()) == [path]
+    content = path.read_bytes()
+    assert content.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in content[:2000]
+
+
+def test_the_lens_figure_marks_each_rules_exits_names_every_token_and_keeps_its_text_inside(tmp_path, monkeypatch):
+    """40 tokens × 32 steps, the size the lens is read at: every token named under both panels, each rule's exit
+    steps as its markers, the prompt's end, and the predictions' text where it changes, inside the panel."""
+    from recurfit.evaluate.figures import lens as lens_figures
+    from recurfit.io import figures as io_figures
+
+    monkeypatch.setattr(io_figures.plt, "close", lambda figure: None)
+    lens = lens_of(40, 32, prompt_length=24)
+    lens_figures.plot_lens(lens, tmp_path / "lens.png", "lens")
+    figure = io_figures.plt.gcf()
+    top, kl = figure.axes[:2]  # the panels (then their colour bars)
+    renderer = figure.canvas.get_renderer()
+    for axis in (top, kl):
+        assert [t.get_text() for t in axis.get_xticklabels()][:4] == ["⏎", "·word1", "·word2", "·word3"]
+        marks = {line.get_label(): line for line in axis.get_lines() if line.get_label().startswith("exit")}
+        assert list(marks["exit: kl:5e-4"].get_ydata()) == lens.exits["kl:5e-4"]
+        assert list(marks["exit: argmax:2"].get_ydata()) == [32] * 40
+        (prompt_end,) = [line for line in axis.get_lines() if not line.get_label().startswith("exit")]
+        assert prompt_end.get_xdata()[0] == 24.5  # between the prompt's last token and the continuation's first
+    # A prediction's text where it changes: at step 1 and wherever the top token differs from the step below.
+    changes = 40 + int((lens.top_ids[:, 1:] != lens.top_ids[:, :-1]).sum())
+    assert len(top.texts) == changes
+    panel = top.get_window_extent(renderer)
+    assert all(panel.contains(*text.get_window_extent(renderer).get_points().mean(0)) for text in top.texts)
+    assert {t.get_text() for t in figure.legends[0].get_texts()} == {"exit: kl:5e-4", "exit: argmax:2"}

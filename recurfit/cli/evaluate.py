@@ -38,6 +38,38 @@ def add_parsers(commands) -> None:
         "for every run) and each run from its own step 0 (default: the run's own tokens, earlier runs included)",
     )
     p.set_defaults(run=cmd_plot)
+    _add_lens_parser(commands)
+
+
+def _add_lens_parser(commands) -> None:
+    p = commands.add_parser(
+        "lens", help="inside the recurrence: each token's top prediction, its probability and KL at every step"
+    )
+    p.add_argument("model", nargs="?", help="model folder or Hub id (default: the embedded model, retrofitted)")
+    p.add_argument("--prompt", required=True, help="the text to read (and continue)")
+    p.add_argument("--chat-template", choices=("on", "off"), default="off", help="on: the prompt as a user message")
+    p.add_argument(
+        "-r", "--recurrence", type=int, help="steps per token, 1 to 1024 (default: the model's mean recurrence r̄)"
+    )
+    p.add_argument(
+        "--exit",
+        type=lambda text: [rule for rule in text.split(",") if rule],
+        default=list(defaults.LENS_EXIT_RULES),
+        metavar="RULE,RULE,…",
+        help="the exit rules whose step to mark, as `generate --exit` takes them",
+    )
+    p.add_argument("--min-recurrence", type=positive_int, default=2, help="no rule exits before this many recurrences")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=defaults.LENS_NEW_TOKENS,
+        help="tokens of greedy continuation read after the prompt (0: the prompt alone)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial states s_0")
+    p.add_argument("--out", default="lens.png", help="the figure: .png, .svg or .pdf (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    add_placement_arguments(p)
+    p.set_defaults(run=cmd_lens)
 
 
 def _add_model_arguments(p, name: str) -> None:
@@ -350,3 +382,53 @@ def cmd_plot(args) -> None:
 
     written = plot_paths(args.paths, Path(args.out), args.paper_tokens_per_step)
     console.print("Wrote " + ", ".join(str(path) for path in written) + ".")
+
+
+def cmd_lens(args) -> None:
+    """Every setting is checked before the model loads: the output, the rules, the recurrence."""
+    require("`recurfit lens`", "plots")
+    from ..evaluate.lens import check_recurrence, check_rules, recurrence_lens
+    from ..io.figures import FORMATS
+    from ..io.files import check_output
+
+    out = Path(args.out)
+    if out.suffix.lower() not in FORMATS:
+        raise RecurfitError(f"--out {out} must name a .png, .svg or .pdf file (its suffix picks the format).")
+    check_output(out, args.force)
+    check_rules(args.exit, args.min_recurrence)
+    if args.recurrence is not None:
+        check_recurrence(args.recurrence)
+    if args.max_new_tokens < 0:
+        raise RecurfitError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}.")
+    from ..evaluate.figures.lens import plot_lens
+    from ..generation import chat_ids, prompt_ids
+    from ..io.files import staged_file
+    from ..model.loading import load_tokenizer
+    from .common import load_recurrent_model
+
+    if args.model is None:
+        status.print(
+            f"[dim]The embedded SmolLM2-135M-Instruct, retrofitted to {defaults.DEFAULT_SHAPE} and not trained: its "
+            "adapter still passes the prelude's output through, so every step predicts the same. Pass a trained "
+            "model folder (e.g. runs/NAME/final).[/]"
+        )
+    placement = _placement(args)
+    model, tokenizer = load_recurrent_model(args.model, placement.dtype, placement.device), load_tokenizer(args.model)
+    if args.chat_template == "on":
+        ids = chat_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        ids = prompt_ids(tokenizer, args.prompt)
+    lens = recurrence_lens(
+        model,
+        tokenizer,
+        ids,
+        args.recurrence,
+        rules=args.exit,
+        max_new_tokens=args.max_new_tokens,
+        min_steps=args.min_recurrence,
+        seed=args.seed,
+    )
+    with staged_file(out, replace=args.force) as staging:
+        plot_lens(lens, staging, f"Inside the recurrence: {_model_name(args.model)}, r = {lens.recurrence}")
+    console.print(lens.markdown(), highlight=False, markup=False)
+    console.print(f"Wrote [bold]{out}[/].")

@@ -75,6 +75,12 @@ class ExitRule:
         return ExitTracker(self, batch, device)
 
 
+def step_kl(log_p: torch.Tensor, log_p_before: torch.Tensor) -> torch.Tensor:
+    """KL(p_s ‖ p_{s-1}) over the last axis, from the log-probabilities of a step and of the step before: what the
+    `kl` criterion compares with its threshold."""
+    return (log_p.exp() * (log_p - log_p_before)).sum(-1)
+
+
 class ExitTracker:
     """Which rows still recur, and at which step each one stopped, during one forward."""
 
@@ -134,7 +140,7 @@ class ExitTracker:
             log_p = self._scatter(F.log_softmax(read, dim=-1), rows, self._previous)
             settled = torch.zeros_like(self.done)
             if self._previous is not None:
-                settled = (log_p.exp() * (log_p - self._previous)).sum(-1) < self.rule.threshold
+                settled = step_kl(log_p, self._previous) < self.rule.threshold
             self._previous = log_p
             return settled
         token = self._scatter(read.argmax(-1), rows, self._previous)

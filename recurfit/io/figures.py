@@ -19,15 +19,15 @@ FORMATS = (".png", ".pdf", ".svg")
 __all__ = ["FORMATS", "plt", "save_figure"]
 
 
-def save_figure(figure, path: Path, legend_columns: int | None = None) -> Path:
-    """The figure as PNG, PDF and SVG beside each other (`path` names the PNG); the legend below the panels, in
-    `legend_columns` columns (None: as many as fit the width)."""
+def save_figure(figure, path: Path, legend_columns: int | None = None, formats: tuple[str, ...] = FORMATS) -> Path:
+    """The figure as PNG, PDF and SVG beside each other (`path` names the first of `formats`); the legend below the
+    panels, in `legend_columns` columns (None: as many as fit the width)."""
     _figure_legend(figure, legend_columns)
     path = Path(path)
-    for suffix in FORMATS:
+    for suffix in formats:
         figure.savefig(path.with_suffix(suffix), dpi=150)
     plt.close(figure)
-    return path.with_suffix(".png")
+    return path.with_suffix(formats[0])
 
 
 def _figure_legend(figure, columns: int | None = None) -> None:

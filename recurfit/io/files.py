@@ -44,6 +44,24 @@ def staged_directory(target: Path, replace: bool = False, wait: bool = False) ->
             shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextmanager
+def staged_file(target: Path, replace: bool = False) -> Iterator[Path]:
+    """Yield a path beside `target`, with its suffix (writers that pick a format by it), to write one file into; on
+    success it is synced to disk and renamed to `target`. An existing `target` is an error unless `replace`; a
+    failure leaves `target` untouched."""
+    target = Path(target)
+    with owned(target):
+        check_output(target, replace)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.partial-{secrets.token_hex(4)}{target.suffix}")
+        try:
+            yield staging
+            _finish_file(staging)
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+
+
 def publish_directory(staging: Path, target: Path) -> None:
     """Sync `staging`'s files and rename it to `target`, replacing a `target` that exists (hold its lock)."""
     _finish_files(staging)
@@ -71,15 +89,18 @@ def _finish_files(folder: Path) -> None:
     """Give every file the permissions the umask allows (some writers, safetensors among them, create files
     0600), and flush it to disk before the rename publishes it: after a power loss, a folder that has its
     final name holds whole files."""
-    readable = 0o666 & ~umask()
     for path in folder.rglob("*"):
         if path.is_file():
-            os.chmod(path, path.stat().st_mode | readable)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _finish_file(path)
+
+
+def _finish_file(path: Path) -> None:
+    os.chmod(path, path.stat().st_mode | 0o666 & ~umask())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def umask() -> int:

@@ -22,6 +22,7 @@ sweeps.py    KIND_recurrence and KIND_flops, from results files
 training.py  training, from run folders' log.jsonl
 runs.py      KIND_over_training, KIND_final, tasks_final_bars and KIND_table.md, from evaluations of runs
 paths.py     `recurfit plot PATH…`: which of these a mix of paths gets
+lens.py      `recurfit lens`'s figure: each token's top prediction and KL at every step, the exit rules' steps
 """
 
 from ...extras import require
