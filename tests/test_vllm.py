@@ -686,7 +686,8 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     expected = recurfit_greedy(model, batch, 4, policy="latest")
     assert expected != recurfit_greedy(model, batch, 4)  # the policies differ on this model
-    one_forward = dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    # Each request's generated tokens one per forward, and a KV cache vLLM never preempts in (16 requests fit).
+    one_forward = dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=16)
     llm = vllm_engine(folder, compiled, one_forward, cache_policy="latest", max_recurrence=8)
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -1058,6 +1059,207 @@ def test_the_engines_scheduler_salts_each_request_by_its_depth_after_the_clients
         assert salted.block_hashes == hashes_with(expected).block_hashes and len(salted.block_hashes) == 3
     assert request(2).block_hashes[0] != request(16).block_hashes[0]
     assert request(4).block_hashes == request(None).block_hashes  # the default depth is a depth like another
+
+
+SCHEDULER_BLOCK = 16  # tokens per KV-cache block of the schedulers tests build (`depth_salted_scheduler_of`)
+
+
+def depth_salted_scheduler_of(config, num_blocks: int = 64):
+    """recurfit's scheduler for the engine `config` configures (`engine_config`), as vLLM's EngineCore builds it,
+    over a KV cache of `num_blocks` blocks of SCHEDULER_BLOCK tokens in one group (the model's layers: not read by the
+    scheduler; 16 tokens, not the CPU build's 128, so that a prompt of a few blocks fits max_model_len)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from recurfit.serving.scheduler import depth_salted_scheduler
+
+    block = config.cache_config.block_size = SCHEDULER_BLOCK
+    config.cache_config.num_gpu_blocks = num_blocks  # as EngineCore sets it, once the KV cache is sized
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    kv_cache = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    made = depth_salted_scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block,
+    )
+    assert isinstance(made, Scheduler)
+    return made
+
+
+def salted_request(name: str, prompt: list[int], depth: int | None, block_size: int, resumable: bool = False):
+    """vLLM's engine-side Request asking for `depth`, with the engine's block hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=4, extra_args=None if depth is None else {"num_steps": depth})
+    hasher = get_request_block_hasher(block_size, sha256)
+    return Request(name, prompt, params, None, block_hasher=hasher, resumable=resumable)
+
+
+def test_the_asynchronous_scheduler_never_gives_a_request_blocks_written_at_another_depth(tmp_path):
+    """An engine that schedules asynchronously (vLLM's default on CUDA; its CPU build cannot) gets recurfit's
+    asynchronous scheduler, built as vLLM's EngineCore builds it, with vLLM's Requests: a request reads the
+    prefix-cache blocks a request of its own depth wrote and none of a request at another depth (the same prompt:
+    without the salt the two would share their full blocks)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    config = engine_config(folder, False, dict(enable_prefix_caching=True))
+    # vLLM decides it after recurfit's hook; its CPU platform turns it off, its CUDA one on: set here as on CUDA.
+    config.scheduler_config.async_scheduling = True
+    scheduler = depth_salted_scheduler_of(config)
+    assert isinstance(scheduler, AsyncScheduler)
+    block = SCHEDULER_BLOCK
+    prompt = list(range(2, 2 + 3 * block))  # 3 full blocks; a hit covers at most the first 2 (the last token runs)
+    scheduler.add_request(salted_request("shallow", prompt, 2, block))
+    scheduler.schedule()  # its prompt's blocks are written and published under their hashes
+    for name, depth in (("same", 2), ("deep", 8), ("default", None)):
+        scheduler.add_request(salted_request(name, prompt, depth, block))
+    output = scheduler.schedule()
+    computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    assert computed == {"same": 2 * block, "deep": 0, "default": 0}  # the default depth, 4, is another depth too
+
+
+def test_latest_policy_is_refused_where_a_token_would_read_same_step_keys_of_its_own_request(tmp_path):
+    """cache_policy 'latest' gives generate's tokens only where generated tokens run one per forward: a verify
+    step (a token with its drafts) is refused at engine start, as a prompt split into chunks is; and so is a KV
+    cache too small for max_num_seqs requests of max_model_len tokens, where vLLM would preempt a request and
+    recompute its tokens as one prefill (its tokens then depending on the server's load). A draft's engine, whose
+    tokens only propose, keeps 'latest'."""
+    from recurfit.serving.depth import Limits
+    from recurfit.serving.draft import write_draft
+
+    folder = saved(served_model("llama", mean_recurrence=4), tmp_path / "llama")
+    draft = write_draft(folder, 1, tmp_path / "draft")
+    one_forward = dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match=r"cache_policy 'latest' .* turn off speculative decoding \(no --spec"):
+        engine_config(folder, True, dict(one_forward, speculative_config=speculative), cache_policy="latest")
+    from recurfit.serving.engine import _latest_keys_one_token_at_a_time
+
+    config = engine_config(folder, True, dict(one_forward, speculative_config=speculative))
+    draft_config = dataclasses.replace(config, model_config=config.speculative_config.draft_model_config)
+    _latest_keys_one_token_at_a_time(draft_config, Limits(1, 1, {}, "latest"))  # a draft: not refused
+
+    config = engine_config(folder, False, one_forward, cache_policy="latest")  # max_model_len 64, max_num_seqs 4
+    block = SCHEDULER_BLOCK
+    per_request = 64 // block + 1  # and the pool's null block
+    with pytest.raises(ValueError, match=r"cache_policy 'latest' with a KV cache of .* set --max-num-seqs 3 "):
+        depth_salted_scheduler_of(config, num_blocks=4 * per_request)
+    depth_salted_scheduler_of(config, num_blocks=4 * per_request + 1)
+    depth_salted_scheduler_of(engine_config(folder, False, one_forward), num_blocks=2)  # 'all': preemption is exact
+
+
+def test_a_streaming_session_keeps_its_depth_and_a_chunk_at_another_is_refused(tmp_path):
+    """A streaming-input session (vLLM's resumable requests, one id for every chunk) keeps the salt and block hashes
+    of its first chunk's depth, whose caches it wrote: a next chunk at the same depth joins it, one at another
+    depth is refused and ends the session, with an error to its client."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    config = engine_config(folder, False, dict(enable_prefix_caching=True))
+    scheduler = depth_salted_scheduler_of(config)
+    block = SCHEDULER_BLOCK
+    prompt = list(range(2, 2 + 2 * block))
+    scheduler.add_request(salted_request("session", prompt, 2, block, resumable=True))
+    session = scheduler.requests["session"]
+    scheduler.add_request(salted_request("session", [5, 6], 2, block, resumable=True))
+    assert len(session.streaming_queue) == 1 and not scheduler.refused
+    scheduler.add_request(salted_request("session", [5, 6], 4, block, resumable=True))
+    assert "session" not in scheduler.requests and session.is_finished()
+    (refused,) = scheduler.refused
+    output = scheduler.update_from_output(scheduler.schedule(), EMPTY_MODEL_RUNNER_OUTPUT)
+    (answer,) = [out for outs in output.values() for out in outs.outputs if out.request_id == "session"]
+    assert answer.finish_reason == vllm.v1.engine.FinishReason.ERROR and refused.request_id == "session"
+
+
+def test_the_v1_runner_refuses_an_attention_backend_whose_metadata_has_no_request_offsets(tmp_path, monkeypatch):
+    """The V1 runner finds each token's request, hence its depth, in the attention metadata's query_start_loc,
+    which FlashInfer's metadata lacks (it would fail on the first request, every request in flight with it): the
+    model refuses it when it loads, naming the backends that carry it and Model Runner V2, whose model state carries
+    the depths itself. An engine of one depth needs no offsets."""
+    import recurfit.serving.attention
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    # As the model loads: the CPU's backend taken for one without offsets, the engine does not start.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recurfit.serving.attention, "NARROWED_BACKENDS", {"FLASH_ATTN": "FlashAttentionMetadata"})
+        with pytest.raises(Exception, match="query_start_loc, which CPU_ATTN's lacks"):
+            vllm_engine(folder)
+    from recurfit.serving.attention import check_v1_backend
+
+    config = engine_config(folder, False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # vLLM reads the runner from the environment when asked
+    with pytest.raises(ValueError, match="query_start_loc, which FLASHINFER's lacks: serve with --attention-backend"):
+        check_v1_backend(config, True, "FLASHINFER")
+    check_v1_backend(config, True, "CPU_ATTN")
+    check_v1_backend(config, False, "FLASHINFER")  # one depth: no offsets needed
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    check_v1_backend(config, True, "FLASHINFER")
+
+
+def test_a_full_cuda_graph_mode_vllm_sets_after_the_hook_is_refused_in_the_worker():
+    """vLLM turns PIECEWISE into FULL after recurfit's config hook when asked to fuse attention with quantization
+    (-cc.pass_config.fuse_attn_quant=true): the worker sees the final mode and refuses it, rather than replay
+    whole forwards at the captured depth; NONE, named with it, stays."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from recurfit.serving.engine import _piecewise_cuda_graphs
+    from recurfit.serving.pieces import split_at_stepped_attention
+
+    for named in (None, "PIECEWISE"):
+        compilation = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=named, pass_config={"fuse_attn_quant": True}
+        )
+        _piecewise_cuda_graphs(compilation)  # recurfit's hook
+        compilation.set_splitting_ops_for_v1(all2all_backend="naive")  # vLLM's, after it
+        with pytest.raises(ValueError, match="cudagraph_mode is FULL on the final config .* drop fuse_attn_quant"):
+            split_at_stepped_attention(compilation)
+    compilation = CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, cudagraph_mode="NONE", pass_config={"fuse_attn_quant": True}
+    )
+    compilation.set_splitting_ops_for_v1(all2all_backend="naive")
+    split_at_stepped_attention(compilation)
+
+
+def test_dual_batch_overlap_and_micro_batches_are_refused_in_one_line(tmp_path):
+    """vLLM's dual-batch overlap and micro-batching split a forward between threads, which recurfit's per-forward
+    depths and step state do not follow: refused when the engine's config is built."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    folder = saved(served_model("llama"), tmp_path / "llama")
+    for setting in (dict(enable_dbo=True), dict(ubatch_size=2)):
+        args = EngineArgs(str(folder), dtype="float32", max_model_len=64, **setting)
+        with pytest.raises(ValueError, match=r"micro-batching \(enable_dbo, ubatch_size\) .* drop --enable-dbo"):
+            args.create_engine_config()
+
+
+def test_a_drafts_compiled_pieces_are_cached_under_vllms_draft_tag(tmp_path):
+    """vLLM keeps a speculative draft's compiled artifacts apart from the target's by its model tag
+    ("draft_model"): the pieces keep it before their own name, so a draft of another shape never loads the
+    target's kernels; the target's pieces are apart from each other."""
+    from torch import nn
+    from vllm.compilation.backends import set_model_tag
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from recurfit.serving.pieces import Pieces
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        target = Pieces(nn.Module(), config)
+        with set_model_tag("draft_model"):
+            draft = Pieces(nn.Module(), config)
+    pieces = ("prelude", "core_step", "coda")
+    tags = [getattr(target, name)._compile_tag for name in pieces]
+    assert len(set(tags)) == 3
+    for name in pieces:
+        tag = getattr(draft, name)._compile_tag
+        assert tag.startswith("draft_model") and tag not in tags and name in tag
 
 
 def test_the_middleware_without_a_recurfit_engine_fails_loudly():

@@ -15,7 +15,6 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 # The core layers' attention op: which step's KV cache it uses is chosen when it runs, so vLLM's piecewise graphs
 # split there, as at its own attention (`pieces.split_at_stepped_attention`).
 STEPPED_ATTENTION = "recurfit::stepped_attention"
-# Attention metadata `RecurringRequests` narrows to some of a batch's requests (its fields read, its builder run, as
 # The attention backends whose metadata `RecurringRequests` narrows to some of a batch's requests (its fields read,
 # its builder run, as the tests check), by backend name, with their metadata's type; a backend not named here
 # attends over every token of the batch at every step.
@@ -24,6 +23,18 @@ NARROWED_BACKENDS = {
     "FLASH_ATTN": "FlashAttentionMetadata",
     "TRITON_ATTN": "TritonAttentionMetadata",
 }
+
+
+def check_v1_backend(vllm_config: VllmConfig, per_request: bool, backend: str) -> None:
+    """Under the V1 runner each token's depth comes from its request's offsets in the attention metadata
+    (`query_start_loc`), which these backends' metadata carries and others' (FlashInfer's) does not: refused at
+    model load when requests have depths of their own, rather than failing on the first request."""
+    if per_request and not vllm_config.use_v2_model_runner and backend not in NARROWED_BACKENDS:
+        raise ValueError(
+            f"recurfit on vLLM: the V1 runner finds each token's request in the attention metadata's "
+            f"query_start_loc, which {backend}'s lacks: serve with --attention-backend FLASH_ATTN (or TRITON_ATTN), "
+            "or on Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER=0)."
+        )
 
 
 @torch.library.custom_op(STEPPED_ATTENTION, mutates_args=("output",))

@@ -32,22 +32,8 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
         if "depth_for_effort" not in overrides and {"mean_recurrence", "max_recurrence"} & overrides.keys():
             config.depth_for_effort = None  # the folder's table is for its own depths: the defaults of these
         limits = Limits.of(config)
-        if limits.policy == "latest":
-            on = [
-                name
-                for name, value in (
-                    ("enable_prefix_caching", vllm_config.cache_config.enable_prefix_caching),
-                    ("enable_chunked_prefill", vllm_config.scheduler_config.enable_chunked_prefill),
-                )
-                if value
-            ]
-            if on:
-                raise ValueError(
-                    "recurfit on vLLM: cache_policy 'latest' keeps one key per token, its last step's, so a prompt "
-                    "split into chunks or read from the prefix cache would see other steps' keys than generate "
-                    f"does: turn off {' and '.join(on)} (--no-{' --no-'.join(n.replace('_', '-') for n in on)}), "
-                    "or serve cache_policy 'all'."
-                )
+        _latest_keys_one_token_at_a_time(vllm_config, limits)
+        _no_micro_batches(vllm_config.parallel_config)
         _piecewise_cuda_graphs(vllm_config.compilation_config)
         _no_breakable_cuda_graphs()
         _no_adaptive_verification(vllm_config)
@@ -57,6 +43,41 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
             model_config.logits_processors = others
             return
         model_config.logits_processors = [*others, processor_for(limits, vllm_config.use_v2_model_runner)]
+
+
+def _latest_keys_one_token_at_a_time(vllm_config, limits: Limits) -> None:
+    """Under cache_policy 'latest' a token attends to the earlier tokens' last-step keys, which only holds where
+    generated tokens run one per forward, as recurfit's `generate` runs them: several tokens of one request in one
+    forward read each other's same-step keys instead (a prompt split into chunks, one read from the prefix cache, a
+    token verified with its drafts). A recompute after preemption is the same; the scheduler refuses a KV cache
+    small enough for vLLM to preempt (`scheduler.check_no_preemption`)."""
+    if limits.policy != "latest":
+        return
+    # A draft's tokens only propose: how it reads its keys changes which drafts are accepted, not the tokens.
+    verifies = vllm_config.speculative_config is not None and vllm_config.model_config.runner_type != "draft"
+    settings = (
+        ("enable_prefix_caching", "--no-enable-prefix-caching", vllm_config.cache_config.enable_prefix_caching),
+        ("enable_chunked_prefill", "--no-enable-chunked-prefill", vllm_config.scheduler_config.enable_chunked_prefill),
+        ("speculative decoding", "no --speculative-config", verifies),
+    )
+    on = [(name, flag) for name, flag, value in settings if value]
+    if on:
+        raise ValueError(
+            "recurfit on vLLM: cache_policy 'latest' keeps one key per token, its last step's, so a prompt split into "
+            "chunks, read from the prefix cache or verified with drafts would see other steps' keys than generate "
+            f"does: turn off {' and '.join(name for name, _ in on)} ({', '.join(flag for _, flag in on)}), or serve "
+            "cache_policy 'all'."
+        )
+
+
+def _no_micro_batches(parallel) -> None:
+    """vLLM's dual-batch overlap and micro-batching split a forward's tokens between threads, which recurfit's step
+    loop and depth table (one per forward) do not follow: refused."""
+    if parallel.use_ubatching:
+        raise ValueError(
+            "recurfit on vLLM: dual-batch overlap / micro-batching (enable_dbo, ubatch_size) splits a forward between "
+            "threads, but recurfit's depths and step state are per forward: drop --enable-dbo and --ubatch-size."
+        )
 
 
 def _piecewise_cuda_graphs(compilation) -> None:

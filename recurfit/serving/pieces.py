@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from vllm.compilation import backends
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CUDAGraphMode, VllmConfig
@@ -21,7 +22,15 @@ def split_at_stepped_attention(compilation) -> None:
     """The core's attention op (`STEPPED_ATTENTION`) added to the ops vLLM's piecewise graphs split at, after the
     ones vLLM chose (its attention ops, and the KV-cache updates it keeps out of graphs): called in the worker, on
     the engine's final config, before any piece compiles. Left out, every core step would replay the attention of
-    the step it was captured at."""
+    the step it was captured at. The final mode is checked here too: vLLM turns PIECEWISE into FULL after recurfit's
+    config hook has run when asked to fuse attention with quantization (`set_splitting_ops_for_v1`)."""
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"recurfit on vLLM: cudagraph_mode is {mode.name} on the final config (vLLM sets FULL for "
+            "-cc.pass_config.fuse_attn_quant=true), which replays whole forwards at the depth captured: drop "
+            "fuse_attn_quant, or set -cc.cudagraph_mode=NONE."
+        )
     ops = compilation.splitting_ops or []
     if STEPPED_ATTENTION not in ops:
         compilation.splitting_ops = [*ops, STEPPED_ATTENTION]
@@ -85,7 +94,9 @@ class Pieces(nn.Module):
         self.size = vllm_config.scheduler_config.max_num_batched_tokens
         self.buffers: dict[str, torch.Tensor] = {}
         for name, cls in (("prelude", CompiledPrelude), ("core_step", CompiledCoreStep), ("coda", CompiledCoda)):
-            with set_model_tag(f"recurfit_{name}"):  # its compiled artifacts cached apart from the others'
+            # Its compiled artifacts cached apart from the other pieces' and, under vLLM's own tag (a speculative
+            # draft's "draft_model"), from another model's in the same engine.
+            with set_model_tag(f"{backends.model_tag}_recurfit_{name}"):
                 setattr(self, name, cls(vllm_config=vllm_config, recurrence=recurrence))
 
     def fixed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

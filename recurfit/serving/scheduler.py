@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import logging
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import RequestStatus
 
 from .depth import Limits, engine_limits
 
@@ -41,18 +43,38 @@ class DepthSalt:
         super().__init__(*args, vllm_config=vllm_config, **kwargs)
         self.depth_limits = engine_limits(vllm_config)
         self.refused: list = []  # requests refused for their depth, answered with an error at the next step
+        if self.depth_limits.policy == "latest":
+            check_no_preemption(vllm_config, self.kv_cache_config)
 
     def add_request(self, request) -> None:
-        if self.depth_limits.only is not None:
-            params = request.sampling_params
-            try:
-                self.depth_limits.depth(params.extra_args if params is not None else None)
-            except ValueError as problem:
-                logger.error("recurfit on vLLM: request %s refused: %s", request.request_id, problem)
-                self.refused.append(request)
-                return
+        params = request.sampling_params
+        extra_args = params.extra_args if params is not None else None
+        try:
+            if self.depth_limits.only is not None:
+                self.depth_limits.depth(extra_args)
+            self._same_depth_as_its_session(request, extra_args)
+        except ValueError as problem:
+            logger.error("recurfit on vLLM: request %s refused: %s", request.request_id, problem)
+            self.refused.append(request)
+            return
         salt_by_depth(request, self.depth_limits)
         super().add_request(request)
+
+    def _same_depth_as_its_session(self, request, extra_args) -> None:
+        """A ValueError when `request` is the next chunk of a streaming-input session (vLLM's resumable requests,
+        one id) at another depth than its session: the session's caches and block hashes are its first depth's.
+        The session ends with the refusal (its client is answered with an error)."""
+        session = self.requests.get(request.request_id)
+        if session is None or not request.resumable:
+            return
+        limits, before = self.depth_limits, session.sampling_params
+        was, asked = limits.served_depth(before.extra_args if before else None), limits.served_depth(extra_args)
+        if asked != was:
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+            raise ValueError(
+                f"num_steps {asked} in the next chunk of a streaming-input session begun at num_steps {was}: a "
+                f"session's caches are written at one depth; send num_steps {was}, or start a new session."
+            )
 
     def has_requests(self) -> bool:
         return bool(self.refused) or super().has_requests()
@@ -73,6 +95,26 @@ class DepthSaltedScheduler(DepthSalt, Scheduler):
 
 class DepthSaltedAsyncScheduler(DepthSalt, AsyncScheduler):
     pass
+
+
+def check_no_preemption(vllm_config, kv_cache_config) -> None:
+    """Under cache_policy 'latest' a request vLLM preempts is recomputed as one prefill, its generated tokens then
+    reading each other's same-step keys, not the latest ones `generate` reads: its tokens would depend on the
+    server's load. vLLM preempts only when the KV cache cannot take the running requests' next tokens, so an engine
+    whose cache holds max_num_seqs requests of max_model_len tokens never does; a smaller one is refused at start."""
+    length, seqs = vllm_config.model_config.max_model_len, vllm_config.scheduler_config.max_num_seqs
+    groups = max(len(kv_cache_config.kv_cache_groups), 1)
+    # Each request holds blocks of every KV-cache group; one more for a token scheduled past a full block, and the
+    # pool keeps one block apart (its null block).
+    per_request = groups * (cdiv(length, vllm_config.cache_config.block_size) + 1)
+    fit = (kv_cache_config.num_blocks - 1) // per_request
+    if fit < seqs:
+        raise ValueError(
+            f"recurfit on vLLM: cache_policy 'latest' with a KV cache of {kv_cache_config.num_blocks} blocks, which "
+            f"holds {fit} requests of max_model_len {length}, not max_num_seqs {seqs}: vLLM would preempt and "
+            f"recompute requests, whose tokens then differ from generate's: set --max-num-seqs {max(fit, 1)} (or "
+            "a smaller --max-model-len, or more KV cache memory), or serve cache_policy 'all'."
+        )
 
 
 def salt_by_depth(request, limits: Limits) -> None:

@@ -50,7 +50,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
-from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention
+from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention, check_v1_backend
 from .depth import Limits, TokenDepths, engine_limits, table_for
 from .engine import SCHEDULER
 from .families import (
@@ -292,6 +292,8 @@ class RecurfitForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.body.embed_tokens)
         self.logits_processor = LogitsProcessor(text.vocab_size)
+        backend = self.model.body.layers[config.shape[0]].self_attn.attn.steps[0].attn_backend.get_name()
+        check_v1_backend(vllm_config, self.limits.only is None, backend)
         logger.info("%s", start_line(vllm_config, self.limits, self.model))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
