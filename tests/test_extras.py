@@ -146,7 +146,7 @@ def test_the_core_install_runs_the_core_commands_and_the_others_name_their_extra
         "eval tasks": (["eval", "tasks", out / "retrofit", "--out", out / "e2"], "eval"),
         "lm-eval": (["lm-eval", "--model", "recurfit", "--tasks", "arc_easy"], "eval"),
         "plot": (["plot", out / "run", "--out", out / "p"], "plots"),
-        "inspect --layers": (["inspect", parent, "--layers"], "plots"),
+        "inspect --layers": (["inspect", parent, "--layers"], "plots,data"),
         "lens": (["lens", out / "retrofit", "--prompt", "the cat", "--out", out / "lens.png"], "plots"),
         "decontamination": (["data", "prepare", "--tokenizer", parent, "--source", workspace / "prose.jsonl",
                              "--seq-len", "32", "--out", out / "d1"], "data"),

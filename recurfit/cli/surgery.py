@@ -196,7 +196,8 @@ def _inspect_layers(args, config) -> None:
 
     if config.model_type == "recurfit":
         raise RecurfitError("This is already a recurfit model; --layers scores the layers of a parent model.")
-    require("`recurfit inspect --layers` (its figure)", "plots")
+    embedded = args.calibration in (None, EMBEDDED_PROSE)  # its default text is embedded:prose, read with datasets
+    require("`recurfit inspect --layers`", "plots", *(["data"] if embedded else []))
     layers = config.num_hidden_layers
     if args.shape:
         try:  # an impossible shape fails before the parent runs
