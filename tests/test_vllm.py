@@ -366,6 +366,116 @@ def test_a_mixed_depth_batch_gives_each_request_generates_tokens_at_its_depth(tm
     assert len({tuple(row) for row in rounds[0][1]}) == len(batch)
 
 
+# Requests with and without an exit rule (vllm_xargs), cycled over the prompts. The thresholds are loose enough
+# that the random tiny model's tokens stop at depths 2-16 (kl:5e-4, the default, never settles on it).
+EXIT_XARGS = (
+    {"num_steps": 16, "exit": "kl:0.5"},
+    {"num_steps": 12, "exit": "state:0.6"},
+    {"num_steps": 16, "exit": "argmax:1", "min_depth": 3},
+    {"num_steps": 16},
+    {"num_steps": 4},
+    {},
+    {"num_steps": 8, "exit": "kl:0.5", "min_depth": 3},
+)
+
+
+def exit_record(model) -> dict:
+    """Each exit request's per-token exit depths since the last call, by prompt (then forgotten)."""
+    from recurfit.serving.depth import table_for
+
+    record = table_for(model.vllm_config).exits.record
+    taken = dict(record)
+    record.clear()
+    return taken
+
+
+def served_with_exit(llm, batch: list[list[int]], xargs: list[dict], cached: list) -> tuple[list, list]:
+    """Greedy tokens of one `generate` call, request i with `xargs[i]`, and the exit depths of its generated tokens."""
+    params = [
+        vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True, extra_args=x) for x in xargs
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    cached[:] = [o.num_cached_tokens for o in outputs]
+    (record,) = llm.apply_model(exit_record)
+    return [list(o.outputs[0].token_ids) for o in outputs], [record.get(tuple(p)) for p in batch]
+
+
+def expected_with_exit(model, batch: list[list[int]], xargs: list[dict], policy: str = "all") -> tuple[list, list]:
+    """recurfit's `generate --exit` on each prompt alone (cap `num_steps`, the rule and min_depth of its request), with
+    a `policy` cache: its tokens, and the depth of each token after the first (the prompt's, at the cap), or None for a
+    request without exit."""
+    from recurfit.generation.exit import ExitRule
+
+    tokens, depths = [], []
+    for prompt, x in zip(batch, xargs):
+        rule = ExitRule.parse(x.get("exit"), min_steps=x.get("min_depth", 2))
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MIXED_TOKENS,
+            do_sample=False,
+            num_steps=x.get("num_steps", model.config.mean_recurrence),
+            exit_rule=rule,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            **cache_kwargs(RecurrentCache(model.config, policy=policy)),
+        )
+        tokens.append(out.sequences[0, len(prompt) :].tolist())
+        depths.append(out["steps_per_token"][0, 1:].tolist() if rule is not None else None)
+    return tokens, depths
+
+
+@pytest.mark.parametrize("compiled", [False], ids=["eager"])
+def test_requests_with_an_exit_rule_get_generates_tokens_and_exit_depths_in_mixed_batches(tmp_path, compiled):
+    """Requests carrying exit rules (kl, state, argmax; caps 8-16; a min_depth) beside requests at a fixed depth, in
+    one continuous batch with chunked prefill and prefix caching on: each request gets the tokens of recurfit's
+    `generate --exit` with the same cap and rule, and each generated token stops at the step generate's does (a
+    token that stopped early is read by later tokens at its last step, in every deeper step's cache). A second
+    round rotates the rules over the prompts: prefix blocks are reused only by requests of the same rule and cap,
+    and a third round repeats the first, its blocks read from the cache, with the same tokens. Rules the engine
+    cannot parse are refused with the field and the fix."""
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
+    first = [EXIT_XARGS[i % len(EXIT_XARGS)] for i in range(len(batch))]
+    second = [EXIT_XARGS[(i + 1) % len(EXIT_XARGS)] for i in range(len(batch))]
+    args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
+    llm = vllm_engine(folder, compiled, args, max_recurrence=16)
+    try:
+        cached: list[list[int]] = [[], [], []]
+        rounds = [(x, served_with_exit(llm, batch, x, cached[i])) for i, x in enumerate((first, second))]
+        bad = (
+            ({"exit": "median:2"}, "exit", r"takes CRITERION\[:VALUE\] .*kl:5e-4"),
+            ({"exit": "kl:often"}, "exit", "'often' is not a number"),
+            ({"exit": 5e-4}, "exit", "must be a string such as 'kl:5e-4'"),
+            ({"exit": "kl", "min_depth": 0}, "min_depth", "must be an integer >= 1, got 0"),
+        )
+        for xargs, field, message in bad:
+            with pytest.raises(VLLMValidationError, match=rf"^{field} \(vllm_xargs .*{message}") as refused:
+                served_with_exit(llm, batch[:1], [xargs], [])
+            assert refused.value.parameter == field
+        again = served_with_exit(llm, batch, first, cached[2])
+    finally:
+        del llm
+        gc.collect()
+    for xargs, served in rounds:
+        expected = expected_with_exit(model, batch, xargs)
+        assert served[0] == expected[0], xargs
+        assert served[1] == [None if d is None else d[: MIXED_TOKENS - 1] for d in expected[1]], xargs
+    assert again == rounds[0][1]
+    stopped = [d for depths in rounds[0][1][1] if depths for d in depths]
+    assert min(stopped) < 8 and len(set(stopped)) > 5, stopped  # the rules stop tokens early, at varied depths
+
+    # A prompt's first block (32 tokens: prompts 4-9) is read from the cache only where a request of the same cap,
+    # rule and min_depth wrote it (the default depth is 4; min_depth matters with a rule only).
+    def salted(prompt, x):
+        return tuple(prompt[:32]), x.get("num_steps", 4), x.get("exit"), x.get("exit") and x.get("min_depth", 2)
+
+    written = {salted(p, x) for p, x in zip(batch, first) if len(p) > 32}
+    hits = [32 * (len(p) > 32 and salted(p, x) in written) for p, x in zip(batch, second)]
+    assert cached == [[0] * 10, hits, [0] * 4 + [32] * 6], cached
+    assert hits == [0] * 4 + [32] * 5 + [0]  # the last: no rule at cap 16, where the first round wrote kl:0.5
+
+
 class RecordedPiece:
     """Stands in for one of a model's compiled pieces, recording each call: its tokens, the addresses of its
     state inputs, and whether CUDA graphs were on (`pieces.cuda_graphs_replay`)."""

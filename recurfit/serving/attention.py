@@ -74,7 +74,8 @@ class SteppedAttention(nn.Module):
         self.step = 0
         self.rows: torch.Tensor | None = None
         self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.tracking = False  # keep each token's latest keys and values (steps on some rows only, not narrowed)
+        self.tracking = False  # keep each token's latest keys and values (steps on some rows only, or exit)
+        self.tracked: torch.Tensor | None = None  # narrowed: the rows of the batch a step's keys are (None: all)
 
     def forward(self, query, key, value):
         output = torch.empty_like(query)  # attention's output has the queries' shape (heads × head size)
@@ -84,7 +85,10 @@ class SteppedAttention(nn.Module):
     def attend(self, query, key, value):
         attention = self.steps[self.step]
         if self.rows is None:
-            if self.tracking:
+            if self.tracking and self.tracked is not None:
+                key_value = zip(self.keep, (key, value))
+                self.keep = tuple(kept.index_copy(0, self.tracked, new) for kept, new in key_value)
+            elif self.tracking:
                 self.keep = (key, value)
             return attention(query, key, value)
         rows, (kept_key, kept_value) = self.rows, self.keep

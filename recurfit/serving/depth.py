@@ -48,6 +48,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
 from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
+from .exit import EXIT, MIN_DEPTH, RequestExits, ServedExit
 
 NUM_STEPS = "num_steps"  # the key in SamplingParams.extra_args (vllm_xargs on the server)
 V1_PROCESSOR = "RequestDepthUpTo"  # + max_recurrence: the V1 runner's logits processor for an engine's limits
@@ -67,6 +68,7 @@ class Limits:
     effort: dict
     policy: str = "all"
     only: int | None = None  # the one depth every request runs at (`one_depth_engine`); None: each its own
+    exit: ServedExit = ServedExit()  # the default exit rule (recurfit.serving.exit)
 
     @classmethod
     def of(cls, config) -> Limits:
@@ -84,7 +86,7 @@ class Limits:
         bad = {k: v for k, v in dict(effort).items() if not (type(v) is int and 1 <= v <= maximum)}
         if bad:
             raise ValueError(f"recurfit on vLLM: depth_for_effort must map to integers in [1, {maximum}], got {bad}.")
-        return cls(default, maximum, dict(effort), getattr(config, "cache_policy", "all"))
+        return cls(default, maximum, dict(effort), getattr(config, "cache_policy", "all"), exit=ServedExit.of(config))
 
     def depth(self, extra_args: dict | None) -> int:
         """The depth a request asks for (extra_args["num_steps"]), or the default; a ValueError naming the field
@@ -97,12 +99,12 @@ class Limits:
             raise ValueError(problem)
         return value
 
-    def salt(self, depth: int, client: str | None = None) -> str:
+    def salt(self, depth: int, client: str | None = None, extra_args: dict | None = None) -> str:
         """The cache salt of a request at `depth` (after the client's own, when it gave one; recurfit's scheduler
-        sets it): prefix caching then shares blocks only between requests of the same depth, `max_recurrence` and
-        cache policy, which write the same keys and values (a block written at depth d holds the coda's keys of
-        depth d)."""
-        ours = f"recurfit-r{depth}-max{self.maximum}-{self.policy}"
+        sets it): prefix caching then shares blocks only between requests of the same depth, `max_recurrence`,
+        cache policy and exit rule (`extra_args`'), which write the same keys and values (a block written at depth
+        d holds the coda's keys of depth d)."""
+        ours = f"recurfit-r{depth}-max{self.maximum}-{self.policy}{self.exit.salt(extra_args)}"
         return ours if not client else f"{client};{ours}"
 
     def served_depth(self, extra_args: dict | None) -> int:
@@ -123,6 +125,12 @@ class Limits:
 def engine_limits(vllm_config) -> Limits:
     """The limits of the engine `vllm_config` configures (after `RecurfitEngineConfig` has seen it)."""
     limits = Limits.of(vllm_config.model_config.hf_config)
+    if limits.exit.rule({}) is not None and (one_depth_engine(vllm_config) or vllm_config.use_v2_model_runner):
+        raise ValueError(
+            f"recurfit on vLLM: the default exit rule {limits.exit.default!r} (config's exit) is served on vLLM's V1 "
+            "runner without speculative decoding only: drop it (--hf-overrides '{\"exit\": null}'), or serve with "
+            "VLLM_USE_V2_MODEL_RUNNER=0 and without --speculative-config."
+        )
     return replace(limits, only=limits.default) if one_depth_engine(vllm_config) else limits
 
 
@@ -170,10 +178,20 @@ def __getattr__(name: str):
 def check_depth(cls, sampling_params) -> None:
     """`validate_params` of both runners' processors: a ValueError (vLLM's validation error, the server's 400)
     for a depth that is not an integer in [1, max_recurrence]."""
-    value = (sampling_params.extra_args or {}).get(NUM_STEPS)
+    extra_args = sampling_params.extra_args or {}
+    value = extra_args.get(NUM_STEPS)
     problem = None if value is None else depth_problem(value, cls.maximum)
     if problem:
         raise VLLMValidationError(problem, parameter=NUM_STEPS, value=value)
+    problem = ServedExit().problem(extra_args)  # the request's own rule (the server's default is checked at start)
+    if problem is None and cls.exits is False and ServedExit().rule(extra_args) is not None:
+        problem = (
+            "exit (vllm_xargs / SamplingParams.extra_args) is served on vLLM's V1 runner only, not on Model Runner "
+            "V2: drop exit, or serve with VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    if problem:
+        field = MIN_DEPTH if problem.startswith(MIN_DEPTH) else EXIT
+        raise VLLMValidationError(problem, parameter=field, value=extra_args.get(field))
 
 
 def depth_problem(value, maximum: int | None, only: int | None = None) -> str | None:
@@ -260,6 +278,7 @@ class RequestDepth(LogitsProcessor):
     (`RequestDepthUpTo16`, …)."""
 
     maximum: int | None = None  # the engine's max_recurrence (set on each engine's class)
+    exits = True  # whether requests' exit rules reach the model (recurfit.serving.exit)
     validate_params = classmethod(check_depth)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
@@ -268,6 +287,8 @@ class RequestDepth(LogitsProcessor):
         self.rows = torch.full((rows,), self.limits.default, dtype=torch.int64)
         self.live = torch.zeros(rows, dtype=torch.bool)  # rows holding a request (vLLM's warm-up runs hold none)
         self.tokens = TokenDepths(vllm_config.scheduler_config.max_num_batched_tokens, device)
+        self.exits = RequestExits(rows, self.limits.exit)
+        self.rules = None  # the exit rules of the last forward's tokens (`RequestExits.for_tokens`)
         for key in [key for key, (config, _) in _tables.items() if config() is None]:
             del _tables[key]
         _tables[id(vllm_config)] = (weakref.ref(vllm_config), weakref.ref(self))
@@ -283,15 +304,17 @@ class RequestDepth(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.live[index] = False
-        for index, params, _, _ in batch_update.added:
+        for index, params, prompt, _ in batch_update.added:
             self.rows[index] = self.limits.served_depth(params.extra_args)
             self.live[index] = True
+            self.exits.add(index, params.extra_args, prompt)
         for first, second, direction in batch_update.moved:
             for table in (self.rows, self.live):
                 if direction == MoveDirectionality.SWAP:
                     table[[first, second]] = table[[second, first]]
                 else:
                     table[second] = table[first]
+            self.exits.move(first, second, direction == MoveDirectionality.SWAP)
             if direction != MoveDirectionality.SWAP:
                 self.live[first] = False
 
@@ -313,6 +336,7 @@ class RequestDepth(LogitsProcessor):
         rows = self.rows[:num_reqs]
         lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
         per_token = torch.repeat_interleave(rows, lengths).numpy()
+        self.rules = self.exits.for_tokens(lengths.numpy())
         return self.tokens.write(per_token, num_tokens), depth_stops(rows.tolist())
 
 
@@ -323,6 +347,7 @@ class DepthParams:
     (`DepthParamsUpTo16`, …)."""
 
     maximum: int | None = None
+    exits = False
     validate_params = classmethod(check_depth)
 
     def add_request(self, req_idx: int, sampling_params) -> bool:

@@ -83,7 +83,7 @@ def _no_micro_batches(parallel) -> None:
 def _piecewise_cuda_graphs(compilation) -> None:
     """CUDA graphs of the compiled pieces only (vLLM's PIECEWISE, split at every attention, the core's included:
     `pieces.split_at_stepped_attention`), not of whole forwards (its FULL modes, the default when none is named):
-    how many core steps run, and on which tokens, is chosen on the host at every forward (`RecurrentModel._recur`),
+    how many core steps run, and on which tokens, is chosen on the host at every forward (`recurfit.serving.steps`),
     which a graph of the whole forward would replay as captured. A FULL mode named by the user is refused rather
     than changed."""
     mode = compilation.cudagraph_mode

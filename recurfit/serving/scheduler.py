@@ -25,6 +25,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from .depth import Limits, engine_limits
+from .exit import ServedExit
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -52,6 +53,7 @@ class DepthSalt:
         try:
             if self.depth_limits.only is not None:
                 self.depth_limits.depth(extra_args)
+                no_exit_beside_speculation(self.depth_limits, extra_args)
             self._same_depth_as_its_session(request, extra_args)
         except ValueError as problem:
             logger.error("recurfit on vLLM: request %s refused: %s", request.request_id, problem)
@@ -117,10 +119,21 @@ def check_no_preemption(vllm_config, kv_cache_config) -> None:
         )
 
 
+def no_exit_beside_speculation(limits: Limits, extra_args: dict | None) -> None:
+    """A ValueError for an exit rule in an engine of one depth (speculation on the V1 runner), which has no logits
+    processor to carry it to the model."""
+    if ServedExit().rule(extra_args) is not None:
+        raise ValueError(
+            "exit (vllm_xargs / SamplingParams.extra_args) is not served beside speculative decoding on vLLM's V1 "
+            "runner, which carries no per-request values to the model: drop exit, or serve without "
+            "--speculative-config."
+        )
+
+
 def salt_by_depth(request, limits: Limits) -> None:
     """`request` (vLLM's engine-side Request) with its depth's salt, and its block hashes computed again with it."""
     params = request.sampling_params
     depth = limits.served_depth(params.extra_args if params is not None else None)
-    request.cache_salt = limits.salt(depth, request.cache_salt)
+    request.cache_salt = limits.salt(depth, request.cache_salt, params.extra_args if params is not None else None)
     request.block_hashes = []
     request.update_block_hashes()

@@ -32,7 +32,6 @@ as recurfit's `latest` policy; KV memory is that of a (P + R + C)-layer model in
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
@@ -53,6 +52,7 @@ from . import check_vllm_version
 from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention, check_v1_backend
 from .depth import Limits, TokenDepths, engine_limits, table_for
 from .engine import SCHEDULER
+from .exit import TokenExits, TokenRules
 from .families import (
     OLMO_HYBRID,
     SCALED_EMBEDDINGS,
@@ -64,7 +64,8 @@ from .families import (
     olmo_hybrid_config,
     uncompiled,
 )
-from .pieces import Pieces, split_at_stepped_attention, without_cuda_graphs
+from .pieces import Pieces, split_at_stepped_attention
+from .steps import recur
 
 # Under vLLM's logger, so that the line shows in a server's log with vLLM's own start lines.
 logger = logging.getLogger(f"vllm.{__name__}")
@@ -182,56 +183,17 @@ class RecurrentModel(nn.Module):
         inputs_embeds: torch.Tensor | None,
         depths: torch.Tensor,
         stops: tuple[int, ...] | None,
+        exits: TokenExits | None = None,
     ) -> torch.Tensor:
-        """Embedding to final norm, each token recurring to its own `depths`; `stops` are the batch's distinct depths
-        (on the host), None for vLLM's runs without requests (profiling, warm-up, graph capture), which run one
-        step: the compiled pieces are the same at every step."""
+        """Embedding to final norm, each token recurring to its own `depths` (`recurfit.serving.steps`), or to the
+        step its request's exit rule stops it at (`exits`); `stops` are the batch's distinct depths (on the host),
+        None for vLLM's runs without requests (profiling, warm-up, graph capture), which run one step: the compiled
+        pieces are the same at every step."""
         pieces = self.pieces
         state, part = pieces.prelude(input_ids, positions, inputs_embeds)
         state, part = pieces.fixed("state", state), pieces.fixed("part", part)
-        state = self._recur(positions, state, part, depths, stops or (1,))
+        state = recur(self, positions, state, part, depths, stops or (1,), exits)
         return pieces.coda(positions, pieces.fixed("state", state))
-
-    def _recur(self, positions, state, part, depths, stops: tuple[int, ...]) -> torch.Tensor:
-        """Steps 1..max(stops), each on the tokens not yet at their depth only: the batch pays each request's own
-        depth, attention included where the backend's metadata narrows (`RecurringRequests`), else attention for
-        every token up to the deepest. Each time some tokens reach their depth, the others (`rows`) are gathered
-        with their adapter parts and positions, and the states of all scattered back. A step over the whole batch
-        reads and writes the pieces' fixed buffers (its CUDA graphs replay); a step over fewer tokens runs
-        without graphs."""
-        P, R, _ = self.shape
-        pieces = self.pieces
-        core = [self.body.layers[P + i].self_attn.attn for i in range(R)]
-        layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
-        narrow = self.requests.narrowable(layers[0][0])
-        rows = None  # the running tokens (None: all)
-        running, running_part, running_positions, running_depths = state, part, positions, depths
-        try:
-            for stepped in core:
-                stepped.tracking = not narrow
-            for step in range(stops[-1]):
-                if step in stops:
-                    state = running if rows is None else state.index_copy(0, rows, running)
-                    kept = (running_depths > step).nonzero().squeeze(1)
-                    rows = kept if rows is None else rows[kept]
-                    running, running_part, running_depths = running[kept], running_part[kept], running_depths[kept]
-                    running_positions = positions[..., rows]
-                    if narrow:
-                        self.requests.narrow_to(depths, step, rows)
-                slot = step if self.policy == "all" else 0
-                for stepped in core:
-                    stepped.step = slot
-                    stepped.rows = None if narrow else rows
-                if rows is None:
-                    running = pieces.fixed("state", pieces.core_step(running_positions, running, running_part))
-                    continue
-                names = [names[slot] for names in layers]
-                with self.requests.only(names) if narrow else contextlib.nullcontext(), without_cuda_graphs():
-                    running = pieces.core_step(running_positions, running, running_part)
-        finally:
-            for stepped in core:
-                stepped.step, stepped.tracking, stepped.rows, stepped.keep = 0, False, None, None
-        return running if rows is None else state.index_copy(0, rows, running)
 
     # ------------------------------------------------------------ weights
 
@@ -314,14 +276,22 @@ class RecurfitForCausalLM(nn.Module):
         inputs_embeds=None,
         token_depths: torch.Tensor | None = None,
         depth_stops: tuple[int, ...] | None = None,
+        token_rules: TokenRules | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """vLLM's call (its other keyword arguments unused), each token at the depth of the request it belongs to.
         Model Runner V2 passes the depths (`RecurfitModelState.prepare_inputs`; `depth_stops` None for a batch of
-        no request); otherwise they come from `token_depths`."""
+        no request); otherwise they come from `token_depths`, and each token's exit rule from the same table
+        (`token_rules`, recurfit.serving.exit)."""
         if token_depths is None:
             token_depths, depth_stops = self.token_depths(positions.shape[-1])
-        return self.model(input_ids, positions, inputs_embeds, token_depths, depth_stops)
+            if self.limits.only is None and depth_stops is not None:
+                token_rules = table_for(self.vllm_config).rules
+        exits = TokenExits.of(token_rules, positions, token_depths, self.compute_logits)
+        hidden = self.model(input_ids, positions, inputs_embeds, token_depths, depth_stops, exits)
+        if exits is not None:
+            exits.log()
+        return hidden
 
     def token_depths(self, num_tokens: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
         """Under the V1 runner: each token's depth and the batch's distinct depths (None for a batch without

@@ -1,0 +1,125 @@
+"""The served recurrence's step loop: each token runs to its own depth (its request's, or the step its exit rule
+stopped it at), and the steps past a token's depth compute only the others.
+
+Steps 1..max(depths), each on the tokens not yet at their depth only: the batch pays each request's own depth,
+attention included where the backend's metadata narrows (`RecurringRequests`), else attention for every token up to
+the deepest. Each time some tokens reach their depth, or stop by their exit rule (`recurfit.serving.exit`), the
+others (`rows`) are gathered with their adapter parts and positions, and the states of all scattered back. A step
+over the whole batch reads and writes the pieces' fixed buffers (its CUDA graphs replay); a step over fewer tokens
+runs without graphs.
+
+A token that stopped by its rule at step k is read by later tokens at step k at every deeper step, as recurfit's
+`generate` reads it (the latest-step rule of recurfit.model.cache): under the `all` cache policy, once the loop has
+run, its step-k keys and values (each core layer's, kept as it ran: `SteppedAttention.keep`) are written into the
+caches of steps k+1..cap by those steps' vLLM `Attention`, with the metadata narrowed to the stopped tokens (on the
+backends that narrow; on others, attention over every token writes each one's kept keys, as its steps past a
+request's depth do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .pieces import without_cuda_graphs
+
+
+def recur(model, positions, state, part, depths, stops: tuple[int, ...], exits=None) -> torch.Tensor:
+    """The states after each token's steps (`model`: the served `RecurrentModel`; see the module docstring)."""
+    P, R, C = model.shape
+    pieces, requests = model.pieces, model.requests
+    core = [model.body.layers[P + i].self_attn.attn for i in range(R)]
+    layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
+    coda = [model.body.layers[P + R + i].self_attn.attn.layer_name for i in range(C)]
+    narrow = requests.narrowable(layers[0][0])
+    if exits is not None:
+        depths = exits.depths
+    rows = None  # the running tokens (None: all)
+    running, running_part, running_positions, ran = state, part, positions, 0
+    try:
+        for stepped in core:
+            stepped.tracking = exits is not None or not narrow
+        for step in range(stops[-1]):
+            if step in stops or (exits is not None and exits.changed):
+                state = running if rows is None else state.index_copy(0, rows, running)
+                kept = ((depths if rows is None else depths[rows]) > step).nonzero().squeeze(1)
+                rows = kept if rows is None else rows[kept]
+                running, running_part = running[kept], running_part[kept]
+                running_positions = positions[..., rows]
+                if rows.numel() == 0:
+                    break
+                if narrow:
+                    requests.narrow_to(depths, step, rows)
+            slot = step if model.policy == "all" else 0
+            for stepped in core:
+                stepped.step = slot
+                stepped.rows = None if narrow else rows
+                stepped.tracked = rows if narrow else None
+            previous = running.clone() if exits is not None and exits.reads_state and rows is None else running
+            if rows is None:
+                running = pieces.fixed("state", pieces.core_step(running_positions, running, running_part))
+            else:
+                names = [names[slot] for names in layers]
+                with requests.only(names) if narrow else contextlib.nullcontext(), without_cuda_graphs():
+                    running = pieces.core_step(running_positions, running, running_part)
+            ran = step + 1
+            if exits is not None:
+                probe = _probe(pieces, requests, coda, narrow, positions, state, rows, running, running_positions)
+                exits.check(ran, previous, running, rows, probe)
+        if exits is not None and model.policy == "all":
+            _write_stopped_tokens(core, layers, requests, narrow, exits, ran)
+    finally:
+        for stepped in core:
+            stepped.step, stepped.tracking, stepped.rows, stepped.keep, stepped.tracked = 0, False, None, None, None
+    return running if rows is None else state.index_copy(0, rows, running)
+
+
+def _probe(pieces, requests, coda: list[str], narrow: bool, positions, state, rows, running, running_positions):
+    """`probe(local)`: the final hidden states of `local` (indices into `rows`) were the recurrence to stop at
+    `running`, as `generate`'s exit probe reads them (the coda's keys it writes are overwritten by the forward's
+    last coda)."""
+
+    def probe(local: torch.Tensor) -> torch.Tensor:
+        if rows is None:
+            return pieces.coda(positions, running)[local]
+        if narrow:
+            with requests.only(coda), without_cuda_graphs():
+                return pieces.coda(running_positions, running)[local]
+        with without_cuda_graphs():
+            return pieces.coda(positions, state.index_copy(0, rows, running))[rows[local]]
+
+    return probe
+
+
+def _write_stopped_tokens(core, layers, requests, narrow: bool, exits, ran: int) -> None:
+    """Under the `all` policy, each token that stopped at step k gets its step-k keys and values (kept as it ran)
+    in the caches of steps k+1..cap, each written by that step's `Attention` (its output unused)."""
+    stopped = exits.stopped()
+    if not bool(stopped.any()):
+        return
+    caps, depths = exits.caps, exits.depths
+    last = int(caps[stopped].max())
+    if not narrow:  # every token attends at every step the loop ran, each with its kept keys: the rest of the steps
+        for step in range(ran, last):
+            for stepped in core:
+                key, value = stepped.keep
+                stepped.steps[step](_queries(stepped, key, key.shape[0]), key, value)
+        return
+    chosen = None
+    for step in range(int(depths[stopped].min()), last):
+        writes = stopped & (depths <= step) & (caps > step)
+        if chosen is None or not torch.equal(writes, chosen):
+            chosen, rows = writes, writes.nonzero().squeeze(1)
+            requests.narrow_to(writes.long(), 0, rows)
+        if rows.numel() == 0:  # the tokens stopped before `step` all had caps below it, the others stop after it
+            continue
+        with requests.only([names[step] for names in layers]):
+            for stepped in core:
+                key, value = stepped.keep
+                stepped.steps[step](_queries(stepped, key, rows.numel()), key[rows], value[rows])
+
+
+def _queries(stepped, like: torch.Tensor, count: int) -> torch.Tensor:
+    attention = stepped.steps[0]
+    return like.new_zeros((count, attention.num_heads * attention.head_size))
