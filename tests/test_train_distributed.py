@@ -686,3 +686,34 @@ def test_whether_a_run_is_finished_is_the_main_processs_answer(tmp_path, workspa
         assert seconds is not None and status == 0, (rank, status, stderr[-2000:])
         assert "already finished" not in stderr
     assert list(train_losses(tmp_path / "run")) == [1, 2]
+
+
+def fsdp2_against_one_process(tmp_path: Path, workspace: Path, units: str = "recurrence", **settings) -> None:
+    """2 steps of `settings` on one process and on 2 under FSDP2 by `units`: the same losses, at the tolerance of
+    the other FSDP2 tests (AdamW in float32: the reductions' rounding only)."""
+    optimizer = {"name": "adamw", "lr": 0.003, "warmup": 1}
+    base = tiny_config(workspace, tmp_path / "x", steps=2, optimizer=optimizer, batch={"micro": 1, "global": 4})
+    base.update(checkpoint={"every": 0, "keep": 1}, eval={"every": 0, "steps": [1], "rows": 2}, **settings)
+    one_and_two_processes(tmp_path, base, {"distributed": "fsdp", "fsdp_units": units}, timeout=HANG)
+    expected, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert list(got) == [1, 2]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.two_processes
+@pytest.mark.parametrize("units", ["recurrence", "layer"])
+def test_fsdp2_with_gradient_checkpointing_trains_as_one_process(tmp_path, workspace, units):
+    """Each decoder layer recomputed in backward (both paper recipes turn it on): by layer, the recomputation runs a
+    unit's forward again inside the backward."""
+    model = {"path": str(workspace / "parent"), "shape": [2, 2, 2], "gradient_checkpointing": True}
+    fsdp2_against_one_process(tmp_path, workspace, units, model=model)
+
+
+@pytest.mark.two_processes
+def test_fsdp2_with_compiled_layers_trains_as_one_process(tmp_path, workspace):
+    """`compile: true` (each decoder layer compiled, here by the CPU's inductor) before FSDP2 shards them: the
+    prelude layers are units, whose hooks then run inside the compiled call. One layer per part: compiling is the
+    test's cost."""
+    model = {"path": str(workspace / "parent"), "shape": [1, 1, 1]}
+    fsdp2_against_one_process(tmp_path, workspace, compile=True, model=model)

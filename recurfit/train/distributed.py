@@ -287,7 +287,9 @@ def _forget_dtensor_caches() -> None:
         if clear is not None:
             clear()
     for cache in gc.get_objects():
-        if isinstance(cache, functools._lru_cache_wrapper) and cache.__module__.startswith("torch.distributed"):
+        # type(), not isinstance(): the heap holds weak proxies (torch.compile's) whose referent is gone, and
+        # isinstance() of one raises ReferenceError
+        if type(cache) is functools._lru_cache_wrapper and cache.__module__.startswith("torch.distributed"):
             cache.cache_clear()
 
 
