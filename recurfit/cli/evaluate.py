@@ -385,9 +385,9 @@ def cmd_plot(args) -> None:
 
 
 def cmd_lens(args) -> None:
-    """Every setting is checked before the model loads: the output, the rules, the recurrence."""
+    """Every setting is checked before the model loads: the output (before torch is imported), the rules, the
+    recurrence."""
     require("`recurfit lens`", "plots")
-    from ..evaluate.lens import check_recurrence, check_rules, recurrence_lens
     from ..io.figures import FORMATS
     from ..io.files import check_output
 
@@ -395,6 +395,8 @@ def cmd_lens(args) -> None:
     if out.suffix.lower() not in FORMATS:
         raise RecurfitError(f"--out {out} must name a .png, .svg or .pdf file (its suffix picks the format).")
     check_output(out, args.force)
+    from ..evaluate.lens import check_recurrence, check_rules, recurrence_lens
+
     check_rules(args.exit, args.min_recurrence)
     if args.recurrence is not None:
         check_recurrence(args.recurrence)
