@@ -11,7 +11,7 @@ core layer runs n + k times per micro-batch, the coda once more per supervised d
 different numbers of collectives, and the run would hang or exchange the shards of unrelated layers. So the
 units are the modules whose forward runs once per micro-batch whatever the depth: the token embeddings, each
 prelude layer, the recurrent body (adapter, core, coda and final norm: what the recurrence calls) and the head
-(the root). Every unit is sharded between micro-batches, and its gradients are reduce-scattered after every
+(the root; a head tied to the token embeddings is one unit with them). Every unit is sharded between micro-batches, and its gradients are reduce-scattered after every
 micro-batch's backward, so that each process holds 1/W of every weight, gradient and optimizer state; the
 recurrent body is gathered from its forward to the end of its backward (the recurrence needs the whole core at
 every step), the other units for their own forward and backward. Every process then issues the same collectives
@@ -346,6 +346,13 @@ def fsdp_units(
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=False)
         embedding.register_forward_hook(_float32_output)
     once, body = sharding_units(model, layers)
+    head, shared = model.get_output_embeddings(), []
+    if body is not None and head.weight is embedding.weight:
+        # One matrix for the token embeddings and the head: one unit of the two modules (torchtitan's grouping),
+        # sharded before the body that holds the embeddings, and kept gathered from the forward's start (the
+        # embeddings) to its backward, as the root keeps an untied head.
+        fully_shard([embedding, head], mp_policy=policy, reshard_after_forward=False)
+        shared = [(embedding, False)]
     units = [(layer, True) for layer in once]
     if body is not None:
         units.append((body, not trained))  # gathered once per forward, kept for its backward
@@ -354,7 +361,7 @@ def fsdp_units(
     if once and once[0] is embedding:
         embedding.set_unshard_in_backward(False)  # its backward reads the token ids, not the weight
     fully_shard(model, mp_policy=policy)  # the root (the head): FSDP2 keeps it gathered from forward to backward
-    return [*units, (model, False)]
+    return [*shared, *units, (model, False)]
 
 
 def _float32_output(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
