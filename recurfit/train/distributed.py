@@ -11,11 +11,12 @@ core layer runs n + k times per micro-batch, the coda once more per supervised d
 different numbers of collectives, and the run would hang or exchange the shards of unrelated layers. So the
 units are the modules whose forward runs once per micro-batch whatever the depth: the token embeddings, each
 prelude layer, the recurrent body (adapter, core, coda and final norm: what the recurrence calls) and the head
-(the root; a head tied to the token embeddings is one unit with them). Every unit is sharded between micro-batches, and its gradients are reduce-scattered after every
-micro-batch's backward, so that each process holds 1/W of every weight, gradient and optimizer state; the
-recurrent body is gathered from its forward to the end of its backward (the recurrence needs the whole core at
-every step), the other units for their own forward and backward. Every process then issues the same collectives
-whatever depth it drew, and their number does not grow with n + k.
+(the root; a head tied to the token embeddings is one unit with them). Every unit is sharded between
+micro-batches, and its gradients are reduce-scattered after every micro-batch's backward, so that each process
+holds 1/W of every weight, gradient and optimizer state; the recurrent body is gathered from its forward to the
+end of its backward (the recurrence needs the whole core at every step), the other units for their own forward
+and backward. Every process then issues the same collectives whatever depth it drew, and their number does not
+grow with n + k.
 
 `fsdp_units: layer` makes every decoder layer a unit instead (each core and coda layer too), gathered at each
 use and resharded after it: no process holds more than two layers' weights whole, and the core is gathered once
