@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pickle
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch
 import yaml
 from conftest import (
     DISTILL,
+    REPO,
     config_for,
     small_run,
     spawn_recurfit,
@@ -152,6 +156,52 @@ def test_a_chained_run_can_carry_the_optimizer_state_and_data_position(tmp_path,
     assert torch.equal(carried.stream.next_batch(8, 0, 1), fresh.stream.next_batch(8, 0, 1))
     with pytest.raises(RecurfitError, match="model.carry_state carries a finished run's state"):
         load_config(None, ["model.carry_state=true"], base=small_run(workspace, tmp_path / "d"))
+
+
+@pytest.mark.two_processes
+def test_a_sharded_checkpoint_carries_the_same_state_as_a_whole_one(tmp_path, workspace):
+    """A run under torchrun (one process: a process group all the same) writes its checkpoint as DCP shards; a
+    one-process run chained onto it carries the moments, data position and counters a one-process parent's whole
+    checkpoint gives (bit for bit: a group of one reduces nothing), and a sharded checkpoint whose DCP metadata
+    would unpickle anything but DCP's own classes is refused, naming the file."""
+    for name, launcher in (
+        ("whole", []),
+        ("sharded", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]),
+    ):
+        config = {**small_run(workspace, tmp_path / name, steps=3), "checkpoint": {"every": 3, "keep": 1}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        command = [sys.executable, *launcher, "-m", "recurfit", "train", str(tmp_path / f"{name}.yaml")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "sharded" / "checkpoints" / "step-000003" / "state" / ".metadata").is_file()
+    assert train_losses(tmp_path / "sharded") == train_losses(tmp_path / "whole")
+    carried = {}
+    for name in ("whole", "sharded"):
+        overrides = ["model.path=null", "model.shape=null", f"model.init_from={tmp_path / name}", "steps=2"]
+        base = small_run(workspace, tmp_path / f"{name}-carried")
+        trainer = Trainer(load_config(None, [*overrides, "model.carry_state=true"], base=base))
+        options = StateDictOptions(full_state_dict=True)
+        carried[name] = [get_optimizer_state_dict(trainer.model, o, options=options) for o in trainer.optimizers]
+        carried[name] = (carried[name], trainer.stream.state_dict(), vars(trainer.counters))
+        trainer.close()
+    (sharded, sharded_stream, sharded_counters), (whole, whole_stream, whole_counters) = carried.values()
+    assert sharded[0]["state"]  # the moments are there
+    for mine, theirs in zip(sharded, whole, strict=True):
+        torch.testing.assert_close(mine["state"], theirs["state"], rtol=0, atol=0)
+        assert mine["param_groups"] == theirs["param_groups"]
+    assert sharded_stream == whole_stream and sharded_stream["position"] > 0
+    assert sharded_counters == whole_counters
+    metadata = tmp_path / "sharded" / "checkpoints" / "step-000003" / "state" / ".metadata"
+    metadata.write_bytes(pickle.dumps({"a": __import__("collections").Counter()}))  # not DCP's: refused
+    sums = metadata.parents[1] / "sha256sums.txt"
+    digest = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    sums.write_text("".join(
+        f"{digest}  state/.metadata\n" if line.endswith("state/.metadata") else line + "\n"
+        for line in sums.read_text().splitlines()
+    ))  # fmt: skip
+    with pytest.raises(RecurfitError, match=r"\.metadata cannot be read \(UnpicklingError: collections.Counter"):
+        newest_readable(metadata.parents[2])
 
 
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -717,3 +718,79 @@ def test_fsdp2_with_compiled_layers_trains_as_one_process(tmp_path, workspace):
     test's cost."""
     model = {"path": str(workspace / "parent"), "shape": [1, 1, 1]}
     fsdp2_against_one_process(tmp_path, workspace, compile=True, model=model)
+
+
+@pytest.mark.two_processes
+def test_fsdp2_trains_a_tied_recurrent_model_as_one_process(tmp_path, workspace):
+    """A retrofit whose head is its token embeddings (kept tied): FSDP2 shards the shared matrix once, the tie
+    holds through training, and the losses are one process's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recurfit import retrofit
+
+    tied = retrofit(tiny_parent("llama", place=False, tie_word_embeddings=True), (2, 2, 2), untie_embeddings=False)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    tied.save_pretrained(tmp_path / "tied")
+    AutoTokenizer.from_pretrained(workspace / "parent").save_pretrained(tmp_path / "tied")
+    fsdp2_against_one_process(tmp_path, workspace, model={"path": str(tmp_path / "tied")})
+    for run in ("one", "two"):
+        final = AutoModelForCausalLM.from_pretrained(tmp_path / run / "final")
+        assert final.config.tie_word_embeddings
+        assert final.get_output_embeddings().weight is final.get_input_embeddings().weight
+
+
+def train_on(tmp_path: Path, config: dict, processes: int, *flags: str) -> dict[int, float]:
+    """`recurfit train` of `config` under torchrun with `processes` processes; its log's losses by step."""
+    path = tmp_path / f"{Path(config['out']).name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    torchrun = [*TORCHRUN[:-1], str(processes)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [*torchrun, "-m", "recurfit", "train", str(path), *flags]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return train_losses(Path(config["out"]))
+
+
+def stopped_at(run: Path, step: int, copy: Path) -> Path:
+    """A copy of the finished `run` as it stood after checkpoint `step`: later checkpoints and the final model gone."""
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "final")
+    for folder in (copy / "checkpoints").iterdir():
+        if int(folder.name.removeprefix("step-")) > step:
+            shutil.rmtree(folder)
+    return copy
+
+
+@pytest.mark.two_processes
+def test_sharded_checkpoints_resume_exactly_and_on_other_numbers_of_processes(tmp_path, workspace):
+    """Under torchrun each process writes its own shards of the model and optimizer (DCP: no process gathers them),
+    and DCP reshards them on load: a run of 2 processes resumed on 2 logs its losses bit for bit, and resumed on
+    4, then from the 4 processes' checkpoint on 2, or on 1 process, it continues as the run would have within the
+    float rounding of another reduction order (AdamW in fp32: see DDP_TOLERANCE; FSDP2's reduce-scatters and one
+    process's sums regroup the same additions)."""
+    settings = {"steps": 6, "checkpoint": {"every": 2, "keep": 3}, "optimizer": {"name": "adamw", "warmup": 1}}
+    config = {**tiny_config(workspace, tmp_path / "straight", **settings), "distributed": "fsdp"}
+    straight = train_on(tmp_path, config, 2)
+    assert list(straight) == [1, 2, 3, 4, 5, 6]
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step-000004"
+    assert sorted(path.name for path in checkpoint.iterdir()) == ["sha256sums.txt", "state", "trainer.json"]
+    assert sorted(path.name for path in (checkpoint / "state").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+
+    def resumed(name: str, source: Path, step: int, processes: int) -> dict[int, float]:
+        out = stopped_at(source, step, tmp_path / name)
+        return train_on(tmp_path, {**config, "out": str(out)}, processes, "--resume")
+
+    assert resumed("again", tmp_path / "straight", 4, 2) == straight  # same processes: exact
+    for name, source, step, processes in (
+        ("four", tmp_path / "straight", 2, 4),
+        ("four-then-two", tmp_path / "four", 4, 2),
+        ("one", tmp_path / "straight", 2, 1),
+    ):
+        losses = resumed(name, source, step, processes)
+        assert list(losses) == list(straight)
+        for step in range(3, 7):
+            assert losses[step] == pytest.approx(straight[step], rel=1e-5), (name, step)

@@ -1,32 +1,47 @@
 """Checkpoints that are whole or absent, checked before use, and resume from the newest readable one.
 
+One process writes whole (unsharded) states:
+
     OUT/checkpoints/step-000120/
-        model.safetensors   full (unsharded) weights, keyed like the model's state dict
+        model.safetensors   full weights, keyed like the model's state dict
         optimizer.pt        optimiser and LR-schedule states, keyed by parameter name (torch.load weights_only)
         trainer.json        step, data-stream position, counters, and the config the run was started with
-        sha256sums.txt      the SHA-256 of the three files above (`sha256sum -c sha256sums.txt` checks by hand)
+        sha256sums.txt      the SHA-256 of the files above (`sha256sum -c sha256sums.txt` checks by hand)
+
+Processes in a group (torchrun) write their own shards instead, through `torch.distributed.checkpoint` (DCP): no
+process gathers or holds the whole model or optimizer, and DCP reshards on load, so the checkpoint resumes on any
+number of processes (one included):
+
+    OUT/checkpoints/step-000120/
+        state/              model and optimiser states: each process's shards (`__R_N.distcp`) and DCP's `.metadata`
+        trainer.json        as above, with the LR schedules' states
+        sha256sums.txt      every file's SHA-256, each process hashing the files it wrote
 
 A checkpoint is written into a hidden staging folder and renamed into place, so a crash mid-write leaves only
 the staging folder (ignored and cleaned up), never a `step-*` folder that loads wrong. The last `keep` are
 kept. On resume the checksums are verified (by the main process alone) before any tensor is used: a damaged
 checkpoint (flipped bytes, a truncated file, a hand-edited one) is skipped with a message naming the file, and
-the run resumes from the newest checkpoint that reads back whole. The state dicts go through
-`torch.distributed.checkpoint.state_dict`, which gathers FSDP2 shards into full tensors (and is a no-op for a
-plain or DDP model), so every checkpoint loads on any number of processes.
+the run resumes from the newest checkpoint that reads back whole. DCP's metadata is a pickle: it is read only
+after its checksum matched and a restricted unpickler found nothing in it but DCP's own classes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import pickle
 import re
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,10 +52,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import RecurfitError
 from ..io.files import staged_directory
+from .distributed import Processes
 
 STEP_FOLDER = re.compile(r"^step-(\d{6,})$")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 MODEL, OPTIMIZER, TRAINER, SUMS = "model.safetensors", "optimizer.pt", "trainer.json", "sha256sums.txt"
+STATE = "state"  # a sharded checkpoint's DCP folder
 TRAINER_KEYS, OPTIMIZER_KEYS = ("counters", "stream", "config"), ("optimizers", "schedulers")
 
 
@@ -73,13 +90,72 @@ def write_checkpoint(
             sums = "".join(f"{_sha256(staging / name)}  {name}\n" for name in (MODEL, OPTIMIZER, TRAINER))
             (staging / SUMS).write_text(sums)
     except OSError as problem:  # out of disk, permissions: the staging folder is gone, older checkpoints intact
-        raise RecurfitError(
-            f"Cannot write the checkpoint {target} ({problem.strerror or problem}); free space or set out= "
-            "elsewhere, then --resume from the last complete checkpoint."
-        ) from None
+        raise _cannot_write(target, problem) from None
+    _drop_old(root, keep)
+    return target
+
+
+def save_checkpoint(
+    root: Path, step: int, model, optimizers, schedulers, trainer: dict, keep: int, processes: Processes
+) -> None:
+    """Step `step`'s checkpoint (collective: call on every process): whole states from a process alone, each
+    process's shards from a group (DCP); then all but the newest `keep` dropped."""
+    if not processes.grouped:
+        model_state, optimizer_states = gather_state(model, optimizers)
+        write_checkpoint(root, step, model_state, optimizer_states, schedulers, trainer, keep)
+        return
+    target = root / f"step-{step:06d}"
+    try:
+        with _staged_on_main(target, processes) as staging:
+            state = {"model": get_model_state_dict(model), "optimizers": sharded_optimizer_states(model, optimizers)}
+            optimized = [list(optimizer_state["state"]) for optimizer_state in state["optimizers"]]
+            dcp.save(state, storage_writer=FileSystemWriter(staging / STATE))
+            del state
+            # dcp.save ends once every process has written: every file is there, and the processes share the hashing
+            files = sorted(path.relative_to(staging).as_posix() for path in (staging / STATE).iterdir())
+            hashed = processes.gather(
+                {name: _sha256(staging / name) for name in files[processes.rank :: processes.world]}
+            )
+            if processes.is_main:
+                schedules = [scheduler.state_dict() for scheduler in schedulers]
+                record = {**trainer, "schedulers": schedules, "optimized": optimized}
+                (staging / TRAINER).write_text(json.dumps(record, indent=2) + "\n")
+                sums = {name: digest for share in hashed for name, digest in share.items()}
+                sums[TRAINER] = _sha256(staging / TRAINER)
+                (staging / SUMS).write_text("".join(f"{sums[name]}  {name}\n" for name in sorted(sums)))
+    except OSError as problem:
+        raise _cannot_write(target, problem) from None
+    processes.barrier()  # published before any process goes on
+    if processes.is_main:
+        _drop_old(root, keep)
+
+
+@contextmanager
+def _staged_on_main(target: Path, processes: Processes):
+    """`staged_directory` of the main process, its staging folder shared with the others, which write into it."""
+    if not processes.is_main:
+        yield processes.broadcast(None)
+        return
+    with staged_directory(target, replace=True) as staging:
+        yield processes.broadcast(staging)
+
+
+def sharded_optimizer_states(model, optimizers) -> list[dict]:
+    """Each optimiser's state dict keyed by parameter name, each process holding its shards (DTensors under FSDP2)."""
+    return [get_optimizer_state_dict(model, optimizer) for optimizer in optimizers]
+
+
+def _cannot_write(target: Path, problem: OSError) -> RecurfitError:
+    """Out of disk, permissions: the staging folder is gone, older checkpoints intact."""
+    return RecurfitError(
+        f"Cannot write the checkpoint {target} ({problem.strerror or problem}); free space or set out= "
+        "elsewhere, then --resume from the last complete checkpoint."
+    )
+
+
+def _drop_old(root: Path, keep: int) -> None:
     for old in checkpoint_folders(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return target
 
 
 def _unshared(state: dict) -> dict:
@@ -111,20 +187,27 @@ class DamagedCheckpoint(RecurfitError):
 @dataclass
 class Checkpoint:
     folder: Path
-    model_state: dict
-    optimizer: dict  # {"optimizers": [...], "schedulers": [...]}
+    model_state: dict | None  # None in a sharded checkpoint: DCP reads each process's part when it is restored
+    optimizer: dict | None  # {"optimizers": [...], "schedulers": [...]}; None in a sharded checkpoint
     trainer: dict
 
     @property
     def step(self) -> int:
         return self.trainer["counters"]["step"]
 
+    @property
+    def sharded(self) -> bool:
+        return self.model_state is None
+
 
 def read_checkpoint(folder: Path, warn: Callable[[str], None] = print, verify: bool = True) -> Checkpoint:
     """Verify the checksums (unless another process has), then read the three files; a DamagedCheckpoint names
     the file and the problem."""
+    sharded = (folder / STATE).is_dir()
     if verify:
-        _verify(folder, warn)
+        _verify(folder, warn, sharded)
+    if sharded:
+        return _read_sharded(folder)
     where = folder / MODEL
     try:
         model_state = load_file(where)
@@ -142,7 +225,48 @@ def read_checkpoint(folder: Path, warn: Callable[[str], None] = print, verify: b
     return Checkpoint(folder, model_state, optimizer, trainer)
 
 
-def _verify(folder: Path, warn: Callable[[str], None]) -> None:
+def _read_sharded(folder: Path) -> Checkpoint:
+    """A sharded checkpoint's trainer state, its DCP metadata checked for what it unpickles; DCP reads the tensors
+    when the checkpoint is restored."""
+    try:
+        trainer = json.loads((folder / TRAINER).read_text())
+    except Exception as problem:  # noqa: BLE001 (JSON and OS errors: it does not read back)
+        raise DamagedCheckpoint(f"{folder / TRAINER} cannot be read ({_first_line(problem)})") from None
+    keys = (*TRAINER_KEYS, "schedulers", "optimized")
+    missing = [key for key in keys if not isinstance(trainer, dict) or key not in trainer]
+    if missing:
+        raise DamagedCheckpoint(f"{folder / TRAINER} lacks {', '.join(map(repr, missing))}")
+    _check_metadata(folder / STATE / ".metadata")
+    return Checkpoint(folder, None, None, trainer)
+
+
+class _DcpMetadata(pickle.Unpickler):
+    """An unpickler that builds DCP's own metadata classes and torch's sizes and dtypes, and nothing else."""
+
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
+        ("pathlib", "PosixPath"),  # where DCP wrote it
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str):
+        torch_value = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED or torch_value:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def _check_metadata(path: Path) -> None:
+    """DCP unpickles its `.metadata`: refuse one that would build anything but DCP's metadata."""
+    try:
+        _DcpMetadata(io.BytesIO(path.read_bytes())).load()
+    except Exception as problem:  # noqa: BLE001 (pickle and OS errors: it does not read back)
+        raise DamagedCheckpoint(f"{path} cannot be read ({type(problem).__name__}: {_first_line(problem)})") from None
+
+
+def _verify(folder: Path, warn: Callable[[str], None], sharded: bool = False) -> None:
     sums = folder / SUMS
     if not sums.is_file():
         # Checkpoints appear whole (a staged folder renamed into place), so one without sums was written by a
@@ -150,7 +274,8 @@ def _verify(folder: Path, warn: Callable[[str], None]) -> None:
         warn(f"{folder} has no {SUMS} (written by an earlier recurfit): its files are read without verification.")
         return
     expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text().splitlines() if line.strip())
-    for name in (MODEL, OPTIMIZER, TRAINER):
+    names = (*expected.keys() - {TRAINER}, TRAINER) if sharded else (MODEL, OPTIMIZER, TRAINER)
+    for name in names:
         path = folder / name
         if not path.is_file():
             raise DamagedCheckpoint(f"{path} is missing")
@@ -187,17 +312,36 @@ def newest_readable(root: Path, warn: Callable[[str], None] = print) -> Checkpoi
 def restore(checkpoint: Checkpoint, model, optimizers, schedulers) -> dict:
     """Load a checkpoint's states into model, optimisers and schedules in place (on every rank); return the
     trainer state."""
-    saved = checkpoint.optimizer
-    if len(saved["optimizers"]) != len(optimizers):
+    if _optimizers_saved(checkpoint) != len(optimizers):
         raise RecurfitError(
             f"{checkpoint.folder} was written with another optimizer; resume with the config the run started with."
         )
-    set_model_state_dict(model, checkpoint.model_state, options=StateDictOptions(full_state_dict=True))
-    for optimizer, state in zip(optimizers, saved["optimizers"]):
-        _load_optimizer_state(model, optimizer, state)
-    for scheduler, state in zip(schedulers, saved["schedulers"]):
+    if checkpoint.sharded:
+        model_state, optimizer_states = _load_sharded(checkpoint, model, optimizers)
+        options, schedules = StateDictOptions(), checkpoint.trainer["schedulers"]
+    else:
+        model_state, optimizer_states = checkpoint.model_state, checkpoint.optimizer["optimizers"]
+        options, schedules = StateDictOptions(full_state_dict=True), checkpoint.optimizer["schedulers"]
+    set_model_state_dict(model, model_state, options=options)
+    for optimizer, state in zip(optimizers, optimizer_states):
+        _load_optimizer_state(model, optimizer, state, options)
+    for scheduler, state in zip(schedulers, schedules):
         scheduler.load_state_dict(state)
     return checkpoint.trainer
+
+
+def _optimizers_saved(checkpoint: Checkpoint) -> int:
+    return len(checkpoint.trainer["optimized"] if checkpoint.sharded else checkpoint.optimizer["optimizers"])
+
+
+def _load_sharded(checkpoint: Checkpoint, model, optimizers, partial: bool = False) -> tuple[dict, list[dict]]:
+    """This process's part of a sharded checkpoint's model and optimiser states, in the model's current layout
+    (DCP reshards: any number of processes, one included). `partial`: the optimisers may update parameters the
+    checkpoint has no state for; they keep the state they have."""
+    state = {"model": get_model_state_dict(model), "optimizers": sharded_optimizer_states(model, optimizers)}
+    reader = FileSystemReader(checkpoint.folder / STATE)
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=partial))
+    return state["model"], state["optimizers"]
 
 
 def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_only: bool = False) -> None:
@@ -205,13 +349,14 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_onl
     hyperparameters (LR, betas, weight decay): a chained run carries the state, its schedule starts afresh.
     `shared_only`: the two runs may train different parameters; those they share carry their state, the others
     start afresh (model.continue_schedule)."""
-    saved = checkpoint.optimizer["optimizers"]
-    if len(saved) != len(optimizers):
+    if _optimizers_saved(checkpoint) != len(optimizers):
         raise RecurfitError(
             f"{checkpoint.folder} was written with another optimizer; give the run it continues the same "
             "optimizer.name, or drop model.carry_state."
         )
-    for optimizer, state in zip(optimizers, saved):
+    if checkpoint.sharded:
+        return _carry_sharded(checkpoint, model, optimizers, shared_only)
+    for optimizer, state in zip(optimizers, checkpoint.optimizer["optimizers"]):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         fresh = []
         if shared_only:
@@ -221,6 +366,25 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_onl
             optimizer.state.pop(parameter, None)
         for group, own in zip(optimizer.param_groups, settings):
             group.update(own)
+
+
+def _carry_sharded(checkpoint: Checkpoint, model, optimizers, shared_only: bool) -> None:
+    """carry_optimizer_states from a sharded checkpoint: DCP reads the state of the parameters both runs update into
+    this run's own layout; the others start afresh."""
+    settings = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
+    own = sharded_optimizer_states(model, optimizers)  # (torch initialises a state for every parameter)
+    _, states = _load_sharded(checkpoint, model, optimizers, partial=shared_only)
+    by_name = dict(model.named_parameters())
+    for optimizer, state, groups, saved, mine in zip(
+        optimizers, states, settings, checkpoint.trainer["optimized"], own
+    ):
+        if shared_only:
+            state["param_groups"] = mine["param_groups"]  # this run's parameters, not the earlier run's
+        _load_optimizer_state(model, optimizer, state, StateDictOptions())
+        for name in set(state["state"]) - set(saved):
+            optimizer.state.pop(by_name[name], None)
+        for group, setting in zip(optimizer.param_groups, groups):
+            group.update(setting)
 
 
 def _shared_state(model, optimizer, saved: dict) -> tuple[dict, list]:
@@ -238,9 +402,10 @@ def _shared_state(model, optimizer, saved: dict) -> tuple[dict, list]:
     return {"state": state, "param_groups": own["param_groups"]}, fresh
 
 
-def _load_optimizer_state(model, optimizer, state: dict) -> None:
-    """`set_optimizer_state_dict`, except for an optimizer with nothing to update (AdamW beside Muon when only
-    hidden matrices train): it has no state to load, and torch's loader cannot place an empty one."""
+def _load_optimizer_state(model, optimizer, state: dict, options: StateDictOptions | None = None) -> None:
+    """`set_optimizer_state_dict` (of a full state dict unless `options` say otherwise), except for an optimizer with
+    nothing to update (AdamW beside Muon when only hidden matrices train): it has no state to load, and torch's
+    loader cannot place an empty one."""
     if any(group["params"] for group in optimizer.param_groups):
-        options = StateDictOptions(full_state_dict=True)
+        options = options or StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)

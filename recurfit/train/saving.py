@@ -28,7 +28,7 @@ from .checkpoint import (
     newest_readable,
     read_checkpoint,
     restore,
-    write_checkpoint,
+    save_checkpoint,
 )
 from .counting import Counters
 from .lora import merged
@@ -55,23 +55,11 @@ class Saving:
             self._write_checkpoint()
 
     def _write_checkpoint(self) -> None:
-        model_state, optimizer_states = gather_state(self.model, self.optimizers)
-        if self.processes.is_main:
-            trainer = {
-                "counters": vars(self.counters),
-                "stream": self.stream.state_dict(),
-                "config": self.config.to_dict(),
-            }
-            write_checkpoint(
-                self.out / "checkpoints",
-                self.counters.step,
-                model_state,
-                optimizer_states,
-                self.schedulers,
-                trainer,
-                self.config.checkpoint.keep,
-            )
-        self.processes.barrier()
+        trainer = {"counters": vars(self.counters), "stream": self.stream.state_dict(), "config": self.config.to_dict()}
+        root, keep = self.out / "checkpoints", self.config.checkpoint.keep
+        save_checkpoint(
+            root, self.counters.step, self.model, self.optimizers, self.schedulers, trainer, keep, self.processes
+        )
 
     def _resume(self) -> None:
         """Continue from the newest readable checkpoint; with none yet, start from step 0 in the same folder."""

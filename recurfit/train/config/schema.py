@@ -147,13 +147,13 @@ class DepthConfig:
     fixed: bool = False  # every step runs exactly (mean - k, k): no sampling
     # step: one (n, k) per optimizer step; micro_batch: one per micro-batch, as the paper authors' loop
     draw: DepthDraw = "step"
-    # How `flops_paper` rounds the ramp's depth boundaries (accounting.paper_ramp): floor, as the authors'
-    # param_counter.py; ceil, as its commented-out variant, which counted their loop_whole_model runs.
-    paper_ramp_rounding: RampRounding = "floor"
     # With draw: micro_batch, the same depths on every process (same) or each its own (own: N processes then draw
     # the depths one does, each waiting at every FSDP2 micro-batch for the deepest); auto: same under FSDP2, own
     # under DDP
     across_processes: DrawAcross = "auto"
+    # How `flops_paper` rounds the ramp's depth boundaries (accounting.paper_ramp): floor, as the authors'
+    # param_counter.py; ceil, as its commented-out variant, which counted their loop_whole_model runs.
+    paper_ramp_rounding: RampRounding = "floor"
     supervise: SuperviseConfig | None = None  # None: the loss at the final recurrence only
 
 
@@ -283,10 +283,10 @@ class TrainConfig:
     # gathering the core once per recurrence (its collectives then follow the depth: depth.across_processes: own is
     # refused)
     fsdp_units: FsdpUnits = "recurrence"
-    # Seconds a process waits in a collective before the run fails. One hour: the other processes wait while the
-    # main one writes a checkpoint (~12 GB for a 1B model with Muon and AdamW state: minutes on a network disk) or
-    # the final model; NCCL's own default, 10 minutes, would kill such a run at its first checkpoint.
-    distributed_timeout: int = 3600
+    # Seconds a process waits in a collective before the run fails. Each process writes its own shards of a
+    # checkpoint, so the longest wait is the final model, gathered and written by the main process alone (a 14B
+    # model's 56 GB of fp32 weights: minutes on a network disk), or its hashing of a checkpoint on --resume.
+    distributed_timeout: int = 900
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     log: LogConfig = field(default_factory=LogConfig)
