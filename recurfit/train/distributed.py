@@ -27,6 +27,7 @@ must draw the same depths (`step_plan.draws_shared`, which every FSDP2 run does 
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -219,6 +220,9 @@ class ErrorWatch:
         self.error, self.read, self.told = (f"recurfit/{key}/{attempt}" for key in ("error", "error_read", "told"))
         self.thread = threading.Thread(target=self._watch, name="recurfit_error_watch", daemon=True)
         self.thread.start()
+        # Stopped before the interpreter's finalisation even when no one closes the group: a daemon thread stopped
+        # there inside the store's C++ code aborts the process
+        atexit.register(self.close)
 
     @classmethod
     def start(cls, world: int) -> ErrorWatch | None:
