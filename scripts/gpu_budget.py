@@ -184,8 +184,8 @@ def large_section() -> list[str]:
         "5,000 steps of 512 rows of 4,096 tokens (10.5 B tokens), r̄ = 32 reached by a linear curriculum over the",
         "first 12.5 % of the steps, k̄ = 8. Gradient checkpointing runs the forward of every layer with gradient",
         "again in backward: the hours include it, the training FLOPs (as `train` logs them and counts its MFU) do",
-        "not. Attention's own FLOPs, a few per cent at 4,096 tokens, are in neither. A checkpoint (fp32 weights and",
-        "the optimizers' state) is written whole by the main process and, on `--resume`, read whole by each one.",
+        "not. Attention's own FLOPs, a few per cent at 4,096 tokens, are in neither. A checkpoint holds fp32 weights",
+        "and the optimizers' state, written and read as each process's shards.",
         "",
         "| recipe | micro-batch | peak memory per GPU | training FLOPs | recomputed | GPU-hours | hours (days) "
         "| compiled | a checkpoint |",
