@@ -557,11 +557,12 @@ def test_fsdp2_trains_the_head_alone_as_one_process(tmp_path, workspace):
     assert torch.allclose(heads[1], heads[0], rtol=1e-5, atol=1e-6)
 
 
-# After the failed process exits, the others end within the store's polling interval (1 s) and their own exit,
-# whatever distributed_timeout (left at its default, an hour): measured 0.5-1.5 s on 2 busy cores, bounded at 15 s
-# for slower machines. Without the error watch, a process waiting in a gloo collective for one that exited raises
+# The processes end within this of each other, whatever distributed_timeout (left at its default, an hour): the
+# others read the failed process's error within the store's polling interval (1 s) and exit at once, while the failed
+# one finishes its own exit. Measured on 2 cores shared with other jobs: the other process ended 4 and 8 s before the
+# failed one had exited. Without the error watch, a process waiting in a gloo collective for one that exited raises
 # gloo's connection error (a traceback, status 1), and one waiting in NCCL waits for the hour.
-AFTER_THE_FAILED_SECONDS = 15
+WITHIN_SECONDS = 15
 
 FAILING_STEP = """
 import sys
@@ -611,7 +612,7 @@ def processes_without_agent(
 
 
 def assert_every_process_ends_with(results: list[tuple[int, str, float]], message: str) -> None:
-    """Both processes exited with status 2 (a RecurfitError), process 0 within AFTER_THE_FAILED_SECONDS of process 1,
+    """Both processes exited with status 2 (a RecurfitError) within WITHIN_SECONDS of each other,
     each saying `message` on one line of its stderr, without a traceback."""
     for rank, (status, stderr, seconds) in enumerate(results):
         assert seconds is not None, f"process {rank} still ran after {HANG} s: {stderr[-2000:]}"
@@ -620,15 +621,13 @@ def assert_every_process_ends_with(results: list[tuple[int, str, float]], messag
         lines = [line for line in stderr.splitlines() if message in line]
         expected = "error: process 1 failed: " if rank == 0 else "error: "
         assert len(lines) == 1 and lines[0].startswith(expected), stderr[-2000:]
-    assert results[0][2] - results[1][2] <= AFTER_THE_FAILED_SECONDS
+    assert abs(results[0][2] - results[1][2]) <= WITHIN_SECONDS
 
 
 @pytest.mark.two_processes
 def test_an_id_outside_the_vocabulary_in_one_processs_share_ends_every_process(tmp_path, workspace):
     """A store damaged in one row that only process 1's share of the first batch holds: process 1 fails at its
     check, before the step's collectives, and process 0, already waiting for it in FSDP2's first gather, ends too."""
-    import shutil
-
     import numpy as np
     from transformers import AutoConfig
 
