@@ -557,11 +557,11 @@ def test_fsdp2_trains_the_head_alone_as_one_process(tmp_path, workspace):
     assert torch.allclose(heads[1], heads[0], rtol=1e-5, atol=1e-6)
 
 
-# The processes end within this of each other, whatever distributed_timeout (left at its default, an hour): the
+# The processes end within this of each other, whatever distributed_timeout (left at its default, minutes): the
 # others read the failed process's error within the store's polling interval (1 s) and exit at once, while the failed
 # one finishes its own exit. Measured on 2 cores shared with other jobs: the other process ended 4 and 8 s before the
 # failed one had exited. Without the error watch, a process waiting in a gloo collective for one that exited raises
-# gloo's connection error (a traceback, status 1), and one waiting in NCCL waits for the hour.
+# gloo's connection error (a traceback, status 1), and one waiting in NCCL waits out the timeout.
 WITHIN_SECONDS = 15
 
 FAILING_STEP = """
