@@ -7,15 +7,19 @@ in .venv-vllm (scripts/setup-vllm.sh).
     .venv/bin/python scripts/mutations.py readouts-detached warm-start-ignored
 
 The checkout is copied (its tracked and untracked files) into a temporary folder, which comes first on the path
-of every test process, so the mutations never touch the checkout. The copy's tests first run unmutated: a
-mutation counts as caught only if they pass there. The exit status is 1 if any mutation survived.
+of every test process, so the mutations never touch the checkout. Each mutation's tests first run unmutated and must
+all pass there; with the mutation every test it names runs (no -x) and a mutation counts as caught only when each of
+them fails a check (an assert, pytest.raises or pytest.fail): a test that crashes, errors in its setup, is skipped or
+runs past the mutation's time limit does not catch it. The exit status is 1 if any mutation survived.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +38,7 @@ class Mutation:
     tests: tuple[str, ...]  # pytest node ids that must fail with the mutation
     options: tuple[str, ...] = ()  # more pytest options (--dtype bfloat16)
     python: str | None = None  # the interpreter, relative to the checkout (.venv-vllm/bin/python); default: this one
+    timeout: int = 600  # seconds for a run of its tests (unmutated, then mutated)
 
 
 MUTATIONS = (
@@ -258,6 +263,111 @@ MUTATIONS = (
         python=".venv-vllm/bin/python",
     ),
     Mutation(
+        "draft-times-never-decay",
+        "self-speculation's round times average the whole run: a device that turns compute-bound keeps drafting",
+        "recurfit/generation/speculative.py",
+        (("self.times = {d: _Decayed(self.DECAY)", "self.times = {d: _Decayed(1.0)"),),
+        ("tests/test_generation_speculative.py::test_draft_length_follows_a_device_whose_round_times_change",),
+    ),
+    Mutation(
+        "draft-no-periodic-plain-step",
+        "self-speculation never takes a plain step again while drafting pays: t(0) is never measured again",
+        "recurfit/generation/speculative.py",
+        (("or self.since_plain >= self.MAX_WAIT)", "or False)"),),
+        ("tests/test_generation_speculative.py::test_draft_length_follows_a_device_whose_round_times_change",),
+    ),
+    Mutation(
+        "draft-no-interpolation",
+        "self-speculation prices a draft count not yet run by the per-draft prior, not between the measured ones",
+        "recurfit/generation/speculative.py",
+        (("        if not above:\n", "        if True:\n"),),
+        (
+            "tests/test_generation_speculative.py::test_draft_length_interpolates_a_draft_count_not_run_between_the_measured_ones",
+        ),
+    ),
+    Mutation(
+        "draft-back-off-never-resets",
+        "self-speculation's back-off keeps the longest wait it reached once drafting paid again",
+        "recurfit/generation/speculative.py",
+        (("            self.next_wait = 2\n", "            pass\n"),),
+        (
+            "tests/test_generation_speculative.py::test_draft_length_backs_off_while_rejected_and_recovers_when_accepted",
+        ),
+    ),
+    Mutation(
+        "latest-with-speculation",
+        "cache_policy 'latest' served with speculative decoding: a verify step reads its drafts' same-step keys",
+        "recurfit/serving/engine.py",
+        (('("speculative decoding", "no --speculative-config", verifies)', '("speculative decoding", "", False)'),),
+        (
+            "tests/test_vllm.py::test_latest_policy_is_refused_where_a_token_would_read_same_step_keys_of_its_own_request",
+        ),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "latest-with-preemption",
+        "cache_policy 'latest' served with a KV cache vLLM may preempt in: a recomputed request's tokens change",
+        "recurfit/serving/scheduler.py",
+        (("    if fit < seqs:\n", "    if False:\n"),),
+        (
+            "tests/test_vllm.py::test_latest_policy_is_refused_where_a_token_would_read_same_step_keys_of_its_own_request",
+        ),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "v1-backend-without-offsets",
+        "the V1 runner loads on FlashInfer, whose metadata has no query_start_loc: the first request ends the engine",
+        "recurfit/serving/attention.py",
+        (("not vllm_config.use_v2_model_runner and backend not in NARROWED_BACKENDS:", "False:"),),
+        ("tests/test_vllm.py::test_the_v1_runner_refuses_an_attention_backend_whose_metadata_has_no_request_offsets",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "full-mode-after-the-hook",
+        "the worker takes a FULL mode vLLM set after recurfit's hook (fuse_attn_quant): forwards replay at depth 1",
+        "recurfit/serving/pieces.py",
+        (("    if mode is not None and mode.has_full_cudagraphs():\n", "    if False:\n"),),
+        ("tests/test_vllm.py::test_a_full_cuda_graph_mode_vllm_sets_after_the_hook_is_refused_in_the_worker",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "micro-batches-allowed",
+        "dual-batch overlap / micro-batching is served: its threads share one forward's depths and step state",
+        "recurfit/serving/engine.py",
+        (("        _no_micro_batches(vllm_config.parallel_config)\n", ""),),
+        ("tests/test_vllm.py::test_dual_batch_overlap_and_micro_batches_are_refused_in_one_line",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "session-changes-depth",
+        "a streaming-input session's next chunk runs at another depth, on caches and hashes of its first depth",
+        "recurfit/serving/scheduler.py",
+        (("            self._same_depth_as_its_session(request, extra_args)\n", ""),),
+        ("tests/test_vllm.py::test_a_streaming_session_keeps_its_depth_and_a_chunk_at_another_is_refused",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "draft-pieces-under-the-targets-tag",
+        "a draft's compiled pieces are cached under the target's prefix: a draft of another shape loads its kernels",
+        "recurfit/serving/pieces.py",
+        (('set_model_tag(f"{backends.model_tag}_recurfit_{name}")', 'set_model_tag(f"recurfit_{name}")'),),
+        ("tests/test_vllm.py::test_a_drafts_compiled_pieces_are_cached_under_vllms_draft_tag",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
+        "async-scheduler-unsalted",
+        "the asynchronous scheduler leaves requests unsalted: a deep request reads a shallow one's blocks",
+        "recurfit/serving/scheduler.py",
+        (
+            (
+                "class DepthSaltedAsyncScheduler(DepthSalt, AsyncScheduler):",
+                "class DepthSaltedAsyncScheduler(AsyncScheduler):",
+            ),
+        ),
+        ("tests/test_vllm.py::test_the_asynchronous_scheduler_never_gives_a_request_blocks_written_at_another_depth",),
+        python=".venv-vllm/bin/python",
+    ),
+    Mutation(
         "fsdp-group-kept-alive",
         "Processes.close destroys the group while DTensor's caches still hold it (a finished run may abort)",
         "recurfit/train/distributed.py",
@@ -284,11 +394,65 @@ def copy_checkout(target: Path) -> None:
             shutil.copy2(source, target / name.decode())
 
 
-def run_tests(root: Path, mutation: Mutation) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(root)}  # the copy's recurfit, before the checkout's editable install
+OUTCOMES = "RECURFIT_MUTATION_OUTCOMES"  # the file the test process records each test's outcome in
+
+
+def pytest_runtest_makereport(item, call) -> None:
+    """pytest's hook in the test processes this script starts (`-p mutations`): each test's outcome, one JSON line
+    [node id, phase, outcome, message]: "passed", "check" (an assert, pytest.raises or pytest.fail failed), or the
+    name of the exception that ended it (a crash, a skip, an error in its setup)."""
+    record = os.environ.get(OUTCOMES)
+    if record is None or (call.excinfo is None and call.when != "call"):
+        return
+    import pytest
+
+    if call.excinfo is None:
+        outcome, message = "passed", ""
+    else:
+        checked = call.when == "call" and call.excinfo.errisinstance((AssertionError, pytest.fail.Exception))
+        outcome = "check" if checked else f"{call.excinfo.typename} in {call.when}"
+        message = call.excinfo.exconly().strip().splitlines()[0][:200] if call.excinfo.exconly().strip() else ""
+    with open(record, "a") as file:
+        file.write(json.dumps([item.nodeid, call.when, outcome, message]) + "\n")
+
+
+def run_tests(root: Path, mutation: Mutation) -> dict[str, list[tuple[str, str]]]:
+    """Each named test's outcomes (`pytest_runtest_makereport`), by the name it was given (a parametrized test's
+    cases under its name); a run past the mutation's time limit is stopped, its tests marked "timeout"."""
+    record = root / "outcomes.jsonl"
+    record.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'scripts'}", OUTCOMES: str(record)}
     python = str(REPO / mutation.python) if mutation.python else sys.executable
-    command = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.options]
-    return subprocess.run([*command, *mutation.tests], cwd=root, env=env, capture_output=True, text=True)
+    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mutations", *mutation.options]
+    process = subprocess.Popen(
+        [*command, *mutation.tests], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        process.communicate(timeout=mutation.timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the tests' own processes (vLLM servers) with it
+        process.communicate()
+        timed_out = True
+    lines = record.read_text().splitlines() if record.exists() else []
+    outcomes: dict[str, list[tuple[str, str]]] = {name: [] for name in mutation.tests}
+    for node, _, outcome, message in map(json.loads, lines):
+        for name in mutation.tests:
+            if node == name or node.startswith(f"{name}["):
+                outcomes[name].append((outcome, message))
+    if timed_out:
+        for name in mutation.tests:
+            outcomes[name].append(("timeout", f"past {mutation.timeout} s"))
+    return outcomes
+
+
+def caught_by(outcomes: list[tuple[str, str]]) -> bool:
+    return bool(outcomes) and all(outcome == "check" for outcome, _ in outcomes)
+
+
+def passed(outcomes: list[tuple[str, str]]) -> bool:
+    return bool(outcomes) and all(outcome == "passed" for outcome, _ in outcomes)
 
 
 def apply(root: Path, mutation: Mutation) -> str:
@@ -322,18 +486,22 @@ def main() -> None:
         copy_checkout(root)
         for mutation in chosen:
             baseline = run_tests(root, mutation)
-            if baseline.returncode != 0:
-                raise SystemExit(f"{mutation.name}: its tests fail without the mutation:\n{baseline.stdout[-2000:]}")
+            failing = {name: found for name, found in baseline.items() if not passed(found)}
+            if failing:
+                raise SystemExit(f"{mutation.name}: its tests do not all pass without the mutation: {failing}")
             original = apply(root, mutation)
             try:
                 mutated = run_tests(root, mutation)
             finally:
                 (root / mutation.file).write_text(original)
-            caught = mutated.returncode != 0
+            caught = all(caught_by(found) for found in mutated.values())
             if not caught:
                 survived.append(mutation.name)
-            last = mutated.stdout.strip().splitlines()[-1] if mutated.stdout.strip() else ""
-            print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}: {mutation.what} ({last})", flush=True)
+            print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}: {mutation.what}", flush=True)
+            for name, found in mutated.items():
+                outcome, message = found[0] if found else ("not run", "")
+                verdict = "fails its check" if caught_by(found) else f"does not catch it ({outcome})"
+                print(f"    {name.split('::')[-1]} {verdict}: {message}", flush=True)
     print(f"{len(chosen) - len(survived)} of {len(chosen)} mutations caught")
     sys.exit(1 if survived else 0)
 
