@@ -129,22 +129,24 @@ def rows() -> list[dict]:
     for name, overrides, world in RUNS:
         config, model = planned(RECIPE, overrides)
         plan = memory_plan(RECIPE, overrides, world, built=(config, model))
-        flops = run_flops(config, model)
-        gpu_hours = flops / (MFU * PEAK_FLOPS) / 3600
-        found.append(
-            dict(
-                name=name,
-                overrides=overrides,
-                world=world,
-                plan=plan,
-                flops=flops,
-                gpu_hours=gpu_hours,
-                hours=gpu_hours / world,
-                compiled_hours=gpu_hours / world / COMPILED_SPEEDUP,
-                disk=disk(config, model),
-            )
-        )
+        row = timed_row(config, model, plan, run_flops(config, model), 0.0, world)
+        found.append(dict(name=name, overrides=overrides, world=world, **row))
     return found
+
+
+def timed_row(config, model, plan, flops: float, recompute: float, world: int) -> dict:
+    """A run's plan, FLOPs (and recomputed FLOPs) and time on `world` GPUs at MFU, eager and compiled, and disk."""
+    gpu_hours = (flops + recompute) / (MFU * PEAK_FLOPS) / 3600
+    hours = gpu_hours / world
+    return dict(
+        plan=plan,
+        flops=flops,
+        recompute=recompute,
+        gpu_hours=gpu_hours,
+        hours=hours,
+        compiled_hours=hours / COMPILED_SPEEDUP,
+        disk=disk(config, model),
+    )
 
 
 def large_rows() -> list[dict]:
@@ -157,20 +159,7 @@ def large_rows() -> list[dict]:
         plan = plan_memory(config, model, LARGE_SEQ_LEN, world=GPUS, device="cuda")
         flops = run_flops(config, model, LARGE_SEQ_LEN)
         recompute = recompute_flops(config, model, LARGE_SEQ_LEN) if config.model.gradient_checkpointing else 0.0
-        gpu_hours = (flops + recompute) / (MFU * PEAK_FLOPS) / 3600
-        found.append(
-            dict(
-                name=name,
-                recipe=recipe,
-                plan=plan,
-                flops=flops,
-                recompute=recompute,
-                gpu_hours=gpu_hours,
-                hours=gpu_hours / GPUS,
-                compiled_hours=gpu_hours / GPUS / COMPILED_SPEEDUP,
-                disk=disk(config, model),
-            )
-        )
+        found.append(dict(name=name, recipe=recipe, **timed_row(config, model, plan, flops, recompute, GPUS)))
     return found
 
 
