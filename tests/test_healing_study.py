@@ -33,14 +33,14 @@ def rows_read(monkeypatch):
     from recurfit.train.loop import Trainer
 
     read, running = {}, []
-    next_batch, train_step = RowStream.next_batch, Trainer.train_step
+    next_rows, train_step = RowStream.next_rows, Trainer.train_step
 
     def reading(self, *args):
-        position, rows = self.position, next_batch(self, *args)
+        position, (rows, masks) = self.position, next_rows(self, *args)
         read.setdefault(running[-1].out.name, []).append(
             (running[-1].counters.step + 1, position, hashlib.sha256(rows.numpy().tobytes()).hexdigest())
         )
-        return rows
+        return rows, masks
 
     def stepping(self):
         running.append(self)
@@ -49,7 +49,7 @@ def rows_read(monkeypatch):
         finally:
             running.pop()
 
-    monkeypatch.setattr(RowStream, "next_batch", reading)
+    monkeypatch.setattr(RowStream, "next_rows", reading)
     monkeypatch.setattr(Trainer, "train_step", stepping)
     return read
 

@@ -68,15 +68,15 @@ def continuing(workspace, out, first, *overrides):
 def rows_read(monkeypatch):
     """The rows each training step reads, as (stream position, hash of the rows), in order."""
     read = []
-    next_batch = RowStream.next_batch
+    next_rows = RowStream.next_rows
 
     def spy(self, *args):
         position = self.position
-        rows = next_batch(self, *args)
+        rows, masks = next_rows(self, *args)
         read.append((position, hashlib.sha256(rows.numpy().tobytes()).hexdigest()))
-        return rows
+        return rows, masks
 
-    monkeypatch.setattr(RowStream, "next_batch", spy)
+    monkeypatch.setattr(RowStream, "next_rows", spy)
     return read
 
 
