@@ -425,7 +425,7 @@ def expected_with_exit(model, batch: list[list[int]], xargs: list[dict], policy:
     return tokens, depths
 
 
-@pytest.mark.parametrize("compiled", [False], ids=["eager"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_requests_with_an_exit_rule_get_generates_tokens_and_exit_depths_in_mixed_batches(tmp_path, compiled):
     """Requests carrying exit rules (kl, state, argmax; caps 8-16; a min_depth) beside requests at a fixed depth, in
     one continuous batch with chunked prefill and prefix caching on: each request gets the tokens of recurfit's
