@@ -650,8 +650,8 @@ def test_attention_over_every_token_as_on_gpu_backends_gives_each_request_its_de
     depths = [DEPTHS[i % 5] for i in range(len(batch))]
     if policy == "all":
         args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
-    else:
-        args = dict(enable_prefix_caching=False, enable_chunked_prefill=False)
+    else:  # a KV cache that holds every running request whole: `latest` refuses an engine that could preempt
+        args = dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=16)
     llm = vllm_engine(folder, False, args, max_recurrence=16, cache_policy=policy)
     try:
         llm.apply_model(attend_over_every_token)
