@@ -241,18 +241,19 @@ def _read_sharded(folder: Path) -> Checkpoint:
 
 
 class _DcpMetadata(pickle.Unpickler):
-    """An unpickler that builds DCP's own metadata classes and torch's sizes and dtypes, and nothing else."""
+    """An unpickler that builds DCP's own metadata classes, torch's sizes, dtypes, layouts and memory formats, and
+    file paths, and nothing else."""
 
     ALLOWED = {
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),  # a layout by its name (torch.strided)
-        ("pathlib", "PosixPath"),  # where DCP wrote it
-        ("pathlib", "WindowsPath"),
         ("collections", "OrderedDict"),
+        *((module, path) for module in ("pathlib", "pathlib._local") for path in ("PosixPath", "WindowsPath")),
     }
+    TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
     def find_class(self, module: str, name: str):
-        torch_value = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        torch_value = module == "torch" and isinstance(getattr(torch, name, None), self.TORCH_VALUES)
         if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED or torch_value:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
