@@ -27,6 +27,7 @@ after its checksum matched and a restricted unpickler found nothing in it but DC
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -335,14 +336,23 @@ def _optimizers_saved(checkpoint: Checkpoint) -> int:
     return len(checkpoint.trainer["optimized"] if checkpoint.sharded else checkpoint.optimizer["optimizers"])
 
 
-def _load_sharded(checkpoint: Checkpoint, model, optimizers, partial: bool = False) -> tuple[dict, list[dict]]:
+def _load_sharded(checkpoint: Checkpoint, model, optimizers, carried: bool = False) -> tuple[dict | None, list[dict]]:
     """This process's part of a sharded checkpoint's model and optimiser states, in the model's current layout
-    (DCP reshards: any number of processes, one included). `partial`: the optimisers may update parameters the
-    checkpoint has no state for; they keep the state they have."""
-    state = {"model": get_model_state_dict(model), "optimizers": sharded_optimizer_states(model, optimizers)}
+    (DCP reshards: any number of processes, one included). `carried` (another run carrying the optimiser states):
+    no model state is read, the optimisers may update parameters the checkpoint has no state for (they keep the
+    state torch initialised), and they keep their own parameter groups."""
+    optimizer_states = sharded_optimizer_states(model, optimizers)
+    groups = [copy.deepcopy(state["param_groups"]) for state in optimizer_states] if carried else None
+    state = (
+        {"optimizers": optimizer_states}
+        if carried
+        else {"model": get_model_state_dict(model), "optimizers": optimizer_states}
+    )
     reader = FileSystemReader(checkpoint.folder / STATE)
-    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=partial))
-    return state["model"], state["optimizers"]
+    dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=carried))
+    for optimizer_state, own in zip(optimizer_states, groups or []):
+        optimizer_state["param_groups"] = own  # this run's parameters, not the earlier run's
+    return state.get("model"), optimizer_states
 
 
 def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_only: bool = False) -> None:
@@ -356,7 +366,7 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_onl
             "optimizer.name, or drop model.carry_state."
         )
     if checkpoint.sharded:
-        return _carry_sharded(checkpoint, model, optimizers, shared_only)
+        return _carry_sharded(checkpoint, model, optimizers)
     for optimizer, state in zip(optimizers, checkpoint.optimizer["optimizers"]):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         fresh = []
@@ -369,18 +379,13 @@ def carry_optimizer_states(checkpoint: Checkpoint, model, optimizers, shared_onl
             group.update(own)
 
 
-def _carry_sharded(checkpoint: Checkpoint, model, optimizers, shared_only: bool) -> None:
+def _carry_sharded(checkpoint: Checkpoint, model, optimizers) -> None:
     """carry_optimizer_states from a sharded checkpoint: DCP reads the state of the parameters both runs update into
     this run's own layout; the others start afresh."""
     settings = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in optimizers]
-    own = sharded_optimizer_states(model, optimizers)  # (torch initialises a state for every parameter)
-    _, states = _load_sharded(checkpoint, model, optimizers, partial=shared_only)
+    _, states = _load_sharded(checkpoint, model, optimizers, carried=True)
     by_name = dict(model.named_parameters())
-    for optimizer, state, groups, saved, mine in zip(
-        optimizers, states, settings, checkpoint.trainer["optimized"], own
-    ):
-        if shared_only:
-            state["param_groups"] = mine["param_groups"]  # this run's parameters, not the earlier run's
+    for optimizer, state, groups, saved in zip(optimizers, states, settings, checkpoint.trainer["optimized"]):
         _load_optimizer_state(model, optimizer, state, StateDictOptions())
         for name in set(state["state"]) - set(saved):
             optimizer.state.pop(by_name[name], None)
