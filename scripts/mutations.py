@@ -295,6 +295,15 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "draft-times-never-forgotten",
+        "self-speculation keeps round times measured long ago: a device that turned dear and cheap again drafts one",
+        "recurfit/generation/speculative.py",
+        (("            return fresh\n", "            return measured\n"),),
+        (
+            "tests/test_generation_speculative.py::test_draft_length_drafts_the_full_lookahead_again_when_a_device_turns_cheap_again",
+        ),
+    ),
+    Mutation(
         "latest-with-speculation",
         "cache_policy 'latest' served with speculative decoding: a verify step reads its drafts' same-step keys",
         "recurfit/serving/engine.py",

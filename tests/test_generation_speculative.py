@@ -181,6 +181,25 @@ def test_draft_length_follows_a_device_whose_round_times_change():
     assert set(dear[10:]) <= {"0", "1"}, dear  # plain steps and one-draft probes only
 
 
+def test_draft_length_drafts_the_full_lookahead_again_when_a_device_turns_cheap_again():
+    """Bandwidth-bound, compute-bound, then bandwidth-bound again (a batch that grows and shrinks): drafting stops
+    while drafts are dear, and when they are cheap again the one-draft probes pay, so the policy drafts; it must reach
+    the lookahead again, not stay at one draft because t(2)..t(4) still hold the times measured while drafts were
+    dear (forgotten after `STALE` rounds unmeasured). Every draft is kept: 4 drafts give 5 tokens in 1.4 plain steps,
+    1 draft 2 tokens in 1.1, so one draft a round would decode at 51 % of the possible rate."""
+    from recurfit.generation.speculative import DraftLength
+
+    costs = [lambda d: 1 + 0.1 * d]
+    clock = RoundClock(lambda d: costs[0](d))
+    policy = DraftLength(lookahead=4, draft_cost=0.1, clock=clock)
+    drafts_on(clock, policy, 100)
+    costs[0] = lambda d: 1 + 2 * d
+    drafts_on(clock, policy, 100)
+    costs[0] = lambda d: 1 + 0.1 * d
+    cheap_again = drafts_on(clock, policy, DraftLength.MAX_WAIT + DraftLength.STALE + 40)
+    assert set(cheap_again[-40:]) <= {"0", "4"} and cheap_again[-40:].count("4") >= 38, cheap_again
+
+
 def test_draft_length_interpolates_a_draft_count_not_run_between_the_measured_ones():
     """t(d) for a d not yet run lies on the line between the measured round times around it: on a CPU at batch 1
     (t(0) = 1, t(4) = 1.98 plain steps), t(2) is 1.49, where the per-draft prior (0.1 of a plain step) would say

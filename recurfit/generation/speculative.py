@@ -134,11 +134,13 @@ class DraftLength:
     at one accepted draft), the second is plain, and a plain step is taken again when `MAX_WAIT` rounds passed
     without one. Once drafting does not pay, decoding goes on in plain steps and probes with one draft after 2, 4, …
     up to `MAX_WAIT` of them, so that a batch or device where drafting loses costs little more than plain decoding,
-    and a change is noticed.
+    and a change is noticed. A t(d) not measured for `STALE` rounds is priced as one not yet run once a fresher
+    measurement shows that drafting pays again.
     """
 
     DECAY = 0.7  # weight of the counts and times so far at each round
     MAX_WAIT = 32  # plain steps between probes, and rounds between plain steps, at most
+    STALE = 2 * MAX_WAIT  # rounds after which a t(d) not measured again may be forgotten (t(0) is never that old)
 
     def __init__(self, lookahead: int, draft_cost: float, adaptive: bool = True, clock=time.perf_counter):
         self.lookahead, self.draft_cost, self.adaptive, self.clock = lookahead, draft_cost, adaptive, clock
@@ -146,14 +148,25 @@ class DraftLength:
         self.wait, self.next_wait = 0, 2
         self.times = {d: _Decayed(self.DECAY) for d in range(lookahead + 1)}  # seconds of the rounds of d drafts
         self.since_plain, self.started = 0, None
+        self.rounds, self.measured_at = 0, {}  # rounds run; the round each d's time was last measured
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def round_time(self, d: int) -> float:
+    def measured(self) -> dict[int, float]:
+        """The measured t(d). Those not measured in the last `STALE` rounds are forgotten once a fresher one shows
+        that drafting pays: on a device that turned dear and cheap again, the times of larger d measured while it was
+        dear would otherwise keep it at the one draft it probes with."""
+        measured = {d: t.mean for d, t in self.times.items() if t.weight}
+        fresh = {d: t for d, t in measured.items() if self.rounds - self.measured_at[d] <= self.STALE}
+        if 0 in fresh and any(self._tokens(d) / fresh[d] > 1 / fresh[0] for d in fresh if d):
+            return fresh
+        return measured
+
+    def round_time(self, d: int, measured: dict[int, float] | None = None) -> float:
         """t(d): measured, interpolated, or extrapolated at `draft_cost` plain steps a draft (see above)."""
-        measured = {k: t.mean for k, t in self.times.items() if t.weight}
+        measured = self.measured() if measured is None else measured
         if 0 not in measured:
             return 1 + d * self.draft_cost  # in plain steps, until one is measured
         if d in measured:
@@ -165,14 +178,14 @@ class DraftLength:
         above = min(above)
         return measured[below] + (measured[above] - measured[below]) * (d - below) / (above - below)
 
+    def _tokens(self, d: int) -> float:
+        """The tokens a round of d drafts yields on average at the current acceptance."""
+        return sum(self.acceptance**i for i in range(d + 1))
+
     def best(self) -> int:
         """The number of drafts with the most expected tokens per time at the current acceptance (0: none)."""
-        alpha = self.acceptance
-
-        def tokens_per_time(d: int) -> float:
-            return sum(alpha**i for i in range(d + 1)) / self.round_time(d)
-
-        return max(range(self.lookahead + 1), key=lambda d: (tokens_per_time(d), -d))
+        measured = self.measured()
+        return max(range(self.lookahead + 1), key=lambda d: (self._tokens(d) / self.round_time(d, measured), -d))
 
     def choose(self) -> int:
         self.started = self.clock()
@@ -187,6 +200,8 @@ class DraftLength:
 
     def update(self, drafted: int, kept: int) -> None:
         self.times[drafted].add(self.clock() - self.started)
+        self.rounds += 1
+        self.measured_at[drafted] = self.rounds
         if not drafted:
             self.since_plain = 0
             return
