@@ -16,7 +16,6 @@ from conftest import (
     PLACEMENT,
     REPO,
     one_and_two_processes,
-    plan,
     spawn_recurfit,
     tiny_config,
     tiny_parent,
@@ -371,44 +370,6 @@ def test_every_fsdp_run_draws_the_same_depths_on_every_process_each_drawn_as_one
 def test_draws_across_processes_that_cannot_apply_are_refused(settings, problem):
     with pytest.raises(RecurfitError, match=problem):
         tiny_plan_model(**settings)
-
-
-@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_fsdp_plan_gathers_the_body_and_head_and_two_once_per_forward_units_whatever_the_micro_batches():
-    """distributed.fsdp_units: the token embeddings and each prelude layer a unit, the recurrent body and the
-    head gathered from forward to backward, in bf16 under bf16 on a GPU; every micro-batch's gradients are
-    reduce-scattered, so the number of micro-batches per process changes nothing."""
-    config, model = tiny_plan_model(distributed="fsdp", precision="fp32")
-    embedding = model.get_input_embeddings().weight.numel()
-    prelude = [sum(p.numel() for p in layer.parameters()) for layer in model.model.prelude]
-    body_and_head = sum(p.numel() for p in model.parameters()) - embedding - sum(prelude)
-    pair = max(embedding + prelude[0], prelude[0] + prelude[1])  # one unit gathered, the next prefetched
-    # world 2: two micro-batches per process; world 4: one
-    for world in (2, 4):
-        planned = plan(config, model, world=world)
-        assert planned.distributed == 4 * (body_and_head + pair)
-        assert planned.unsharded_gradients == 4 * (body_and_head + max(embedding, *prelude))
-    config, model = tiny_plan_model(distributed="fsdp", precision="bf16")
-    assert plan(config, model, world=4).distributed == 2 * (body_and_head + pair)
-
-
-@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
-def test_fsdp_plan_by_layer_gathers_two_layers_and_holds_the_cores_gradients_whole():
-    """`fsdp_units: layer`: the head and what is left of the body (adapter, final norm) gathered from forward to
-    backward, and two consecutive units at a time; whole gradients of those, of every core layer (FSDP2 reduces a
-    unit used several times after its last use's backward) and of two other consecutive units."""
-    config, model = tiny_plan_model(distributed="fsdp", fsdp_units="layer", precision="fp32")
-    body = model.model
-    size = lambda modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
-    units = [[model.get_input_embeddings()], *([layer] for layer in [*body.prelude, *body.core, *body.coda])]
-    rest = sum(p.numel() for p in model.parameters()) - sum(size(unit) for unit in units)
-    pair = max(size(a) + size(b) for a, b in zip(units, units[1:]))
-    once = [unit for unit in units if unit[0] not in list(body.core)]
-    once_pair = max(size(a) + size(b) for a, b in zip(once, once[1:]))
-    planned = plan(config, model, world=2)
-    assert planned.distributed == 4 * (rest + pair)
-    assert planned.unsharded_gradients == 4 * (rest + size(body.core) + once_pair)
-    assert planned.peak < plan(*tiny_plan_model(distributed="fsdp", precision="fp32"), world=2).peak
 
 
 @pytest.mark.two_processes

@@ -10,15 +10,14 @@ an activation (2 under bf16 autocast, 4 in fp32), W the world size:
     optimizer         Muon: 4 per hidden matrix weight (momentum; FSDP2: / W, each process its shard);
                       AdamW: 8 per weight it updates (two moments; FSDP2: / W)
     DDP buckets       4·N_trained (DDP keeps the reduced gradients in buckets of its own), W > 1
-    FSDP2 gathered    g × (the recurrent body and the head: gathered from their forward to the end of their
-                      backward) + g × the two largest consecutive once-per-forward units (token embeddings,
-                      prelude layers: one gathered, the next prefetched), g = 2 when the units gather in bf16
-                      (precision bf16), else 4; plus the unsharded gradients at the end of backward, 4 per
-                      trained weight of the body and head (reduce-scattered last) and of the largest
-                      once-per-forward unit (each reduce-scattered after its own backward)
+    FSDP2 gathered    g × the recurrent body and the head (a tied head: with the token embeddings), gathered
+                      from their forward to the backward's final callback; g = 2 under bf16 (`fsdp_units`'
+                      MixedPrecisionPolicy: param_dtype bf16, reduce_dtype fp32), else 4. By layer, the body's
+                      rest (adapter, final norm) in place of the body. FSDP2's other terms: below
     teacher           its weights, 2 or 4 bytes each (distill.dtype), / W under FSDP2
     autocast copies   2 per trained matrix weight (bf16 copies cached for the forward, kept for backward),
-                      2 per frozen one per use that gradient flows through (checkpointed layers: one layer's)
+                      2 per frozen one per use that gradient flows through (checkpointed layers: one layer's);
+                      none under FSDP2, whose bf16 gathered weights autocast uses as they are
     activations       T × [P·L(fp32 stream) + k·(R·L(s) + A) + C·L(s) + F + 8]   (8: the token ids)
     readouts          (m - 1) × T × (C·L(s) + F): depth supervision's extra readouts (m supervised depths)
     logits and loss   the head's loss (head.HeadLoss) never holds whole logits: one chunk of 2**24 elements'
@@ -54,13 +53,49 @@ exceeds it. A part whose gradient is not needed (a frozen prelude under frozen e
 frozen parts that gradient flows through are counted as trained (a slight overestimate). With gradient
 checkpointing each layer keeps only its input (s·h per token), plus one layer's activations while recomputing.
 
-    peak = parameters + gradients + optimizer + DDP/FSDP2 + teacher
-           + max(autocast copies + activations + readouts + logits and loss, optimizer step, validation)
+    peak = parameters + gradients + optimizer + teacher
+           + max(held + activations + readouts + FSDP2's all-gather buffer,           (the forward's end)
+                 held + autocast copies + activations + readouts + logits and loss,  (the loss)
+                 held + whole gradients + what is beside them,                       (FSDP2's backward)
+                 FSDP2's final reduce,
+                 optimizer step (+ DDP's buckets),
+                 held + validation + FSDP2's all-gather buffer)
+
+with held = DDP's buckets or FSDP2's gathered units.
+
+FSDP2, as torch's `_fully_shard` allocates (torch/distributed/fsdp/_fully_shard/, per process, g as above):
+
+    all-gather buffer  foreach_all_gather gathers a unit into one flat buffer of g × its weights, which
+                      foreach_all_gather_copy_out splits into the unit's parameters; the flat buffer is freed only at
+                      the next unit's copy-out (FSDPParamGroup.wait_for_unshard) or the root's post-forward. The
+                      recurrent body is the last unit gathered in forward, so its flat copy is held through the whole
+                      recurrence: g × the body. By layer, the last layer's flat buffer and its copy: 2g × a layer
+    whole gradients   autograd computes and sums a gathered weight's gradient in its dtype (g), into one buffer for
+                      all its uses; FSDP2's post_backward reduces it once it exists. The head, the body and the
+                      token embeddings take token ids (the root, the body) or read them: no backward hook runs
+                      for them, and their gradients wait for the final callback (the head's from the loss's
+                      backward on). By layer, every core layer's gradient too, whole from the last step's backward
+                      to the first's
+    beside them       the larger of: the activations left once the last step's backward is done (k - 1 steps, the
+                      prelude) and the next unit prefetched (FSDPParamGroup._backward_prefetch: its flat buffer;
+                      by layer, 3 layers: the one in use, the next and one ahead, as the default prefetch follows
+                      the forward's uses, those without gradient too); a once-per-forward layer's backward (the
+                      prelude's activations, its weights and gradients, the next prefetched and its reduce-scatter
+                      input: foreach_reduce copies a unit's gradients into one buffer of 4 bytes per weight,
+                      reduce_dtype, before freeing them); by layer, the coda's backward (every activation, no core
+                      gradient yet)
+    final reduce      the final callback (FSDPState._root_post_backward_final_callback) runs post_backward for
+                      the head, the body and the token embeddings in that order: each reshards its weights, then
+                      foreach_reduce holds its gradients and their 4-byte reduce-scatter input at once, while the
+                      units after it still hold their weights and gradients; the activations are gone. For a large
+                      body this is the peak: (g + 4) × the body's trained weights
 
 Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
 runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
-against measured peaks in benchmarks/memory_plan.py (docs/results/cpu-training.md, "The memory plan against
-measured peaks").
+against measured peaks in benchmarks/memory_plan.py (docs/results/cpu-training.md and, for FSDP2 in bf16 and fp32
+by both unit layouts, docs/results/cpu-fsdp.md: "The memory plan against measured peaks"). A GPU's caching
+allocator adds fragmentation that no term here counts: the fit leaves a tenth of the device for it
+(memory_fit.USABLE_FRACTION).
 """
 
 from __future__ import annotations
@@ -131,8 +166,12 @@ class MemoryPlan:
     logits_and_loss: int
     optimizer_step: int
     validation: int
-    unsharded_gradients: int  # FSDP2: the gathered units' whole gradients, at the end of backward
-    activations_beside_them: int  # what forward saved and backward has not yet freed by then
+    # FSDP2 (module docstring, "FSDP2"): its transient buffers, and the phases of a micro-batch they peak in
+    body_all_gather: int  # the body's flat all-gather output beside its gathered weights, at the forward's start
+    all_gather_buffer: int  # the last unit's flat all-gather output, kept to the forward's end (and a layer's copy)
+    unsharded_gradients: int  # the gathered units' whole gradients, once backward has been through the recurrence
+    beside_gradients: int  # what else is held then: activations not yet freed, per-use units and their buffers
+    reduce_scatter_buffer: int  # the final callback's reduce: the gradients still whole and one unit's fp32 input
     micro: int
     seq_len: int
     k: int
@@ -143,14 +182,41 @@ class MemoryPlan:
     RESIDENT = ("parameters", "gradients", "optimizer_muon", "optimizer_adamw", "distributed", "teacher")
     FORWARD_BACKWARD = ("autocast_copies", "activations", "readouts", "logits_and_loss")
 
-    LATER = ("unsharded_gradients", "optimizer_step", "validation")  # peaks apart from the forward's
+    # peaks apart from the loss's
+    LATER = (
+        "body_all_gather",
+        "all_gather_buffer",
+        "unsharded_gradients",
+        "beside_gradients",
+        "reduce_scatter_buffer",
+        "optimizer_step",
+        "validation",
+    )
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy == "fsdp" and self.world > 1
+
+    def phases(self) -> dict[str, int]:
+        """The peak of each phase above the sharded resident parts (parameters, gradients, optimizer, teacher).
+        FSDP2's gathered units (`distributed`) are held from the forward to the backward's final callback, which
+        frees them unit by unit as it reduces (counted in `reduce_scatter_buffer`); DDP's buckets always."""
+        held = self.distributed
+        activations = self.activations + self.readouts
+        return {
+            "forward's start": held + self.body_all_gather,
+            "forward's end": held + self.all_gather_buffer + self.autocast_copies + activations,
+            "loss": held + self.autocast_copies + activations + self.logits_and_loss,
+            "backward": held + self.autocast_copies + self.unsharded_gradients + self.beside_gradients,
+            "final callback": self.reduce_scatter_buffer,
+            "optimizer step": self.optimizer_step + (0 if self.fsdp else held),
+            "validation": held + self.all_gather_buffer + self.validation,
+        }
 
     @property
     def peak(self) -> int:
-        resident = sum(getattr(self, name) for name in self.RESIDENT)
-        transient = sum(getattr(self, name) for name in self.FORWARD_BACKWARD)
-        backward = self.unsharded_gradients + self.autocast_copies + self.activations_beside_them
-        return resident + max(transient, backward, self.optimizer_step, self.validation)
+        sharded = sum(getattr(self, name) for name in self.RESIDENT if name != "distributed")
+        return sharded + max(self.phases().values())
 
     def parts(self) -> dict[str, int]:
         names = [*self.RESIDENT, *self.FORWARD_BACKWARD, *self.LATER]
@@ -266,14 +332,14 @@ def plan_memory(
     step = _step_bytes(config, model, device, shard)
     return MemoryPlan(
         **resident,
-        autocast_copies=_autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
+        # FSDP2 gathers bf16 weights under bf16: autocast's cast of a bf16 weight is the weight itself, no copy
+        autocast_copies=0 if fsdp else _autocast_copies(model, k, autocast, config.model.gradient_checkpointing),
         activations=tokens * _activation_bytes(config, model, k, autocast),
         readouts=tokens * _readout_bytes(config, model, k, autocast),
         logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
         validation=validation_bytes(config, model, tokens, device),
-        unsharded_gradients=_unsharded_gradient_bytes(config, model) if fsdp else 0,
-        activations_beside_them=_activations_beside_gradients(config, model, tokens, k, autocast) if fsdp else 0,
+        **(_fsdp_phase_bytes(config, model, tokens, k, autocast) if fsdp else _NO_FSDP),
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -297,43 +363,123 @@ def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, autoca
     if config.distributed == "ddp":
         return 4 * _numel(p for p in model.parameters() if p.requires_grad)
     units, _ = sharding_units(model, _by_layer(config))
-    gathered = 2 if autocast else 4  # fsdp_units' MixedPrecisionPolicy
-    return gathered * (_numel(_gathered_whole(model, units)) + _consecutive(units))
+    return _gathered_bytes(autocast) * _numel(_gathered_whole(model, units))
 
 
 def _by_layer(config: TrainConfig) -> bool:
     return config.fsdp_units == "layer"
 
 
-def _consecutive(units: list[nn.Module], trained: bool = False) -> int:
-    """The weights (`trained`: the trained ones) of the two largest consecutive units: one gathered (or its
-    gradients being reduced) while the next is prefetched (or computes its gradients)."""
-    sizes = [_numel(p for p in unit.parameters() if p.requires_grad or not trained) for unit in units]
-    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+def _gathered_bytes(autocast: bool) -> int:
+    """Bytes of a gathered weight and of its whole gradient: FSDP2's param_dtype (`fsdp_units`'
+    MixedPrecisionPolicy: bf16 under bf16), in which autograd computes and accumulates the gradient too."""
+    return 2 if autocast else 4
+
+
+REDUCE_BYTES = 4  # FSDP2's reduce_dtype: float32 under bf16 (MixedPrecisionPolicy), the gradients' own in fp32
 
 
 def _gathered_whole(model: nn.Module, units: list[nn.Module]) -> list[nn.Parameter]:
-    """FSDP2: the weights of the recurrent body and the head (what `units` leaves them), gathered from their
-    forward to their backward."""
+    """FSDP2: the weights of the recurrent body and the head (what `units` leaves them; a head tied to the token
+    embeddings with them: one unit), gathered from their forward to the backward's final callback."""
     in_units = {id(p) for unit in units for p in unit.parameters()}
     return [p for p in model.parameters() if id(p) not in in_units]
 
 
-def _unsharded_gradient_bytes(config: TrainConfig, model: nn.Module) -> int:
-    """FSDP2's whole gradients at their peak: of the recurrent body and the head (reduce-scattered last, as their
-    forwards' inputs are token ids), at the end of backward, and of the largest once-per-forward unit (each
-    reduce-scattered after its own backward). By layer, of the head, the body's rest, every core layer (FSDP2
-    reduce-scatters a unit used several times once, after its last use's backward: the core's gradients are whole
-    through the recurrence's backward) and two other layers."""
-    units, _ = sharding_units(model, _by_layer(config))
-    whole = _numel(p for p in _gathered_whole(model, units) if p.requires_grad)
-    if _by_layer(config):
-        core = {id(layer) for layer in model.model.core}
-        once = [unit for unit in units if id(unit) not in core]
-        recurring = _numel(p for layer in model.model.core for p in layer.parameters() if p.requires_grad)
-        return 4 * (whole + recurring + _consecutive(once, trained=True))
-    largest = max((_numel(p for p in unit.parameters() if p.requires_grad) for unit in units), default=0)
-    return 4 * (whole + largest)
+def _sizes(modules: list[nn.Module]) -> tuple[int, int]:
+    """(weights, trained weights) of `modules`, each weight once."""
+    parameters = [p for module in modules for p in module.parameters()]
+    return _numel(parameters), _numel(p for p in parameters if p.requires_grad)
+
+
+_NO_FSDP = dict.fromkeys(
+    ("body_all_gather", "all_gather_buffer", "unsharded_gradients", "beside_gradients", "reduce_scatter_buffer"), 0
+)
+
+
+def _fsdp_phase_bytes(config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool) -> dict[str, int]:
+    """FSDP2's own buffers and the whole gradients, as torch's `_fully_shard` allocates them (the module
+    docstring, "FSDP2", gives the sequence), at the phases `MemoryPlan.phases` adds them in."""
+    g, r = _gathered_bytes(autocast), REDUCE_BYTES
+    by_layer = _by_layer(config)
+    units, body = sharding_units(model, by_layer)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = embedding.weight is head.weight
+    core = [] if body is None else list(body.core)
+    per_use = [unit for unit in units if unit is not embedding]  # gathered in backward again (embeddings: not)
+    once = [unit for unit in per_use if not any(unit is layer for layer in core)]
+    # The units the final callback reduces, in FSDP2's order of states (the modules' order: the root's head, the
+    # body, the token embeddings, or the tied pair): those whose inputs are token ids, which no backward hook
+    # reduces earlier. (weights still gathered then, trained weights) of each.
+    rest = [p for p in _gathered_whole(model, units) if p is not head.weight]  # the body's own
+    rest_sizes = (_numel(rest), _numel(p for p in rest if p.requires_grad))
+    late = [(0, 0), rest_sizes, _sizes([head])] if tied else [_sizes([head]), rest_sizes, (0, _sizes([embedding])[1])]
+    whole = g * sum(trained for _, trained in late[:2])  # the head's and the body's (or the tied pair's) gradients
+    whole += g * late[2][1] if tied else 0
+    whole += g * _sizes(core)[1] if by_layer else 0  # FSDP2 reduces a unit used k times after its last use
+    largest = max((_sizes([unit])[0] for unit in per_use), default=0)
+    # foreach_all_gather gathers a unit into one flat output, which foreach_all_gather_copy_out splits into its
+    # weights; FSDPParamGroup.wait_for_unshard frees it at the next unit's copy-out, the last one's at the root's
+    # post-forward. The body is gathered first (its forward calls the others): its flat output and its weights at
+    # once, before any activation.
+    body_all_gather = g * rest_sizes[0]
+    if by_layer:
+        # The forward ends in the last coda layer: its flat output and its weights; in backward, the layer in use,
+        # the next prefetched (its flat output) and one more the default prefetch gathers ahead
+        # (FSDPParamGroup._backward_prefetch follows post_forward_order, whose uses without gradient count too)
+        all_gather = 2 * g * largest
+        units_beside = 3 * g * largest
+    else:
+        # The forward ends with the last prelude layer's flat output (the embeddings' without a prelude); in
+        # backward, the body's pre-backward prefetches that layer again (its flat output)
+        last = (once or [unit for unit in units if unit is embedding])[-1:]
+        all_gather = g * sum(_sizes([unit])[0] for unit in last)
+        units_beside = g * sum(_sizes([unit])[0] for unit in once[-1:])
+    # A once-per-forward layer's backward (prelude; coda by layer): its weights and gradients, its fp32
+    # reduce-scatter input (foreach_reduce allocates it for the unit in one piece, then frees the gradients; the
+    # previous unit's is freed first, reduce_scatter_states keeping one) and the unit before it, prefetched (the
+    # embeddings are not: their backward reads no weight, set_unshard_in_backward(False))
+    sizes = [_sizes([unit]) for unit in per_use]
+    once_window = max(
+        (
+            g * (w + t) + r * t + g * (sizes[i - 1][0] if i else 0)
+            for i, (unit, (w, t)) in enumerate(zip(per_use, sizes))
+            if not any(unit is layer for layer in core)
+        ),
+        default=0,
+    )
+    core_gradients = g * _sizes(core)[1] if by_layer else 0
+    backward = [  # the backward's phases, above the gathered units: whole gradients and what is beside them
+        # the recurrence's backward done for the last step (every core weight has its whole gradient now)
+        whole + units_beside + tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True),
+        # a prelude layer's backward: the recurrence's activations freed
+        whole + once_window + tokens * _prelude_bytes(config, model, autocast),
+    ]
+    if by_layer:  # the coda's backward, before the core's gradients exist
+        activations = _activation_bytes(config, model, k, autocast) + _readout_bytes(config, model, k, autocast)
+        backward.append(whole - core_gradients + max(once_window, units_beside) + tokens * activations)
+    # The final callback (root_post_backward_final_callback): each unit's post_backward reshards its weights,
+    # then foreach_reduce copies its gradients into one fp32 reduce-scatter input and frees them; the units after
+    # it still hold their weights and gradients.
+    final = 0
+    for i, (_, trained) in enumerate(late):
+        after = late[i + 1 :]
+        final = max(final, g * sum(w + t for w, t in after) + g * trained + r * trained)
+    return dict(
+        body_all_gather=body_all_gather,
+        all_gather_buffer=all_gather,
+        unsharded_gradients=whole,
+        beside_gradients=max(0, max(backward) - whole),
+        reduce_scatter_buffer=final,
+    )
+
+
+def _prelude_bytes(config: TrainConfig, model: nn.Module, autocast: bool) -> int:
+    """Per token, what the prelude's layers keep for backward (all of it: a bound on what is left during it)."""
+    if not gradient_flows(model).get("prelude", False):
+        return 0
+    shape, counts = layer_shape(model), layer_counts(model)
+    return _stack_bytes(shape, counts["prelude"], autocast, 4, config.model.gradient_checkpointing) + 8
 
 
 def _teacher_bytes(config: TrainConfig, teacher_parameters: int, device: str) -> int:
@@ -412,14 +558,6 @@ def _activation_bytes(
     if beside_gradients and is_recurrent(model):
         return total
     return total + _readout_head_bytes(shape, autocast, stream if is_recurrent(model) else 4)
-
-
-def _activations_beside_gradients(config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool) -> int:
-    """FSDP2: what forward saved that is still held beside the unsharded gradients' peak: at the end of the
-    recurrent unit's backward (module docstring); by layer, at any point of backward, all of it."""
-    if _by_layer(config):
-        return tokens * (_activation_bytes(config, model, k, autocast) + _readout_bytes(config, model, k, autocast))
-    return tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True)
 
 
 def _readout_bytes(config: TrainConfig, model: nn.Module, k: int, autocast: bool) -> int:

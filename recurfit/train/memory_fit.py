@@ -113,7 +113,11 @@ DESCRIPTIONS = {
     "activations": "saved for backward",
     "readouts": "depth supervision's extra readouts",
     "logits_and_loss": "logits, their gradient, loss chunks",
-    "unsharded_gradients": "FSDP2: whole gradients late in backward",
+    "body_all_gather": "FSDP2: the body's flat all-gather, forward's start",
+    "all_gather_buffer": "FSDP2: last unit's flat all-gather, forward's end",
+    "unsharded_gradients": "FSDP2: whole gradients (gathered dtype) in backward",
+    "beside_gradients": "FSDP2: activations and units beside them",
+    "reduce_scatter_buffer": "FSDP2: final callback's gradients + fp32 input",
     "optimizer_step": "step temporaries (after backward)",
     "validation": "validation forward, one chunk of logits",
 }
@@ -134,6 +138,8 @@ def plan_table(plan: MemoryPlan):
     for name, size in plan.parts().items():
         if size:
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
-    peak = "resident + max(forward/backward, whole gradients, step, validation)"
+    phases = plan.phases()
+    phase = max(phases, key=phases.get)
+    peak = f"weights, gradients, optimizer + the largest phase: {phase}"
     table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", peak)
     return table
