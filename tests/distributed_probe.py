@@ -11,6 +11,10 @@
   `peak_host_bytes`, this process's peak resident set (VmHWM) once the trainer is set up, over its resident set
   before; the main process writes the set-up model's weights (gathered) to OUT.safetensors, and each
   process its buffers (RoPE's frequencies among them, which no state dict holds) to OUT.buffers.RANK;
+- `teacher`: the distillation teacher alone, set up as training sets it up: `loads`, how often this process loaded
+  its weights; `sharded`, whether every teacher parameter is still a shard (a DTensor holding a part of the tensor)
+  after a forward; the main process writes the logits the loss reads from the teacher (its hidden states through
+  its head's weight) at fixed inputs, and the unsharded teacher's logits there, to OUT.safetensors;
 and in every mode `threads_after_close`, the names of the process's threads once its process group is closed.
 """
 
@@ -110,6 +114,33 @@ def resume(config, processes: Processes) -> dict:
     return {"hashed": hashed.count, "step": trainer.counters.step}
 
 
+def teacher(config, processes: Processes, out: str) -> dict:
+    from safetensors.torch import save_file
+
+    from recurfit.model import loading
+    from recurfit.train import losses
+
+    if config.distributed == "fsdp" and processes.grouped:
+        processes.mesh = processes.fsdp_mesh(config.fsdp_shard_size)  # as `Processes.wrap` sets it for the student
+    loads = Counter(losses, "load_model")
+    source, _ = config.distill.source(config.model)
+    vocab = loading.load_config(source).vocab_size
+    model = losses.Teacher(config.distill, config.model, vocab, processes, config.distributed)
+    inputs = torch.randint(vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    hidden, weight = model.hidden_states(inputs)
+    logits = hidden @ weight.T
+    parameters = list(model.model.parameters())
+    sharded = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in parameters)
+    result = {"loads": loads.count, "sharded": sharded}
+    if processes.is_main:
+        whole = loading.load_model(source, dtype=weight.dtype)
+        with torch.no_grad():
+            expected = whole(input_ids=inputs, use_cache=False).logits.flatten(0, 1)
+        save_file({"logits": logits.contiguous(), "unsharded": expected.contiguous()}, f"{out}.safetensors")
+    del model, hidden, weight, parameters
+    return result
+
+
 def status(field: str) -> int:
     """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as file:
@@ -148,6 +179,8 @@ def run(mode: str, config, processes: Processes, out: str) -> dict:
     """MODE's result; its trainer is freed on return, before `main` destroys the group (`Processes.close`)."""
     if mode == "resume":
         return resume(config, processes)
+    if mode == "teacher":
+        return teacher(config, processes, out)
     if mode.startswith("weights"):
         return weights(config, processes, out, alone=mode == "weights-alone")
     trainer = Trainer(config, processes=processes)

@@ -318,6 +318,23 @@ def test_fsdp2_shards_the_teacher_and_matches_one_process(tmp_path, workspace):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.two_processes
+def test_fsdp2_builds_the_teacher_on_the_meta_device_and_keeps_it_sharded(tmp_path, workspace):
+    """Under FSDP2 only the main process loads the teacher (the other makes it on the meta device and receives its
+    shards), every parameter is a shard again after the teacher's forward (its head, FSDP2's root, too: once it stayed
+    gathered for the whole run), and the logits the loss reads from it are the unsharded teacher's. Float32 on both
+    sides, the same weights (the gathers copy them exactly): equal to the bit on AVX-512 kernels; the bound leaves
+    room for the one product that differs, the head's (a matmul against the gathered weight, against nn.Linear's),
+    to round otherwise at float32's last bits on other kernels. Shards and zeros, or another teacher, differ at O(1)."""
+    settings = {"distributed": "fsdp", "distill": {"alpha": 0.5}}
+    results = probe(tmp_path, workspace, "teacher", 2, mode="teacher", **settings)
+    assert [result["loads"] for result in results] == [1, 0]
+    assert all(result["sharded"] for result in results)
+    got = load_file(tmp_path / "teacher.json.safetensors")
+    assert got["logits"].shape == got["unsharded"].shape == (2 * 16, got["logits"].shape[-1])
+    torch.testing.assert_close(got["logits"], got["unsharded"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
 @pytest.mark.parametrize(
     "settings",
@@ -754,3 +771,64 @@ def test_sharded_checkpoints_resume_exactly_and_on_other_numbers_of_processes(tm
         assert list(losses) == list(straight)
         for step in range(3, 7):
             assert losses[step] == pytest.approx(straight[step], rel=1e-5), (name, step)
+
+
+@pytest.mark.cpu_only("not one of the tests that --device/--dtype move (it runs on the CPU in float32 only)")
+def test_fsdp_shard_size_defaults_to_a_nodes_processes_and_must_divide_them():
+    from recurfit.train.distributed import fsdp_shard_size
+
+    assert fsdp_shard_size(None, world=16, local_world=8) == 8  # two nodes: HSDP, sharded within each
+    assert fsdp_shard_size(None, world=8, local_world=8) == 8  # one node: FSDP2 over every process
+    assert fsdp_shard_size(2, world=8, local_world=8) == 2
+    with pytest.raises(RecurfitError, match=r"fsdp_shard_size=3 does not divide the run's 8 processes"):
+        fsdp_shard_size(3, world=8, local_world=8)
+    with pytest.raises(RecurfitError, match="fsdp_shard_size=2 shards with FSDP2: set distributed=fsdp"):
+        load_config(None, ["fsdp_shard_size=2"], base=tiny_config(Path("w"), Path("o")))
+
+
+def hsdp_against_one_process(tmp_path: Path, workspace: Path, optimizer: dict, **settings) -> tuple[dict, dict, dict]:
+    """3 steps of the tiny config with `optimizer` on one process and on 4 under HSDP as 2 copies of the model each
+    sharded over 2 processes: per-step losses of each, and the config they ran."""
+    base = tiny_config(workspace, tmp_path / "x", steps=3, optimizer=optimizer, **settings)
+    base["eval"] = {"every": 0, "steps": [1], "rows": 2}
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({**base, "out": str(tmp_path / "one")}))
+    single = spawn_recurfit("train", str(tmp_path / "one.yaml"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    hsdp = {**base, "out": str(tmp_path / "hsdp"), "distributed": "fsdp", "fsdp_shard_size": 2}
+    got = train_on(tmp_path, hsdp, 4)
+    assert single.wait(HANG) == 0, single.stderr.read().decode()[-2000:]
+    return train_losses(tmp_path / "one"), got, hsdp
+
+
+# Without the all-reduce between the copies (each copy stepping on its own half of the batch), the losses of this
+# test differ from one process's by 5e-4 at step 2 and 11 % at step 3: 50 times and more the bound.
+@pytest.mark.two_processes
+def test_hsdp_on_a_2x2_mesh_trains_as_one_process_and_resumes_from_its_sharded_checkpoints(tmp_path, workspace):
+    """4 processes as 2 copies of the model, each sharded over 2 (`fsdp_shard_size: 2`), 2 micro-batches per process
+    and step: each copy adds its reduce-scattered gradients up over the step and the copies all-reduce them once, so
+    the losses are one process's (AdamW in float32: the reductions' rounding only, as the other FSDP2 tests). Its
+    checkpoint resumes bit for bit on the same mesh, and on 2 processes sharding one copy (DCP reshards) as the run
+    would have continued."""
+    optimizer = {"name": "adamw", "lr": 0.003, "warmup": 1}
+    settings = {"batch": {"micro": 1, "global": 8}, "checkpoint": {"every": 2, "keep": 1}}
+    expected, got, hsdp = hsdp_against_one_process(tmp_path, workspace, optimizer, **settings)
+    assert list(got) == [1, 2, 3]
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+    again = stopped_at(tmp_path / "hsdp", 2, tmp_path / "again")
+    assert train_on(tmp_path, {**hsdp, "out": str(again)}, 4, "--resume") == got
+    two = stopped_at(tmp_path / "hsdp", 2, tmp_path / "two")
+    resumed = train_on(tmp_path, {**hsdp, "out": str(two)}, 2, "--resume")
+    assert list(resumed) == [1, 2, 3] and resumed[3] == pytest.approx(got[3], rel=1e-5)
+
+
+@pytest.mark.two_processes
+def test_hsdp_muon_orthogonalises_along_the_shard_dimension_as_one_process(tmp_path, workspace):
+    """BatchedMuon on HSDP's 2-D mesh gathers, orthogonalises and scatters each matrix within its copy of the model,
+    along the shard dimension: the losses are one process's within the noise floor of the other Muon tests."""
+    optimizer = {"name": "muon", "muon_lr": 0.02, "lr": 0.003, "warmup": 1, "muon_dtype": "float32"}
+    expected, got, hsdp = hsdp_against_one_process(tmp_path, workspace, optimizer, checkpoint={"every": 0, "keep": 1})
+    assert got[1] == expected[1] and list(got) == [1, 2, 3]
+    base = {key: value for key, value in hsdp.items() if key not in ("distributed", "fsdp_shard_size")}
+    bound = FLOOR_FACTOR * reduction_order_floor(tmp_path, base, expected)  # as for DDP (FLOOR_FACTOR's comment)
+    for step in expected:
+        assert got[step] == pytest.approx(expected[step], rel=bound, abs=0)

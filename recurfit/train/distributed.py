@@ -23,6 +23,11 @@ use and resharded after it: no process holds more than two layers' weights whole
 per recurrence. FSDP2 reduce-scatters a unit used several times once, after its last use's backward, so the
 core's gradients are whole through the recurrence's backward. Its gathers follow the depth, so the processes
 must draw the same depths (`step_plan.draws_shared`, which every FSDP2 run does by default).
+
+HSDP (`fsdp_shard_size`, by default a node's processes): the processes form a 2-D mesh, ("replicate", "shard").
+Each group of `fsdp_shard_size` processes along "shard" holds one sharded copy of the model, as FSDP2 over them
+alone would; the copies, one per group along "replicate", all-reduce their reduce-scattered gradients, so the
+gathers stay within a node and only the gradients' shards cross nodes, once per step (`accumulating`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class Processes:
     device: torch.device = torch.device("cpu")
     grouped: bool = False  # in a process group: under torchrun, even with one process
     sharded: list = field(default_factory=list)  # FSDP2: (unit, reshard_after_forward) of every unit `wrap` made
+    local_world: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
+    mesh: object = None  # FSDP2's DeviceMesh: HSDP's 2-D one, None for FSDP2's own over every process
     watch: ErrorWatch | None = None  # another process's error ends this one (grouped processes)
 
     @classmethod
@@ -67,6 +74,7 @@ class Processes:
         """This process's place under torchrun (alone without it); collectives fail after `timeout` seconds (the
         config's `distributed_timeout`)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             device = torch.device("cuda", local_rank)
@@ -80,30 +88,50 @@ class Processes:
                 device_id=device if device.type == "cuda" else None,
                 timeout=timedelta(seconds=timeout),
             )
-        return cls(rank, world, local_rank, device, grouped, watch=ErrorWatch.start(world) if grouped else None)
+        watch = ErrorWatch.start(world) if grouped else None
+        return cls(rank, world, local_rank, device, grouped, local_world=local_world, watch=watch)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, model: nn.Module, strategy: str, bf16: bool = False, layers: bool = False) -> nn.Module:
+    def wrap(
+        self, model: nn.Module, strategy: str, bf16: bool = False, layers: bool = False, shard_size: int | None = None
+    ) -> nn.Module:
         """DDP: a wrapper to call for forward/backward. FSDP2: `fully_shard` the model in place (see the module's
-        docstring for its units; `layers`: every layer a unit); `bf16`: gathered and computed in bf16, gradients
-        reduced in fp32."""
+        docstring for its units; `layers`: every layer a unit) over groups of `shard_size` processes
+        (`fsdp_shard_size`; HSDP across the groups); `bf16`: gathered and computed in bf16, gradients reduced in
+        fp32."""
         if not self.grouped:
             return model
         if strategy == "fsdp":
-            self.sharded += fsdp_units(model, mixed_precision=bf16, layers=layers)
+            self.mesh = self.fsdp_mesh(shard_size)
+            self.sharded += fsdp_units(model, mixed_precision=bf16, layers=layers, mesh=self.mesh)
             return model
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[self.local_rank] if self.device.type == "cuda" else None)
 
+    def fsdp_mesh(self, shard_size: int | None):
+        """FSDP2's mesh for groups of `shard_size` processes (None: this node's): None (FSDP2's own, one dimension
+        over every process) when one group holds them all, else HSDP's ("replicate", "shard") mesh."""
+        size = fsdp_shard_size(shard_size, self.world, self.local_world)
+        if size == self.world:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world // size, size), mesh_dim_names=HSDP_MESH_DIMS)
+
     def accumulating(self, wrapped: nn.Module, last_micro_batch: bool):
         """DDP: gradients are all-reduced on the last micro-batch of a step only (its buckets hold whole
         gradients anyway). FSDP2 reduce-scatters every micro-batch's, so that no process holds whole gradients
-        from one micro-batch into the next."""
-        if self.sharded or last_micro_batch or not hasattr(wrapped, "no_sync"):
+        from one micro-batch into the next; under HSDP each group adds its reduced shards up over the step, and
+        the groups all-reduce the sum on the last micro-batch only (the traffic across nodes, once per step)."""
+        if self.sharded:
+            if self.mesh is not None:
+                wrapped.set_requires_all_reduce(last_micro_batch)
+            return nullcontext()
+        if last_micro_batch or not hasattr(wrapped, "no_sync"):
             return nullcontext()
         return wrapped.no_sync()
 
@@ -179,6 +207,7 @@ class Processes:
         process (`terminate called without an active exception`, SIGABRT): a failed exit after a finished run.
         tests/test_train_distributed.py checks that no gloo thread is left after `close`."""
         self.sharded.clear()  # the FSDP2 units, the model among them
+        self.mesh = None
         if self.watch is not None:
             self.watch.close()
         if self.grouped and dist.is_initialized():
@@ -298,15 +327,33 @@ def _forget_dtensor_caches() -> None:
             cache.cache_clear()
 
 
+# HSDP's mesh dimensions: copies of the model across the first (nodes), each sharded along the second (a node's
+# processes). BatchedMuon (optim.py) deals its work along whichever dimension shards.
+HSDP_MESH_DIMS = ("replicate", "shard")
+
+
+def fsdp_shard_size(setting: int | None, world: int, local_world: int) -> int:
+    """How many processes share one sharded copy of the model: `fsdp_shard_size` (None: the processes of a node,
+    hence every process on one node); it must divide the processes."""
+    size = setting or min(local_world, world)
+    if size < 1 or world % size:
+        raise RecurfitError(
+            f"fsdp_shard_size={size} does not divide the run's {world} processes into groups of equal size; set "
+            f"it to a divisor of {world} (the processes of a node: {local_world}), or drop it."
+        )
+    return size
+
+
 def fill_from_main(model: nn.Module, built: nn.Module | None, processes: Processes) -> None:
     """Fill `model`, made on the meta device and sharded (FSDP2) or not yet placed (DDP), with the weights of the
     model the main process `built` (None elsewhere): each process receives its own shards of each tensor
     (`set_model_state_dict` with `broadcast_from_rank0`). Buffers, some of which no state dict holds (RoPE's
     frequencies), are sent whole. DDP's wrap sends them itself."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
 
     model.to_empty(device=processes.device)
-    if processes.sharded:
+    if isinstance(model, FSDPModule):
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, built.state_dict() if built is not None else {}, options=options)
         for name, buffer in model.named_buffers():
@@ -332,11 +379,12 @@ def sharding_units(model: nn.Module, layers: bool = False) -> tuple[list[nn.Modu
 
 
 def fsdp_units(
-    model: nn.Module, mixed_precision: bool, trained: bool = True, layers: bool = False
+    model: nn.Module, mixed_precision: bool, trained: bool = True, layers: bool = False, mesh=None
 ) -> list[tuple[nn.Module, bool]]:
-    """`fully_shard` the `sharding_units`, root last; returns each with its reshard_after_forward. A `trained`
-    model keeps its recurrent body gathered from its forward to its backward (a distillation teacher has no
-    backward: resharded after the forward).
+    """`fully_shard` the `sharding_units`, root last, over `mesh` (None: FSDP2's, every process); returns each with
+    its reshard_after_forward. A `trained` model keeps its recurrent body and its root (the head) gathered from
+    their forward to their backward; a distillation teacher has no backward: every unit, the root too, is
+    resharded after its forward.
 
     `mixed_precision` (training runs it under bf16 autocast): weights are gathered in bf16, gradients reduced in
     fp32, and the numbers computed are DDP + autocast's: the residual stream, s₀, the adapter's input and RoPE's
@@ -356,17 +404,18 @@ def fsdp_units(
         # One matrix for the token embeddings and the head: one unit of the two modules (torchtitan's grouping),
         # sharded before the body that holds the embeddings, and kept gathered from the forward's start (the
         # embeddings) to its backward, as the root keeps an untied head.
-        fully_shard([embedding, head], mp_policy=policy, reshard_after_forward=False)
-        shared = [(embedding, False)]
+        fully_shard([embedding, head], mesh=mesh, mp_policy=policy, reshard_after_forward=not trained)
+        shared = [(embedding, not trained)]
     units = [(layer, True) for layer in once]
     if body is not None:
         units.append((body, not trained))  # gathered once per forward, kept for its backward
     for module, reshard in units:
-        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     if once and once[0] is embedding:
         embedding.set_unshard_in_backward(False)  # its backward reads the token ids, not the weight
-    fully_shard(model, mp_policy=policy)  # the root (the head): FSDP2 keeps it gathered from forward to backward
-    return [*shared, *units, (model, False)]
+    # The root (the head): FSDP2's default keeps it gathered from forward to backward
+    fully_shard(model, mesh=mesh, mp_policy=policy, **({} if trained else {"reshard_after_forward": True}))
+    return [*shared, *units, (model, not trained)]
 
 
 def _float32_output(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:

@@ -115,7 +115,11 @@ class Trainer(Saving):
         if on_meta and config.distributed == "ddp":
             fill_from_main(self.model, built, self.processes)  # placed; wrapping it sends the main one's weights
         self.wrapped = self.processes.wrap(
-            self.model, config.distributed, bf16=self._bf16(config.precision), layers=config.fsdp_units == "layer"
+            self.model,
+            config.distributed,
+            bf16=self._bf16(config.precision),
+            layers=config.fsdp_units == "layer",
+            shard_size=config.fsdp_shard_size,
         )
         if on_meta and config.distributed == "fsdp":
             fill_from_main(self.model, built, self.processes)  # sharded, then each process's shards sent

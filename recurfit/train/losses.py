@@ -18,10 +18,10 @@ import torch
 
 from ..errors import RecurfitError
 from ..model.accounting import count_parameters, inference_flops_per_token
-from ..model.loading import load_model
+from ..model.loading import load_model, meta_model
 from ..model.modeling import RecurrentForCausalLM
 from .config import DistillConfig, ModelConfig, SuperviseConfig
-from .distributed import fsdp_units
+from .distributed import fill_from_main, fsdp_units
 from .head import final_hidden_states, head_losses
 
 
@@ -106,32 +106,48 @@ def micro_batch_weights(share: int, masks: torch.Tensor | None, micro: int, proc
 
 
 class Teacher:
-    """The model to distil from: loaded once per (re)start, never trained or saved, placed as the student."""
+    """The model to distil from: loaded once per (re)start, never trained or saved, placed as the student.
+
+    Under FSDP2 it is sharded as the student is, and held as the student is built: the main process loads it on
+    the CPU, every other process makes its structure on the meta device, and each receives its own shards
+    (`fill_from_main`); no GPU ever holds it whole. Every unit, its root (the head) too, is resharded after its
+    forward, as it has no backward; the loss gathers the head's weight for itself (`hidden_states`)."""
 
     def __init__(self, config: DistillConfig, model: ModelConfig, vocab_size: int, processes, strategy: str):
         source, revision = config.source(model)
         self.name = source or "the embedded SmolLM2-135M"
         dtype = teacher_dtype(config, processes.device)
-        teacher = load_model(source, dtype=dtype, revision=revision).requires_grad_(False)
-        if teacher.config.vocab_size != vocab_size:
+        self.sharded = strategy == "fsdp" and processes.grouped
+        built = None
+        if processes.is_main or not self.sharded:
+            built = load_model(source, dtype=dtype, revision=revision).requires_grad_(False)
+        structure = processes.broadcast(built.config if built is not None else None) if self.sharded else built.config
+        if structure.vocab_size != vocab_size:
             raise RecurfitError(
-                f"distill.teacher {self.name} has a {teacher.config.vocab_size}-token vocabulary and the model "
+                f"distill.teacher {self.name} has a {structure.vocab_size}-token vocabulary and the model "
                 f"{vocab_size}: distillation compares next-token distributions token by token, so the teacher "
                 "needs the model's tokenizer; distil from the model's parent (distill.teacher: null)."
             )
+        teacher = meta_model(structure).to(dtype).requires_grad_(False) if self.sharded else built
         self.recurrent = isinstance(teacher, RecurrentForCausalLM)
         # Forward FLOPs per token, as the student's count: non-embedding parameters, a recurrent teacher at r̄.
         depth = teacher.config.mean_recurrence if self.recurrent else 1
         self.flops_per_token = inference_flops_per_token(count_parameters(teacher), depth)
-        self.model = teacher.to(processes.device).eval()
-        # DDP replicates it as it is (no gradients to reduce); FSDP2 shards it as the student's layers.
-        if strategy == "fsdp" and processes.grouped:
-            fsdp_units(self.model, mixed_precision=False, trained=False)
+        if self.sharded:
+            fsdp_units(teacher, mixed_precision=False, trained=False, mesh=processes.mesh)
+            fill_from_main(teacher, built, processes)
+        else:  # DDP replicates it as it is (no gradients to reduce)
+            teacher = teacher.to(processes.device)
+        self.model = teacher.eval()
 
     @torch.no_grad()
     def hidden_states(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(its final hidden states at `inputs`, its head's weight): what the loss reads its distribution from."""
+        """(its final hidden states at `inputs`, its head's weight): what the loss reads its distribution from.
+        Sharded, the head's weight is gathered afresh (every process calls this as often: `Processes.deal`), and
+        freed once the loss that holds it is done: FSDP2 resharded the root after its forward."""
         hidden, weight = final_hidden_states(self.model, self.model, inputs)
+        if self.sharded:
+            weight = self.model.get_output_embeddings().weight.full_tensor()
         return hidden[-1], weight
 
 

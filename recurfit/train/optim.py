@@ -144,7 +144,8 @@ class BatchedMuon(torch.optim.Muon):
       DTensor parameters the momentum stays sharded (elementwise: each process updates its shard), each
       momentum-updated matrix is gathered, and one process orthogonalises it, the units dealt out round robin
       (as distributed Muon implementations share the work); the owner then scatters each process its shard of
-      the update. Every process orthogonalises 1/W of the matrices, not all of them.
+      the update. Every process orthogonalises 1/W of the matrices, not all of them. Under HSDP the same happens
+      within each copy of the model, along the mesh's shard dimension (1/shard size of the matrices each).
     """
 
     def __init__(self, params, *, fused=(), ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
@@ -235,7 +236,8 @@ class BatchedMuon(torch.optim.Muon):
             if _is_dtensor(p):
                 from torch.distributed.tensor import distribute_tensor
 
-                part = distribute_tensor(part, p.device_mesh, p.placements, src_data_rank=owner).to_local()
+                mesh, placement = _sharding(p)
+                part = distribute_tensor(part, mesh, [placement], src_data_rank=owner).to_local()
                 p = p.to_local()
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(part, alpha=-adjusted_lr)
@@ -335,14 +337,26 @@ def _is_dtensor(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
+def _sharding(tensor) -> tuple:
+    """(the 1-D mesh a DTensor is sharded along, its placement there): FSDP2's mesh, or HSDP's shard dimension. Its
+    other dimensions hold equal copies (HSDP's replicate dimension: its gradients are all-reduced before the step),
+    which each update alike, so Muon deals its work along the shard dimension within each copy."""
+    mesh, placements = tensor.device_mesh, tensor.placements
+    if mesh.ndim == 1:
+        return mesh, placements[0]
+    (dim,) = [dim for dim, placement in enumerate(placements) if placement.is_shard()]
+    return mesh[mesh.mesh_dim_names[dim]], placements[dim]
+
+
 def _rank(unit: list[torch.Tensor]) -> int:
-    """This process's rank in the mesh the unit is sharded over (0 for a plain tensor)."""
-    return unit[0].device_mesh.get_local_rank() if _is_dtensor(unit[0]) else 0
+    """This process's rank along the mesh dimension the unit is sharded over (0 for a plain tensor)."""
+    return _sharding(unit[0])[0].get_local_rank() if _is_dtensor(unit[0]) else 0
 
 
 def _owner(unit: list[torch.Tensor], index: int) -> int:
-    """The process that orthogonalises the `index`-th unit of a step: round robin over the mesh (FSDP2)."""
-    return index % unit[0].device_mesh.size() if _is_dtensor(unit[0]) else 0
+    """The process that orthogonalises the `index`-th unit of a step: round robin along the mesh dimension that
+    shards it (FSDP2)."""
+    return index % _sharding(unit[0])[0].size() if _is_dtensor(unit[0]) else 0
 
 
 class AdamWStar(torch.optim.Optimizer):

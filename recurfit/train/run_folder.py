@@ -30,6 +30,7 @@ RESUMABLE_CHANGES = (
     "compile",
     "distributed",
     "distributed_timeout",
+    "fsdp_shard_size",
     "batch.micro",
     "checkpoint",
     "snapshots",

@@ -283,6 +283,10 @@ class TrainConfig:
     # gathering the core once per recurrence (its collectives then follow the depth: depth.across_processes: own is
     # refused)
     fsdp_units: FsdpUnits = "recurrence"
+    # Processes that share one sharded copy of the model (distributed: fsdp). Groups of this many shard it, and the
+    # groups all-reduce their gradients (HSDP: gathers within a node, gradients across nodes). null: the processes of
+    # a node (torchrun's --nproc-per-node), so one node shards over all its processes and several nodes run HSDP.
+    fsdp_shard_size: int | None = None
     # Seconds a process waits in a collective before the run fails. Each process writes its own shards of a
     # checkpoint, so the longest wait is the final model, gathered and written by the main process alone (a 14B
     # model's 56 GB of fp32 weights: minutes on a network disk), or its hashing of a checkpoint on --resume.

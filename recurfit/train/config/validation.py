@@ -72,6 +72,10 @@ def config_problems(config: TrainConfig) -> list[str]:
             problems.append(f"{name} must be >= {least}, got {value}")
     if config.fsdp_units != "recurrence" and config.distributed != "fsdp":
         problems.append(f"fsdp_units={config.fsdp_units} shards with FSDP2: set distributed=fsdp as well")
+    if config.fsdp_shard_size is not None and config.distributed != "fsdp":
+        problems.append(f"fsdp_shard_size={config.fsdp_shard_size} shards with FSDP2: set distributed=fsdp as well")
+    if config.fsdp_shard_size is not None and config.fsdp_shard_size < 1:
+        problems.append(f"fsdp_shard_size must be >= 1 (or null: a node's processes), got {config.fsdp_shard_size}")
     problems += draw_problems(config)
     for name in ("curriculum_fraction", "backprop_curriculum_fraction"):
         if not 0 <= getattr(config.depth, name) <= 1:
