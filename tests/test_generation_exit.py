@@ -201,3 +201,49 @@ def test_a_bf16_models_exit_probe_reads_float32_logits(monkeypatch, vocabulary_s
         torch.testing.assert_close(logits, F.linear(hidden.float(), head.float()), rtol=1e-6, atol=1e-6)
     rounded = torch.cat([logits.flatten() for logits in probes])
     assert (rounded != rounded.bfloat16().float()).float().mean() > 0.5  # most are not bf16 numbers
+
+
+@pytest.mark.float32_only("compares greedy tokens and exit depths of two computation orders")
+def test_compiled_exit_gives_uncompiled_tokens_and_depths_without_recompiles():
+    """`generate(compile=..., exit_rule=...)` keeps settled rows in the batch, frozen, and asks the device whether all
+    settled once per `check_every` steps: the tokens and per-token depths of uncompiled `generate` with the same rule
+    and cache (which drops settled rows at once when checking every step), batched and for one row alone, through
+    transformers' loop and recurfit's; after the first call of each criterion no graph is traced again, whatever the
+    threshold or `check_every`."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()  # counts the graphs dynamo makes and runs them eagerly (no inductor cost here)
+    model = model_with_state("mistral")  # sliding windows shorter than the sequence
+    ids, mask = prompts(batch=3, length=9)
+    mask[2, :2] = 0
+
+    def run(rule, compile=False, ids=ids, mask=mask, dict_output=True):
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=5, do_sample=False, num_steps=8, pad_token_id=0,
+            return_dict_in_generate=dict_output, exit_rule=rule, compile=compile,
+        )  # fmt: skip
+
+    for spec, every in (("kl:1e-3", 1), ("argmax:1", 3), ("kl:3e-3", 2)):
+        rule = ExitRule.parse(spec, min_steps=2, check_every=every)
+        eager, compiled = run(rule), run(rule, counter)
+        assert len(set(eager.steps_per_token[:, 1:].flatten().tolist())) > 1  # rows really stop at different steps
+        assert torch.equal(compiled.sequences, eager.sequences)
+        assert torch.equal(compiled.steps_per_token, eager.steps_per_token)
+        assert torch.equal(run(rule, counter, dict_output=False), eager.sequences)  # recurfit's loop
+        if spec == "argmax:1":
+            traced = counter.frame_count  # prelude, exit step (kl), exit step (argmax), coda; prompts run eagerly
+    assert counter.frame_count == traced == 4
+    alone = ids[2:, 2:]  # the padded row, unpadded: a decoder of batch size 1
+    single, eager = (
+        run(rule, counter, ids=alone, mask=torch.ones_like(alone)),
+        run(rule, ids=alone, mask=torch.ones_like(alone)),
+    )
+    assert torch.equal(single.sequences, eager.sequences)
+    assert torch.equal(single.steps_per_token, eager.steps_per_token)
+
+
+def test_compile_takes_an_exit_rule_and_not_draft_steps():
+    assert GenerationSettings(exit="kl:5e-4", exit_check_every=4, compile=True).exit_rule.check_every == 4
+    with pytest.raises(RecurfitError, match="--draft-steps"):
+        GenerationSettings(draft_steps=2, compile=True)

@@ -246,9 +246,32 @@ def test_each_token_replays_the_one_graph_captured_for_its_cache_and_depth(monke
             got = teacher_forced_logits(model, cache, ids, mask, prompt, r, warm_start=warm_start)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # 8 + 5 tokens at each depth: a key's first uncaptured, its second captured, the rest replayed
-    assert graph_counts(model) == dict(ran=2, captured=2, replayed=2 * 12, failures={})
+    assert graph_counts(model) == {"ran": 2, "captured": 2, "replayed": 2 * 12, "exit runs": 0, "failures": {}}
     assert counter.frame_count == 4  # prelude, warm prelude, step, coda: traced once each
     assert torch.equal(greedy(model, ids, mask, 2, compile=counter), greedy(model, ids, mask, 2))  # recurfit's loop
+
+
+@pytest.mark.float32_only(GREEDY_TOKENS)
+def test_tokens_under_an_exit_rule_replay_captured_segments_and_stop_at_the_checks(monkeypatch):
+    """Under an exit rule a key's second token captures its segments (prelude and the first `check_every` steps,
+    each later run of steps, the end of the token after each run) and later tokens replay them: uncompiled
+    `generate`'s tokens and depths, with no core step outside a replay, and after each run the host's check ends
+    the token once every row has settled (the runs replayed are those the deepest row needed)."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(compiled, "TokenGraph", CapturedOnTheCPU)
+    model = model_with_state_for_cache("llama")
+    ids, mask = prompts_for_cache()
+    rule, every, r, new = ExitRule.parse("argmax:1", check_every=2), 2, 7, 6
+    eager = greedy(model, ids, mask, r, new=new, exit_rule=rule, return_dict_in_generate=True)
+    got = greedy(model, ids, mask, r, new=new, exit_rule=rule, return_dict_in_generate=True, compile=CompileCounter())
+    assert torch.equal(got.sequences, eager.sequences)
+    assert torch.equal(got.steps_per_token, eager.steps_per_token)
+    deepest = eager.steps_per_token[:, 2:].max(0).values  # the replayed tokens (the prompt's and the first ran)
+    assert deepest.min() < r  # some replayed token stops before its last run
+    counts = graph_counts(model)
+    runs = int(sum((deepest + every - 1) // every - 1))  # after the first run, those up to the deepest row's step
+    assert counts == {"ran": 1, "captured": 1, "replayed": new - 2, "exit runs": runs, "failures": {}}
 
 
 class SyncingOnTheCPU(CapturedOnTheCPU):
@@ -389,9 +412,7 @@ def test_a_random_initial_state_compiles_into_the_step():
 def test_compiled_decoding_refuses_what_it_cannot_do():
     model = model_with_state_for_cache("llama")
     ids, mask = prompts_for_cache()
-    with pytest.raises(ValueError, match="fixed depth"):
-        greedy(model, ids, mask, 2, exit_rule=ExitRule.parse("kl:5e-4"), compile="eager")
-    with pytest.raises(ValueError, match="fixed depth"):
+    with pytest.raises(ValueError, match="one beam"):
         greedy(model, ids, mask, 2, num_beams=2, compile="eager")
 
 

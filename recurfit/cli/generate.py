@@ -64,7 +64,7 @@ def add_parsers(commands) -> None:
             "--compile",
             action="store_true",
             help="decode through a compiled step (torch.compile; CUDA graphs on a GPU): faster per token after a "
-            "one-time compile; fixed depth, no --exit",
+            "one-time compile; with --exit, tokens stop where uncompiled decoding stops them",
         )
         add_placement_arguments(p)
         p.set_defaults(run=cmd_generate if name == "generate" else cmd_chat)

@@ -11,7 +11,10 @@ distribution, without keeping what the coda caches. Adaptive depth applies when 
 time; a prompt (prefill) runs all its steps.
 
 `ExitRule` is the setting (what users write: "kl:5e-4", "argmax:3"); the model calls `rule.start(batch)` at
-each decoding forward and gets an `ExitTracker`, which holds that forward's per-row bookkeeping.
+each decoding forward and gets an `ExitTracker`, which holds that forward's per-row bookkeeping. Compiled decoding
+(`recurfit.model.compiled`) keeps the same bookkeeping in a `StaticExitTracker` (`rule.start_static`): buffers of
+fixed shape and address, updated in place by the compiled step, with the rule's numbers as tensors, so that one
+graph serves every threshold and a CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -74,11 +77,28 @@ class ExitRule:
         """The bookkeeping of one decoding forward over `batch` rows."""
         return ExitTracker(self, batch, device)
 
+    def start_static(self, batch: int, vocabulary: int, device) -> StaticExitTracker:
+        """Device buffers for compiled decoding's bookkeeping of `batch` rows (kept with the static cache, bound to
+        a rule and reset at each token)."""
+        return StaticExitTracker(batch, vocabulary, device)
+
 
 def step_kl(log_p: torch.Tensor, log_p_before: torch.Tensor) -> torch.Tensor:
     """KL(p_s ‖ p_{s-1}) over the last axis, from the log-probabilities of a step and of the step before: what the
     `kl` criterion compares with its threshold."""
     return (log_p.exp() * (log_p - log_p_before)).sum(-1)
+
+
+def relative_change(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """‖now - before‖ / ‖now‖ per row, of the last position's states: what the `state` criterion compares."""
+    now, before = now[:, -1].float(), before[:, -1].float()
+    return (now - before).norm(dim=-1) / now.norm(dim=-1).clamp_min(1e-12)
+
+
+def held(token: torch.Tensor, previous: torch.Tensor, stable: torch.Tensor) -> torch.Tensor:
+    """The `argmax` criterion's count of steps each row's most likely token has held, after a step predicting
+    `token` (`previous` the step before's prediction)."""
+    return torch.where(token == previous, stable + 1, torch.zeros_like(stable))
 
 
 class ExitTracker:
@@ -132,9 +152,7 @@ class ExitTracker:
         """A bool per row of the batch (rows already stopped are don't-cares)."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         if self.rule.criterion == "state":
-            now, before = pick(state)[:, -1].float(), pick(previous)[:, -1].float()
-            change = (now - before).norm(dim=-1) / now.norm(dim=-1).clamp_min(1e-12)
-            return self._scatter(change < self.rule.threshold, rows)
+            return self._scatter(relative_change(pick(state), pick(previous)) < self.rule.threshold, rows)
         read = logits(pick(state), rows)[:, -1].float()
         if self.rule.criterion == "kl":
             log_p = self._scatter(F.log_softmax(read, dim=-1), rows, self._previous)
@@ -145,7 +163,7 @@ class ExitTracker:
             return settled
         token = self._scatter(read.argmax(-1), rows, self._previous)
         if self._previous is not None:
-            self._stable = torch.where(token == self._previous, self._stable + 1, torch.zeros_like(self._stable))
+            self._stable = held(token, self._previous, self._stable)
         self._previous = token
         return self._stable >= self.rule.patience
 
@@ -157,3 +175,62 @@ class ExitTracker:
         if into is not None:
             full.copy_(into)
         return full.index_copy(0, rows, values)
+
+
+class StaticExitTracker:
+    """`ExitTracker`'s bookkeeping for compiled decoding: every row stays in the batch (settled rows frozen, as
+    `ExitTracker` keeps them with `check_every` > 1), and every value lives in a buffer of fixed shape and address
+    that `check` updates in place, so a compiled step holds the whole check without a host value (the step number
+    included) and a CUDA graph of it replays. The rule's numbers are tensors (a new threshold is no new graph);
+    its criterion is the step's Python (one graph per criterion). `done` doubles as the cache's mask of frozen
+    rows: read by a step's key and value writes before its check updates it."""
+
+    def __init__(self, batch: int, vocabulary: int, device):
+        def buffer(dtype, *shape):
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            torch._dynamo.mark_static_address(tensor)  # read in place by compiled steps and captured graphs
+            return tensor
+
+        self.rule: ExitRule | None = None
+        self.criterion: str | None = None
+        self.done, self.steps = buffer(torch.bool, batch), buffer(torch.long, batch)
+        self.step, self.stable = buffer(torch.long), buffer(torch.long, batch)
+        self.previous_log_p, self.previous_token = buffer(torch.float32, batch, vocabulary), buffer(torch.long, batch)
+        self.threshold, self.patience, self.min_steps = buffer(torch.float32), buffer(torch.long), buffer(torch.long)
+
+    def bind(self, rule: ExitRule) -> None:
+        """Decode the next tokens under `rule` (its numbers written into the buffers when it changed)."""
+        if rule != self.rule:
+            self.threshold.fill_(rule.threshold)
+            self.patience.fill_(rule.patience)
+            self.min_steps.fill_(rule.min_steps)
+            self.rule, self.criterion = rule, rule.criterion  # the compiled step reads the criterion alone
+
+    def reset(self) -> None:
+        """A new token: no row settled, no step run."""
+        for tensor in (self.done, self.steps, self.step, self.stable):
+            tensor.zero_()
+
+    def check(self, previous: torch.Tensor, state: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor]):
+        """After a core step from `previous` to `state` (settled rows' already kept): count the step for the rows
+        that ran it, and stop those that settled, as `ExitTracker.check` does. `logits(state)` reads the next-token
+        logits of every row at `state`."""
+        self.step.add_(1)
+        self.steps.copy_(torch.where(self.done, self.steps, self.step))
+        settled = self._settled(previous, state, logits) & (self.step >= self.min_steps)
+        self.done.logical_or_(settled)
+
+    def _settled(self, previous, state, logits) -> torch.Tensor:
+        if self.criterion == "state":
+            return relative_change(state, previous) < self.threshold
+        read = logits(state)[:, -1].float()
+        compared = self.step > 1  # the first step has nothing to compare with (ExitTracker's `_previous` is None)
+        if self.criterion == "kl":
+            log_p = F.log_softmax(read, dim=-1)
+            settled = compared & (step_kl(log_p, self.previous_log_p) < self.threshold)
+            self.previous_log_p.copy_(log_p)
+            return settled
+        token = read.argmax(-1)
+        self.stable.copy_(torch.where(compared, held(token, self.previous_token, self.stable), self.stable))
+        self.previous_token.copy_(token)
+        return self.stable >= self.patience

@@ -48,8 +48,8 @@ class GenerationSettings:
                 "leave it out for the model's mean recurrence."
             )
         self.exit_rule = ExitRule.parse(self.exit, min_steps=self.min_steps, check_every=self.exit_check_every)
-        if self.compile and (self.exit or self.draft_steps is not None):
-            raise RecurfitError("--compile decodes at a fixed depth: drop --exit and --draft-steps.")
+        if self.compile and self.draft_steps is not None:
+            raise RecurfitError("--compile does not draft: drop --draft-steps or --compile.")
         if self.draft_steps is not None and (self.exit or self.warm_start or self.temperature > 0):
             raise RecurfitError(
                 "--draft-steps (speculative decoding) is greedy at a fixed depth: drop --exit, "

@@ -31,6 +31,10 @@ caches are kept per model for later `generate` calls (chat turns, lm-eval batche
 `KEPT_CACHES` caches stay allocated, since one cache of a 1B model at batch 32, r = 32 and 2048 tokens holds
 about 16 GiB of keys and values.
 
+Under an exit rule a token's steps are a fourth piece, `_exit_step`, over the whole batch with settled rows frozen
+in it, and the host asks once per `check_every` steps whether all have settled (`CompiledDecoder`); on CUDA the
+token is captured in segments between those checks (`ExitGraphs`).
+
 `decoding_loop` is `generate(compile=True)`'s loop around the decoder, handed to transformers' `generate` as its
 `custom_generate`: transformers prepares the request (generation config, special tokens, logits warpers, stopping
 criteria) and the loop calls the decoder once per token, picks the token as transformers' loop does, and reads the
@@ -58,6 +62,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from ..defaults import EXIT_CRITERIA
 from .attention import packed_sdpa
 from .compat import CACHE_ARG, cache_kwargs
 from .static_cache import StaticRecurrentCache
@@ -73,7 +78,8 @@ LOOP_STOPS = (MaxLengthCriteria, EosTokenCriteria)
 # The model kwargs `generate` passes that the loop reads or may drop (the compiled step keeps positions itself);
 # with any other, transformers' loop passes it on to `forward` at every token.
 LOOP_MODEL_KWARGS = {
-    CACHE_ARG, "attention_mask", "position_ids", "use_cache", "logits_to_keep", "num_steps", "warm_start", "steps_log"
+    CACHE_ARG, "attention_mask", "position_ids", "use_cache", "logits_to_keep", "num_steps", "warm_start", "steps_log",
+    "exit_rule",
 }  # fmt: skip
 # Arguments transformers does not hand a `custom_generate` callable (it keeps only the callable's own): a request
 # with one runs transformers' loop. So do positional ones past `prefix_allowed_tokens_fn` (the fifth), which are
@@ -109,6 +115,20 @@ def _step(body, cache, state: torch.Tensor, part: torch.Tensor, layer_kwargs: di
     return body._core_step(state, None, {**layer_kwargs, **cache_kwargs(cache)}, part=part)
 
 
+def _exit_step(model, cache, tracker, state: torch.Tensor, part: torch.Tensor, layer_kwargs: dict, head_logits):
+    """One recurrence step under an exit rule, over every row: rows that settled keep their state, and their keys
+    and values at this step are their latest step's (`cache.begin_step` was given `tracker.done` as the frozen
+    rows); then the rule's check, reading the coda and head at the new state for `kl` and `argmax` as `generate`'s
+    exit probe reads them (`head_logits`: `modeling.float32_logits`; the coda's keys and values at the new position
+    are overwritten by the token's final coda). Every row runs, so the step has one
+    shape, one graph, and replays; settled rows cost their share of the step (see `CompiledDecoder`)."""
+    kwargs = {**layer_kwargs, **cache_kwargs(cache)}
+    stepped = model.model._core_step(state, None, kwargs, part=part)
+    stepped = torch.where(tracker.done[:, None, None], state, stepped)
+    tracker.check(state, stepped, lambda now: head_logits(model.lm_head, model.model._coda(now, kwargs)))
+    return stepped
+
+
 def _coda(model, cache, state: torch.Tensor, layer_kwargs: dict) -> torch.Tensor:
     """Next-token logits from s_r; s_r kept for a warm start, the cache advanced by the token."""
     cache.keep_final_state(state)
@@ -121,26 +141,31 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
 
+def exit_piece(criterion: str) -> str:
+    return f"_exit_step:{criterion}"
+
+
 def _graphs_of(code: types.CodeType) -> list:
     """The graphs dynamo holds for `code` (its cache entries)."""
     return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
 
 
 class TokenGraph:
-    """One token's decoding captured as one CUDA graph, replayed for every later token of its key (see the module's
-    docstring). `decode(token, new_real)` is run once, under capture, on the graph's own input buffers: a replay
-    reads whatever was last copied into them, and writes its logits where the capture put them."""
+    """Work of one token captured as one CUDA graph, replayed for every later token of its key (see the module's
+    docstring): a whole token at a fixed depth, or one segment of a token under an exit rule (`ExitGraphs`).
+    `decode(*inputs)` is run once, under capture, on the graph's own copies of `inputs`: a replay reads whatever
+    was last copied into them, and writes its output where the capture put it (read it before the next replay)."""
 
     @staticmethod
     def serves(model, compile) -> bool:
         """Whether tokens of `model` compiled with `compile` are captured: inductor's kernels on a GPU."""
         return model.device.type == "cuda" and compile is True
 
-    def __init__(self, decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], token, new_real):
-        self.token, self.new_real = token.clone(), new_real.clone()
-        self.logits = self._capture(lambda: decode(self.token, self.new_real))
+    def __init__(self, decode: Callable, *inputs: torch.Tensor):
+        self.inputs = [tensor.clone() for tensor in inputs]
+        self.output = self._capture(lambda: decode(*self.inputs))
 
-    def _capture(self, decode: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _capture(self, decode: Callable[[], object]) -> object:
         """Record `decode`'s kernels without running them; return its output (written by each replay)."""
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):  # a private memory pool: the intermediates' addresses stay the graph's
@@ -149,11 +174,51 @@ class TokenGraph:
     def _replay(self) -> None:
         self.graph.replay()
 
-    def __call__(self, token: torch.LongTensor, new_real: torch.Tensor) -> torch.Tensor:
-        self.token.copy_(token)
-        self.new_real.copy_(new_real)
+    def __call__(self, *inputs: torch.Tensor):
+        for buffer, value in zip(self.inputs, inputs, strict=True):
+            buffer.copy_(value)
         self._replay()
-        return self.logits.clone()  # the next replay overwrites the graph's own
+        return self.output
+
+
+class ExitGraphs:
+    """One key's tokens under an exit rule as CUDA graphs of segments: the prelude with the first `check_every`
+    steps, each later run of `check_every` steps, and per place the loop may stop (after each run) the rest of
+    the token (the latest-step copies into deeper slots, coda, head). Between runs the host reads whether every
+    row settled (one wait per `check_every` steps, as uncompiled `generate`) and replays the next run or the
+    stop. Each segment reads the one before's outputs where its capture found them (kept alive here), so a token
+    replays its segments with no copies between them; every segment runs the whole batch (settled rows frozen),
+    so the batch of the decoding loop is the one size any segment is captured at, and no narrowed step runs
+    outside a graph. All segments are captured at a key's second token, then replayed for it."""
+
+    def __init__(self, decoder: CompiledDecoder, model, cache, prelude: str, num_steps: int, tracker, token, new_real):
+        self.tracker, self.ends = tracker, decoder.run_ends(num_steps, tracker)
+        graph = TokenGraph  # looked up here: tests replace it with a CPU emulation
+        with packed_sdpa(model):
+            self.head = graph(
+                lambda tok, real: decoder.exit_head(model, cache, prelude, tracker, tok, real, self.ends[0]),
+                token,
+                new_real,
+            )
+            part, state, layer_kwargs = self.head.output
+            self.runs, self.stops = [], []
+            for begin, end in zip(self.ends, self.ends[1:], strict=False):
+                self.stops.append(graph(functools.partial(decoder.exit_stop, model, cache, state, layer_kwargs, begin)))
+                run = functools.partial(
+                    decoder.exit_steps, model, cache, tracker, state, part, layer_kwargs, begin, end
+                )
+                self.runs.append(graph(run))
+                state = self.runs[-1].output
+            self.stops.append(graph(functools.partial(decoder.exit_stop, model, cache, state, layer_kwargs, end)))
+
+    def __call__(self, token, new_real) -> tuple[torch.Tensor, int]:
+        """The token's logits, and how many runs of steps it replayed after the first."""
+        self.head(token, new_real)
+        for index, run in enumerate(self.runs):
+            if bool(self.tracker.done.all()):  # the host's one wait per `check_every` steps
+                return self.stops[index](), index
+            run()
+        return self.stops[-1](), len(self.runs)
 
 
 WARMED_UP = "warmed up"  # a key whose first token ran uncaptured: its next one is captured
@@ -170,10 +235,20 @@ class CompiledDecoder:
     rather than a branch on a flag, which would be a second graph that skipped guards could not choose between.
     After `torch._dynamo.reset()` a piece has no graph, and is traced again with its guards.
 
-    Where `TokenGraph.serves` (inductor on a GPU), a key's (cache, r, prelude) first token runs the pieces
-    uncaptured (they compile and tune there, outside any capture), its second is captured, and every later one
-    replays that graph. `counts` says how many tokens each way went ("ran" uncaptured, "captured", "replayed": a
-    capture is replayed at once, so captured tokens count as replayed too); `failures` says why a key's capture
+    Under an exit rule (`decode(..., exit_rule=...)`), each step is `_exit_step` over the whole batch: settled rows
+    stay in it, frozen (their state by a `torch.where`, their keys and values by a masked write), as uncompiled
+    `generate` keeps them with `check_every` > 1, rather than leaving it as it drops them with `check_every` = 1.
+    The tokens and exit depths are the same either way; the fixed batch is what keeps one graph per step (no
+    recompile as rows settle) and lets a CUDA graph of it replay, at the price of computing settled rows until the
+    whole batch has settled. The host reads whether it has once per `check_every` steps (`run_ends`), the only
+    wait on the device in a token.
+
+    Where `TokenGraph.serves` (inductor on a GPU), a key's (cache, r, prelude; the criterion and `check_every`
+    under an exit rule) first token runs the pieces uncaptured (they compile and tune there, outside any capture),
+    its second is captured, and every later one replays that graph (under an exit rule, its segments:
+    `ExitGraphs`). `counts` says how many tokens each way went ("ran" uncaptured, "captured", "replayed": a capture
+    is replayed at once, so captured tokens count as replayed too) and, under exit rules, how many runs of
+    `check_every` steps replayed tokens needed past their first ("exit runs"); `failures` says why a key's capture
     failed (its tokens then run uncaptured)."""
 
     def __init__(self, model, compile: bool | str | object = True):
@@ -181,10 +256,17 @@ class CompiledDecoder:
         backend = "inductor" if compile is True else compile
         options = dict(fullgraph=True, dynamic=False, backend=backend)
         self._code, self._pieces = {}, {}
-        for piece in (_prelude, _warm_prelude, _step, _coda):
+        pieces = {piece.__name__: piece for piece in (_prelude, _warm_prelude, _step, _coda)}
+        # One exit step per criterion: its code differs by criterion (which the tracker's Python reads), and a code
+        # object of its own keeps each to one graph (guards skipped, no recompile between rules).
+        pieces.update({exit_piece(criterion): _exit_step for criterion in EXIT_CRITERIA})
+        for name, piece in pieces.items():
             own = own_code(piece)
-            self._code[piece.__name__], self._pieces[piece.__name__] = own.__code__, torch.compile(own, **options)
+            self._code[name], self._pieces[name] = own.__code__, torch.compile(own, **options)
         self.captures = TokenGraph.serves(model, compile)
+        from .modeling import float32_logits  # (modeling imports this module) the exit probe's head, as eager's
+
+        self._head_logits = float32_logits
         self.counts: Counter = Counter()
         self.failures: dict[tuple, str] = {}
 
@@ -203,29 +285,96 @@ class CompiledDecoder:
             cache.end_core(num_steps)
             return self._run("_coda", model, cache, state, layer_kwargs)
 
-    def __call__(self, model, cache: StaticRecurrentCache, token, new_real, num_steps: int, warm_start: bool):
-        """Next-token logits (batch, 1, vocab) after `num_steps` recurrences."""
+    # ------------------------------------------------------------ a token under an exit rule
+
+    @staticmethod
+    def run_ends(num_steps: int, tracker) -> list[int]:
+        """The steps after which the host asks whether every row has settled, as uncompiled `generate` asks (at
+        multiples of `check_every`); the last is `num_steps`, where the token ends anyway."""
+        return [*range(tracker.rule.check_every, num_steps, tracker.rule.check_every), num_steps]
+
+    def exit_head(self, model, cache, prelude: str, tracker, token, new_real, end: int):
+        """The prelude and steps 1 … `end` of a token under an exit rule: (W_e e, the state, the layers' inputs)."""
+        part, state, layer_kwargs = self._run(prelude, model.model, cache, token, new_real)
+        tracker.reset()
+        return part, self.exit_steps(model, cache, tracker, state, part, layer_kwargs, 0, end), layer_kwargs
+
+    def exit_steps(self, model, cache, tracker, state, part, layer_kwargs, begin: int, end: int) -> torch.Tensor:
+        """Steps `begin` + 1 … `end` under the tracker's rule."""
+        name = exit_piece(tracker.criterion)
+        for step in range(begin + 1, end + 1):
+            cache.begin_step(step, frozen=tracker.done)
+            state = self._run(name, model, cache, tracker, state, part, layer_kwargs, self._head_logits)
+        return state
+
+    def exit_stop(self, model, cache, state, layer_kwargs, steps_run: int) -> torch.Tensor:
+        """The end of a token whose loop stopped after `steps_run` steps: deeper slots, coda, head."""
+        cache.end_core(steps_run)
+        return self._run("_coda", model, cache, state, layer_kwargs)
+
+    def _exit_token(self, model, cache, prelude: str, num_steps: int, tracker, token, new_real) -> torch.Tensor:
+        """A token under an exit rule, uncaptured: its loop ends at the first check that finds every row settled."""
+        ends = self.run_ends(num_steps, tracker)
+        with packed_sdpa(model):
+            part, state, layer_kwargs = self.exit_head(model, cache, prelude, tracker, token, new_real, ends[0])
+            for begin, end in zip(ends, ends[1:], strict=False):
+                if bool(tracker.done.all()):  # the host's one wait per `check_every` steps
+                    return self.exit_stop(model, cache, state, layer_kwargs, begin)
+                state = self.exit_steps(model, cache, tracker, state, part, layer_kwargs, begin, end)
+            return self.exit_stop(model, cache, state, layer_kwargs, ends[-1])
+
+    def _tracker(self, model, cache: StaticRecurrentCache, exit_rule):
+        """The cache's exit buffers (fixed addresses for its captures), bound to `exit_rule`."""
+        if cache.exit_tracker is None:
+            vocabulary = model.lm_head.weight.shape[0]
+            cache.exit_tracker = exit_rule.start_static(cache.real.shape[0], vocabulary, cache.real.device)
+        cache.exit_tracker.bind(exit_rule)
+        return cache.exit_tracker
+
+    # ------------------------------------------------------------ the model's call
+
+    def __call__(
+        self, model, cache: StaticRecurrentCache, token, new_real, num_steps: int, warm_start: bool, exit_rule=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits (batch, 1, vocab) after `num_steps` recurrences, or under `exit_rule` at most that many,
+        with each row's steps (None at a fixed depth: `num_steps` each)."""
         if num_steps > cache.max_steps:
             raise ValueError(f"this compiled cache holds {cache.max_steps} steps; asked for {num_steps}.")
         prelude = "_warm_prelude" if warm_start and cache.final_state is not None else "_prelude"
-        key = (num_steps, prelude)
+        # One step leaves nothing to exit from (every row runs it, as uncompiled `generate`'s would).
+        tracker = None if exit_rule is None or num_steps == 1 else self._tracker(model, cache, exit_rule)
+        rule = () if tracker is None else (tracker.criterion, exit_rule.check_every)
+        key = (num_steps, prelude, *rule)
         graph = cache.token_graphs.get(key) if self.captures else UNCAPTURED
         if graph == WARMED_UP:
-            graph = cache.token_graphs[key] = self._capture(model, cache, prelude, num_steps, token, new_real)
+            graph = cache.token_graphs[key] = self._capture(model, cache, prelude, num_steps, tracker, token, new_real)
+        steps = None if tracker is None else tracker.steps
+        if isinstance(graph, ExitGraphs):
+            self.counts["replayed"] += 1
+            logits, runs = graph(token, new_real)
+            self.counts["exit runs"] += runs
+            return logits.clone(), steps.clone()  # the next replay overwrites the graph's own
         if isinstance(graph, TokenGraph):
             self.counts["replayed"] += 1
-            return graph(token, new_real)
+            return graph(token, new_real).clone(), None
         if graph is None:
             cache.token_graphs[key] = WARMED_UP  # compiled and tuned by this token: the next one is captured
         self.counts["ran"] += 1
-        return self._token(model, cache, prelude, num_steps, token, new_real)
+        if tracker is None:
+            return self._token(model, cache, prelude, num_steps, token, new_real), None
+        return self._exit_token(model, cache, prelude, num_steps, tracker, token, new_real), steps.clone()
 
-    def _capture(self, model, cache: StaticRecurrentCache, prelude: str, num_steps: int, token, new_real):
-        """A `TokenGraph` of this key's tokens, or UNCAPTURED (with the reason in `failures`) if capture failed."""
+    def _capture(self, model, cache: StaticRecurrentCache, prelude: str, num_steps: int, tracker, token, new_real):
+        """A `TokenGraph` (`ExitGraphs` under an exit rule) of this key's tokens, or UNCAPTURED (with the reason in
+        `failures`) if capture failed."""
         try:
-            graph = TokenGraph(functools.partial(self._token, model, cache, prelude, num_steps), token, new_real)
+            if tracker is None:
+                graph = TokenGraph(functools.partial(self._token, model, cache, prelude, num_steps), token, new_real)
+            else:
+                graph = ExitGraphs(self, model, cache, prelude, num_steps, tracker, token, new_real)
         except Exception as error:  # reported by `graph_counts`; the key's tokens run uncaptured
-            where = (cache.real.shape[0], cache.max_length, cache.policy, num_steps, prelude)
+            rule = () if tracker is None else (tracker.criterion, tracker.rule.check_every)
+            where = (cache.real.shape[0], cache.max_length, cache.policy, num_steps, prelude, *rule)
             self.failures[where] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             return UNCAPTURED
         self.counts["captured"] += 1
@@ -234,11 +383,12 @@ class CompiledDecoder:
 
 def graph_counts(model) -> dict:
     """The compiled decoders' token counts summed over `model`'s decoders (see `CompiledDecoder`), and each failed
-    capture's reason by (batch, length bucket, policy, r, prelude)."""
+    capture's reason by (batch, length bucket, policy, r, prelude; the exit criterion and `check_every`)."""
     decoders = model.__dict__.get("_compiled_decoders", {}).values()
     counts = sum((decoder.counts for decoder in decoders), Counter())
     failures = {key: why for decoder in decoders for key, why in decoder.failures.items()}
-    return {"ran": counts["ran"], "captured": counts["captured"], "replayed": counts["replayed"], "failures": failures}
+    named = ("ran", "captured", "replayed", "exit runs")
+    return {**{name: counts[name] for name in named}, "failures": failures}
 
 
 def decoding_cache(
@@ -346,7 +496,7 @@ def decoding_loop(
     made = int(emitted)
     draws.undo_after(made - 1)
     if isinstance(model_kwargs.get("steps_log"), list):  # the prompt's forward logged its own row already
-        model_kwargs["steps_log"] += [torch.full_like(unfinished, step.steps)] * (made - 1)
+        model_kwargs["steps_log"] += step.log[: made - 1]
     return sequences[:, : prompt + made].contiguous()
 
 
@@ -359,21 +509,26 @@ def _choose(scores: torch.Tensor, sample: bool) -> torch.LongTensor:
 
 class _TokenStep:
     """The decoder's call for one new token per row, with the inputs `forward`'s compiled path gives it: the
-    model's depth, contiguous tokens and a new-token mask of generate's mask dtype (the two loops share graphs,
-    which fail on another dtype or stride)."""
+    model's depth and exit rule, contiguous tokens and a new-token mask of generate's mask dtype (the two loops
+    share graphs, which fail on another dtype or stride). `log` holds each token's steps per row (on the device)."""
 
     def __init__(self, model, model_kwargs: dict, input_ids: torch.LongTensor):
         self.model, self.cache = model, model_kwargs[CACHE_ARG]
         self.steps = sum(model.model.resolve_num_steps(model_kwargs.get("num_steps")))
         self.warm_start = model_kwargs.get("warm_start", False)
+        self.exit_rule = model_kwargs.get("exit_rule")
         mask = model_kwargs.get("attention_mask")
         dtype = torch.long if mask is None else mask.dtype
         self.new_real = torch.ones(input_ids.shape[0], 1, dtype=dtype, device=input_ids.device)  # contiguous
+        self.fixed = torch.full((input_ids.shape[0],), self.steps, device=input_ids.device)
+        self.log: list[torch.Tensor] = []
 
     def __call__(self, tokens: torch.LongTensor) -> torch.Tensor:
-        return self.cache.compiled_step(
-            self.model, self.cache, tokens.view(-1, 1), self.new_real, self.steps, self.warm_start
+        logits, steps = self.cache.compiled_step(
+            self.model, self.cache, tokens.view(-1, 1), self.new_real, self.steps, self.warm_start, self.exit_rule
         )
+        self.log.append(self.fixed if steps is None else steps)
+        return logits
 
 
 class _Draws:

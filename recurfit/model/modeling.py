@@ -545,17 +545,15 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
             )
         step = getattr(cache, "compiled_step", None)
         if step is not None and not torch.compiler.is_compiling() and input_ids is not None and input_ids.shape[1] == 1:
-            if exit_rule is not None or readout_steps or output_hidden_states or labels is not None:
-                raise ValueError(
-                    "Compiled decoding gives logits only: drop exit_rule, readout_steps, labels, hidden states."
-                )
+            if readout_steps or output_hidden_states or labels is not None:
+                raise ValueError("Compiled decoding gives logits only: drop readout_steps, labels, hidden states.")
             # One token per row: the compiled graph (recurfit.model.compiled). The cache tracks positions itself.
             new_real = attention_mask[:, -1:] if attention_mask is not None else torch.ones_like(input_ids)
             n, k = self.model.resolve_num_steps(num_steps)
             # Fresh contiguous inputs: a column of a growing mask has a stride that changes every token (a retrace).
             token, new_real = (t.clone(memory_format=torch.contiguous_format) for t in (input_ids, new_real))
-            logits = step(self, cache, token, new_real, n + k, warm_start)
-            steps = torch.full(input_ids.shape[:1], n + k, device=input_ids.device)
+            logits, steps = step(self, cache, token, new_real, n + k, warm_start, exit_rule)
+            steps = torch.full(input_ids.shape[:1], n + k, device=input_ids.device) if steps is None else steps
             if steps_log is not None:
                 steps_log.append(steps)
             return RecurrentCausalLMOutput(
@@ -609,7 +607,9 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
         compiled step (`recurfit.model.compiled.decoding_loop`: one host sync per 16 tokens instead of one per
         token); a request with anything else (other logits processors or stopping criteria, a streamer, an
         assistant, `return_dict_in_generate`, …) runs transformers' loop around the same step, with the same tokens.
-        The split is `compiled.loop_may_run` (the arguments) and `compiled._loop_decodes` (the prepared request)."""
+        The split is `compiled.loop_may_run` (the arguments) and `compiled._loop_decodes` (the prepared request).
+        With an `exit_rule` each compiled token stops per row where uncompiled `generate`'s does, with the same
+        tokens and `steps_per_token` (`compiled.CompiledDecoder`: settled rows stay in the batch, frozen)."""
         if compile:
             kwargs[CACHE_ARG] = self._compiled_decoding_cache(args, kwargs, compile)
             if loop_may_run(args, kwargs):
@@ -623,8 +623,8 @@ class RecurrentForCausalLM(RecurrentPreTrainedModel, GenerationMixin):
     def _compiled_decoding_cache(self, args, kwargs, compile) -> StaticRecurrentCache:
         if kwargs.get(CACHE_ARG) is not None or kwargs.get("past_key_values") is not None:
             raise ValueError("generate(compile=True) makes its own cache: pass a cache or compile=True, not both.")
-        if kwargs.get("exit_rule") is not None or kwargs.get("num_beams", 1) > 1:
-            raise ValueError("generate(compile=True) decodes at a fixed depth, one beam: drop exit_rule / num_beams.")
+        if kwargs.get("num_beams", 1) > 1:
+            raise ValueError("generate(compile=True) decodes one beam: drop num_beams.")
         ids = args[0] if args else kwargs["input_ids"]
         config = self.generation_config
         new_tokens = kwargs.get("max_new_tokens") or config.max_new_tokens

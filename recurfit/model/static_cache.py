@@ -67,6 +67,8 @@ class StaticRecurrentCache(Cache):
         self.prelude_keys, self.prelude_values = self.keys[: self.prelude], self.values[: self.prelude]
         self.coda_keys, self.coda_values = self.keys[coda], self.values[coda]
         self.step_keys, self.step_values = self._core_slots(1)
+        self.frozen: torch.Tensor | None = None  # rows that keep their latest entries this step (adaptive exit)
+        self.latest_keys, self.latest_values = self.step_keys, self.step_values
         self.real = torch.zeros(batch_size, max_length, dtype=torch.bool, device=device)  # non-padding positions
         self.length = torch.zeros((), dtype=torch.long, device=device)  # tokens stored (the same for every row)
         # The last position's s_r after each forward (warm starts): a buffer of its own, written in place, because a
@@ -79,6 +81,9 @@ class StaticRecurrentCache(Cache):
         self.compiled_step = None  # a recurfit.model.compiled.CompiledDecoder: the model's one-token calls go there
         # recurfit.model.compiled.TokenGraph per (r, prelude): captured with this cache's addresses, freed with it
         self.token_graphs: dict = {}
+        self.exit_tracker = (
+            None  # recurfit.generation.exit.StaticExitTracker: adaptive exit's buffers, at fixed addresses
+        )
         for buffer in (*self.keys, *self.values, self.real, self.length, self.state):
             torch._dynamo.mark_static_address(buffer)  # fixed addresses, read in place by a captured token
 
@@ -138,11 +143,22 @@ class StaticRecurrentCache(Cache):
         )
 
     def begin_step(self, step: int, rows: torch.LongTensor | None = None, frozen: torch.Tensor | None = None) -> None:
-        if rows is not None or frozen is not None:
-            raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
+        """Before core step `step`: its slots. `frozen` (a bool per row, adaptive exit) marks rows that run the step
+        but keep their latest step's entries (the latest-step rule, as `RecurrentCache` writes them): a masked write
+        rather than fewer rows, so that the step keeps one shape (one compiled graph, replayable)."""
+        if rows is not None:
+            raise ValueError(
+                "StaticRecurrentCache runs every row at every step: keep settled rows in the batch with `frozen`."
+            )
         if step > self.max_steps:
             raise ValueError(f"this StaticRecurrentCache holds {self.max_steps} steps; the forward runs step {step}.")
         self.step_keys, self.step_values = self._core_slots(step)
+        self.frozen = frozen
+        if frozen is not None:
+            # Frozen rows' latest entries are in the step before's slots (the same slots under `latest`). Step 1 has
+            # none before it and no frozen row: it reads step 2's, so that no step's slots alias the ones it writes
+            # (aliased inputs would make it a graph of its own; a one-step cache decodes at a fixed depth).
+            self.latest_keys, self.latest_values = self._core_slots(step - 1 if step > 1 else min(2, self.max_steps))
 
     def _core_slots(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         indices = [self.slot(layer_idx, step) for layer_idx in range(self.prelude, self.prelude + self.core)]
@@ -159,12 +175,21 @@ class StaticRecurrentCache(Cache):
                 self.coda_keys[layer_idx - self.prelude - self.core],
                 self.coda_values[layer_idx - self.prelude - self.core],
             )
-        keys.index_copy_(2, self._new_positions, key_states.to(keys.dtype))
-        values.index_copy_(2, self._new_positions, value_states.to(values.dtype))
+        key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
+        if self.prelude <= layer_idx < self.prelude + self.core and self.frozen is not None:
+            core = layer_idx - self.prelude
+            keep = self.frozen[:, None, None, None]
+            key_states = torch.where(keep, self.latest_keys[core].index_select(2, self._new_positions), key_states)
+            value_states = torch.where(
+                keep, self.latest_values[core].index_select(2, self._new_positions), value_states
+            )
+        keys.index_copy_(2, self._new_positions, key_states)
+        values.index_copy_(2, self._new_positions, value_states)
         return keys, values
 
     def end_core(self, steps_run: int) -> None:
         """After the core loop: slots of deeper steps receive the new tokens' latest step (the latest-step rule)."""
+        self.frozen = None
         if self.policy == "latest":
             return
         for layer_idx in range(self.prelude, self.prelude + self.core):
@@ -190,7 +215,10 @@ class StaticRecurrentCache(Cache):
         return self.state if self.state_kept else None
 
     def probe(self, rows=None):
-        raise ValueError("StaticRecurrentCache runs every row at every step; adaptive exit needs RecurrentCache.")
+        raise ValueError(
+            "StaticRecurrentCache decodes with adaptive exit through its compiled decoder only "
+            "(recurfit.model.compiled.decoding_cache)."
+        )
 
     # ------------------------------------------------------------ generation helpers
 
