@@ -449,9 +449,12 @@ def _fsdp_phase_bytes(config: TrainConfig, model: nn.Module, tokens: int, k: int
         default=0,
     )
     core_gradients = g * _sizes(core)[1] if by_layer else 0
+    # In the recurrence's backward a core layer's gradient of one use exists apart before autograd adds it to the
+    # sum of the later uses' (AccumulateGrad's input buffer)
+    fresh = g * max((_sizes([layer])[1] for layer in core), default=0) if k > 1 else 0
     backward = [  # the backward's phases, above the gathered units: whole gradients and what is beside them
-        # the recurrence's backward done for the last step (every core weight has its whole gradient now)
-        whole + units_beside + tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True),
+        # the recurrence's backward past its last step (every core weight has its whole gradient now)
+        whole + units_beside + fresh + tokens * _activation_bytes(config, model, k, autocast, beside_gradients=True),
         # a prelude layer's backward: the recurrence's activations freed
         whole + once_window + tokens * _prelude_bytes(config, model, autocast),
     ]
