@@ -249,15 +249,16 @@ def test_uneven_validation_shares_pair_the_collectives_and_count_each_micro_batc
 
 
 @pytest.mark.two_processes
-def test_resume_hashes_the_checkpoint_once_not_on_every_process(tmp_path, workspace):
-    """A 1B model's checkpoint is ~12 GB: the main process verifies it, the others read the one it chose."""
+def test_resume_hashes_each_file_of_the_checkpoint_once_the_processes_sharing_them(tmp_path, workspace):
+    """A 1B model's checkpoint is ~12 GB: each file is hashed once, by one of the processes, which share them out
+    (once the main process hashed them all while the others waited), and every process resumes at its step."""
     settings = {"steps": 2, "checkpoint": {"every": 1, "keep": 2}, "optimizer": {"name": "adamw", "warmup": 0}}
     config = tiny_config(workspace, tmp_path / "run", **settings)
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     assert spawn_recurfit("train", str(tmp_path / "run.yaml")).wait(HANG) == 0
     main, other = probe(tmp_path, workspace, "run", 2, mode="resume", **settings)
-    assert (main["hashed"], main["step"]) == (3, 2)  # model, optimizer and trainer files, once
-    assert (other["hashed"], other["step"]) == (0, 2)
+    assert (main["hashed"], main["step"]) == (2, 2)  # the model's and trainer's files
+    assert (other["hashed"], other["step"]) == (1, 2)  # the optimizer's
 
 
 @pytest.mark.not_under_isa_caps("casts the weights it saves to bf16, and asserts their dtypes and sizes only")
@@ -814,6 +815,9 @@ def test_hsdp_on_a_2x2_mesh_trains_as_one_process_and_resumes_from_its_sharded_c
     assert list(got) == [1, 2, 3]
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+    # the gradient norm (clipped by): DTensor's over the 2-D mesh, of the gradients averaged over all 4 processes
+    norms = [[r["grad_norm"] for r in read_log(tmp_path / name) if r["kind"] == "train"] for name in ("one", "hsdp")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
     again = stopped_at(tmp_path / "hsdp", 2, tmp_path / "again")
     assert train_on(tmp_path, {**hsdp, "out": str(again)}, 4, "--resume") == got
     two = stopped_at(tmp_path / "hsdp", 2, tmp_path / "two")
@@ -832,3 +836,26 @@ def test_hsdp_muon_orthogonalises_along_the_shard_dimension_as_one_process(tmp_p
     bound = FLOOR_FACTOR * reduction_order_floor(tmp_path, base, expected)  # as for DDP (FLOOR_FACTOR's comment)
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=bound, abs=0)
+
+
+@pytest.mark.two_processes
+def test_a_damaged_shard_found_by_one_process_is_refused_on_every_process(tmp_path, workspace):
+    """--resume of a sharded checkpoint whose shard only process 1 hashes has changed on disk: process 1 finds the
+    mismatch, and every process refuses the checkpoint with the same one-line error naming the shard and the fix,
+    without waiting for the others (none is older to fall back on)."""
+    config = tiny_config(workspace, tmp_path / "run", steps=2, distributed="fsdp", checkpoint={"every": 2, "keep": 1})
+    config["eval"] = {"every": 0, "steps": [1], "rows": 2}
+    train_on(tmp_path, config, 2)
+    stopped_at(tmp_path / "run", 2, tmp_path / "stopped")
+    state = tmp_path / "stopped" / "checkpoints" / "step-000002" / "state"
+    # sorted, the files are dealt in turn: state/.metadata to process 0, state/__0_0.distcp to process 1, ...
+    shard = state / "__0_0.distcp"
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    results = processes_without_agent(tmp_path, {**config, "out": str(tmp_path / "stopped")}, None, "--resume")
+    for rank, (status, stderr, seconds) in enumerate(results):
+        assert seconds is not None and status == 2, (rank, status, stderr[-2000:])
+        assert "Traceback" not in stderr, stderr[-3000:]
+        lines = [line for line in stderr.splitlines() if "__0_0.distcp does not match its checksum" in line]
+        assert len(lines) == 1 and "start the run over with --force" in lines[0], stderr[-2000:]

@@ -19,9 +19,10 @@ number of processes (one included):
 
 A checkpoint is written into a hidden staging folder and renamed into place, so a crash mid-write leaves only
 the staging folder (ignored and cleaned up), never a `step-*` folder that loads wrong. The last `keep` are
-kept. On resume the checksums are verified (by the main process alone) before any tensor is used: a damaged
-checkpoint (flipped bytes, a truncated file, a hand-edited one) is skipped with a message naming the file, and
-the run resumes from the newest checkpoint that reads back whole. DCP's metadata is a pickle: it is read only
+kept. On resume the checksums are verified before any tensor is used, the processes sharing the files out (each
+hashes 1/W of them; every process learns of any mismatch): a damaged checkpoint (flipped bytes, a truncated file,
+a hand-edited one) is skipped on every process with a message naming the file, and the run resumes from the newest
+checkpoint that reads back whole. DCP's metadata is a pickle: it is read only
 after its checksum matched and a restricted unpickler found nothing in it but DCP's own classes.
 """
 
@@ -201,12 +202,14 @@ class Checkpoint:
         return self.model_state is None
 
 
-def read_checkpoint(folder: Path, warn: Callable[[str], None] = print, verify: bool = True) -> Checkpoint:
-    """Verify the checksums (unless another process has), then read the three files; a DamagedCheckpoint names
-    the file and the problem."""
+def read_checkpoint(
+    folder: Path, warn: Callable[[str], None] = print, verify: bool = True, processes: Processes | None = None
+) -> Checkpoint:
+    """Verify the checksums (`processes`: shared out among them, a collective), then read the files; a
+    DamagedCheckpoint names the file and the problem (on every process)."""
     sharded = (folder / STATE).is_dir()
     if verify:
-        _verify(folder, warn, sharded)
+        _verify(folder, warn, sharded, processes or Processes())
     if sharded:
         return _read_sharded(folder)
     where = folder / MODEL
@@ -268,35 +271,62 @@ def _check_metadata(path: Path) -> None:
         raise DamagedCheckpoint(f"{path} cannot be read ({type(problem).__name__}: {_first_line(problem)})") from None
 
 
-def _verify(folder: Path, warn: Callable[[str], None], sharded: bool = False) -> None:
-    sums = folder / SUMS
-    if not sums.is_file():
+def _verify(folder: Path, warn: Callable[[str], None], sharded: bool, processes: Processes) -> None:
+    """Every file's SHA-256 against `sha256sums.txt`, the files dealt out in turn to the processes (a 1B model's
+    checkpoint is ~12 GB: each hashes 1/W of it); the first mismatch, in the files' order, is raised on
+    every process, whichever found it. The main process reads the list, so that every process checks the same."""
+    listed = processes.broadcast(_listed_sums(folder, sharded) if processes.is_main else None)
+    if listed is None:
         # Checkpoints appear whole (a staged folder renamed into place), so one without sums was written by a
         # recurfit that did not record them: read it, unverified, rather than strand the run.
         warn(f"{folder} has no {SUMS} (written by an earlier recurfit): its files are read without verification.")
         return
+    share = [(place, name, digest) for place, (name, digest) in enumerate(listed.items())]
+    share = share[processes.rank :: processes.world]
+    found = [problem for problem in processes.gather(_first_mismatch(folder, share)) if problem is not None]
+    if found:
+        raise DamagedCheckpoint(min(found)[1])
+
+
+def _listed_sums(folder: Path, sharded: bool) -> dict[str, str | None] | None:
+    """The files a checkpoint's sums file lists (a whole one's three in any case), each with its SHA-256 (None where
+    it lists none), in the order they are checked; None when it has no sums file."""
+    sums = folder / SUMS
+    if not sums.is_file():
+        return None
     expected = dict(reversed(line.split(maxsplit=1)) for line in sums.read_text().splitlines() if line.strip())
-    names = (*expected.keys() - {TRAINER}, TRAINER) if sharded else (MODEL, OPTIMIZER, TRAINER)
-    for name in names:
+    names = (*sorted(expected.keys() - {TRAINER}), TRAINER) if sharded else (MODEL, OPTIMIZER, TRAINER)
+    return {name: expected.get(name) for name in names}
+
+
+def _first_mismatch(folder: Path, share: list[tuple[int, str, str | None]]) -> tuple[int, str] | None:
+    """(its place in the check, what is wrong) for the first file of `share` (place, name, SHA-256) that is missing or
+    does not match its checksum; None if all do."""
+    for place, name, digest in share:
         path = folder / name
         if not path.is_file():
-            raise DamagedCheckpoint(f"{path} is missing")
-        if _sha256(path) != expected.get(name):
-            raise DamagedCheckpoint(f"{path} does not match its checksum in {SUMS} (its bytes changed on disk)")
+            return place, f"{path} is missing"
+        if _sha256(path) != digest:
+            return place, f"{path} does not match its checksum in {SUMS} (its bytes changed on disk)"
+    return None
 
 
 def _first_line(problem: Exception) -> str:
     return (str(problem).strip().splitlines() or [""])[0][:200]
 
 
-def newest_readable(root: Path, warn: Callable[[str], None] = print) -> Checkpoint | None:
-    """The newest checkpoint under `root` that reads back whole, or None if there is none at all. A damaged
-    newer one is reported through `warn` and skipped; if every one is damaged, that is an error with the fix."""
-    folders = checkpoint_folders(root)
+def newest_readable(
+    root: Path, warn: Callable[[str], None] = print, processes: Processes | None = None
+) -> Checkpoint | None:
+    """The newest checkpoint under `root` that reads back whole, or None if there is none at all (a collective
+    under `processes`: they verify each together, and choose the same). A damaged newer one is reported through
+    `warn` and skipped; if every one is damaged, that is an error with the fix, on every process."""
+    processes = processes or Processes()
+    folders = processes.broadcast(checkpoint_folders(root) if processes.is_main else None)  # the main one's view
     problems = []
     for folder in reversed(folders):
         try:
-            checkpoint = read_checkpoint(folder, warn)
+            checkpoint = read_checkpoint(folder, warn, processes=processes)
         except DamagedCheckpoint as problem:
             problems.append(str(problem))
             continue

@@ -26,7 +26,6 @@ from .checkpoint import (
     carry_optimizer_states,
     gather_state,
     newest_readable,
-    read_checkpoint,
     restore,
     save_checkpoint,
 )
@@ -81,20 +80,10 @@ class Saving:
         self._say(f"Resuming {self.out} from step {self.counters.step} ({checkpoint.folder}).")
 
     def _newest_checkpoint(self, root: Path) -> Checkpoint | None:
-        """`newest_readable`, verified once: the main process hashes the files and chooses, the others read the
-        checkpoint it chose (a 1B model's is ~12 GB: hashing it on every process would multiply the wait)."""
-        chosen, problem = None, None
-        if self.processes.is_main:
-            try:
-                chosen = newest_readable(root, warn=self._say)
-            except RecurfitError as error:
-                problem = str(error)
-        folder, problem = self.processes.broadcast((chosen and chosen.folder, problem))
-        if problem is not None:  # every process stops, none waits for the others
-            raise RecurfitError(problem)
-        if chosen is None and folder is not None:
-            chosen = read_checkpoint(folder, warn=self._say, verify=False)
-        return chosen
+        """`newest_readable`, verified once: the processes share the hashing of each checkpoint's files (a 1B
+        model's are ~12 GB: hashed on every process the wait would multiply, on the main process alone the others
+        would wait for it) and choose the same one."""
+        return newest_readable(root, warn=self._say, processes=self.processes)
 
     def _carry_state(self) -> None:
         """model.carry_state: the optimizer state and data position of the run this one continues; with
