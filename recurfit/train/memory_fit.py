@@ -138,8 +138,6 @@ def plan_table(plan: MemoryPlan):
     for name, size in plan.parts().items():
         if size:
             table.add_row(name.replace("_", " "), gb(size), DESCRIPTIONS[name])
-    phases = plan.phases()
-    phase = max(phases, key=phases.get)
-    peak = f"weights, gradients, optimizer + the largest phase: {phase}"
+    peak = "resident + max(forward/backward, whole gradients, step, validation)"  # MemoryPlan.phases
     table.add_row("[bold]peak[/]", f"[bold]{gb(plan.peak)}[/]", peak)
     return table
