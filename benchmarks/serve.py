@@ -27,6 +27,20 @@ deepest; and each depth's median time to first token (vLLM's per-request stats),
 `--depth-mix-modes` (default compiled, vLLM's default mode) chooses the engines: in either, the core runs each
 step on the tokens still short of their depth.
 
+With `--exit-requests N` (default 0: left out) it also serves adaptive exit: N prose passages, each a prompt of
+`--exit-prompt-length` tokens and a reference of the `--exit-new-tokens` after it, through one compiled engine
+(`max_recurrence` = `--exit-cap`), every request capped at that depth: once at the fixed depth (no rule), once per
+rule of `--exit-rules` (vllm_xargs `exit`, `min_depth` the default 2), alternating for `--repeats` rounds. Each request
+generates its reference (a logits processor leaves only the reference's next token; vLLM's log-probabilities are
+read before it), so each run decodes the same tokens and their log-probabilities give the teacher-forced prose loss
+at the depths exit chose. Prints each run's tokens/s, the fixed depth's time over each rule's, the loss and its
+difference from the fixed depth's with their standard errors over the requests, the mean exit depth of the
+generated tokens (the depths the served model recorded) and the FLOPs-ideal ratio (Σ tokens × (P + R·depth + C),
+prompts at the cap). With `--exit-cost` each rule runs again with a threshold it never meets (`kl:-1`,
+`state:-1`, `argmax:CAP+1`): every token runs to the cap with the criterion computed at every step, so the time
+over the fixed depth's is the criterion's own cost. The exit workload runs in a process of its own with its engine
+in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where `apply_model` reads the recorded depths.
+
 With `--speculate` it also measures vLLM's speculative decoding with a draft folder (`recurfit draft`): a batch of
 prose prompts, greedy, at each of `--speculate-depths` (the depth the model was trained at, then deeper) and batch
 size (`--speculate-batches`): an engine serving that depth plainly, then one per draft depth (`--draft-depths`) and
@@ -100,15 +114,20 @@ def prose_tokens(tokenizer, count: int) -> list[int]:
     raise SystemExit("embedded:prose holds fewer tokens than the prompts need")
 
 
-def uniform_workload(tokenizer, count: int, length: int, new_tokens: int) -> Workload:
+def passages(tokenizer, count: int, length: int) -> list[list[int]]:
+    """The first `length` tokens of each of the first `count` embedded:prose passages that hold as many."""
     rows = []
     for text in embedded_prose():
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) >= length:
             rows.append(ids[:length])
         if len(rows) == count:
-            return Workload("uniform", rows, [new_tokens] * count, [])
+            return rows
     raise SystemExit("not enough passages of that length")
+
+
+def uniform_workload(tokenizer, count: int, length: int, new_tokens: int) -> Workload:
+    return Workload("uniform", passages(tokenizer, count, length), [new_tokens] * count, [])
 
 
 def mixed_workload(tokenizer, count: int, stop: list[str], seed: int = 0) -> Workload:
@@ -252,6 +271,12 @@ def main() -> None:
     parser.add_argument(
         "--depth-mix-modes", default="compiled", help="mixed-depth workload: vLLM's eager, compiled or both"
     )
+    parser.add_argument("--exit-requests", type=int, default=0, help="exit workload: requests (0: leave it out)")
+    parser.add_argument("--exit-rules", default="kl:5e-4,state:0.01,argmax:2", help="exit workload: the rules")
+    parser.add_argument("--exit-cap", type=int, default=32, help="exit workload: each request's depth (the cap)")
+    parser.add_argument("--exit-prompt-length", type=int, default=32, help="exit workload: prompt tokens")
+    parser.add_argument("--exit-new-tokens", type=int, default=48, help="exit workload: reference tokens generated")
+    parser.add_argument("--exit-cost", action="store_true", help="exit workload: each rule's cost at the cap too")
     parser.add_argument("--speculate", action="store_true", help="measure speculative decoding (see above)")
     parser.add_argument("--speculate-depths", default="4,16,32", help="speculation: the served depths")
     parser.add_argument("--speculate-batches", default="1,16", help="speculation: requests served together")
@@ -320,6 +345,8 @@ def main() -> None:
                 recurfit_round(r)
         if args.depth_mix:
             depth_mix(folder, tokenizer, args)
+        if args.exit_requests:
+            exit_workload(folder, tokenizer, args)
         if args.speculate:
             speculation(folder, tokenizer, model, root, args)
         for work in workloads:
@@ -377,6 +404,150 @@ def depth_mix(folder, tokenizer, args) -> None:
             }
             print(f"summary depth-mix {mode} time to first token, requests of r={r}: "
                   + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in medians.items()))  # fmt: skip
+
+
+REFERENCE = "reference"  # the exit workload's extra_args key: the tokens a request is made to generate
+
+
+def exit_workload(folder, tokenizer, args) -> None:
+    """`served_exit` on --exit-requests passages, in a spawned process of its own (its engine in-process there)."""
+    import multiprocessing
+
+    length = args.exit_prompt_length
+    rows = passages(tokenizer, args.exit_requests, length + args.exit_new_tokens)
+    process = multiprocessing.get_context("spawn").Process(
+        target=served_exit, args=(folder, [row[:length] for row in rows], [row[length:] for row in rows], args)
+    )
+    process.start()
+    process.join()
+    if process.exitcode:
+        raise SystemExit(f"the exit workload failed (exit code {process.exitcode})")
+
+
+def never_settling(rule: str, cap: int) -> str:
+    """`rule`'s criterion with a threshold it never meets within `cap` steps (no change is below -1; no prediction
+    holds for cap + 1 steps): computed at every step, while every token runs to the cap."""
+    criterion = rule.partition(":")[0]
+    return f"argmax:{cap + 1}" if criterion == "argmax" else f"{criterion}:-1"
+
+
+def served_exit(folder, prompts: list[list[int]], references: list[list[int]], args) -> None:
+    """The exit workload (see the module docstring): one compiled engine, the fixed depth and each rule alternating
+    for --repeats rounds, then a summary per rule against the fixed depth."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: apply_model reads its model
+    from recurfit.model.loading import load_config
+
+    cap, rules = args.exit_cap, args.exit_rules.split(",")
+    settings = {"fixed": None} | {rule: rule for rule in rules}
+    if args.exit_cost:
+        settings |= {f"{rule} never settling": never_settling(rule, cap) for rule in rules}
+    max_length = max(len(p) + len(r) for p, r in zip(prompts, references))
+    llm, loaded = vllm_engine(
+        folder, cap, "compiled", max_length, args, cap, enable_prefix_caching=False,
+        logits_processors=[reference_processor()],
+    )  # fmt: skip
+    print(f"exit: {len(prompts)} requests of {len(prompts[0])} + {len(references[0])} tokens, cap {cap}; vLLM "
+          f"compiled engine loaded in {loaded:.1f} s", flush=True)  # fmt: skip
+    for rule in settings.values():  # warm-up: each setting's paths once
+        forced_run(llm, prompts[:2], [r[:4] for r in references[:2]], cap, rule)
+    runs: dict[str, list] = {}  # name -> (seconds, per-request losses, per-request exit depths) of each round
+    for _ in range(args.repeats):
+        for name, rule in settings.items():
+            seconds, losses, depths = forced_run(llm, prompts, references, cap, rule)
+            runs.setdefault(name, []).append((seconds, losses, depths))
+            tokens = sum(map(len, references))
+            recorded = [d for row in depths for d in row]
+            depth = f", mean exit depth {statistics.fmean(recorded):.2f}" if recorded else ""
+            print(f"exit {name}: {tokens / seconds:.2f} tok/s ({tokens} tokens in {seconds:.1f} s), loss "
+                  f"{statistics.fmean(losses):.4f}{depth}", flush=True)  # fmt: skip
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    shape = load_config(folder).shape
+    fixed_seconds, fixed_losses, _ = min(runs["fixed"])
+    noise = statistics.stdev(fixed_losses) / len(fixed_losses) ** 0.5
+    print(f"summary exit fixed r={cap}: {fixed_seconds:.1f} s, loss {statistics.fmean(fixed_losses):.4f} "
+          f"(standard error over the requests {noise:.4f})")  # fmt: skip
+    for name in list(settings)[1:]:
+        seconds, losses, depths = min(runs[name])
+        differences = [a - b for a, b in zip(losses, fixed_losses)]
+        paired = statistics.stdev(differences) / len(differences) ** 0.5
+        recorded = [d for row in depths for d in row]
+        below = sum(d < cap for d in recorded) / len(recorded)
+        print(f"summary exit {name}: {seconds:.1f} s, {fixed_seconds / seconds:.2f}x the fixed depth's throughput "
+              f"(FLOPs-ideal {ideal_ratio(shape, cap, prompts, references, depths):.2f}x), loss "
+              f"{statistics.fmean(losses):.4f} ({statistics.fmean(differences):+.4f} ± {paired:.4f} against the "
+              f"fixed depth, paired standard error), mean exit depth {statistics.fmean(recorded):.2f} of "
+              f"{len(recorded)} tokens ({below:.0%} below the cap)")  # fmt: skip
+
+
+def ideal_ratio(shape, cap: int, prompts, references, depths) -> float:
+    """Σ tokens × (P + R·depth + C) at the cap over the same at the exit depths: the prompts and each request's first
+    generated token (read from the prompt) run at the cap; each later token at its recorded depth."""
+    P, R, C = shape
+    at_cap = sum(len(p) + len(r) - 1 for p, r in zip(prompts, references)) * (P + R * cap + C)
+    fixed = sum(len(p) for p in prompts) * (P + R * cap + C)
+    return at_cap / (fixed + sum(P + R * d + C for row in depths for d in row))
+
+
+def forced_run(llm, prompts, references, cap: int, rule: str | None) -> tuple[float, list[float], list[list[int]]]:
+    """Each prompt generates its reference at cap `cap` with exit `rule` (None: none): the seconds, each request's
+    mean loss over its reference tokens (vLLM's log-probabilities, read before the reference processor), and the
+    exit depths the model recorded for each request's generated tokens."""
+    import vllm
+
+    extra = {"num_steps": cap} | ({"exit": rule} if rule else {})
+    params = [
+        vllm.SamplingParams(
+            temperature=0.0, max_tokens=len(ref), ignore_eos=True, logprobs=0, extra_args={**extra, REFERENCE: ref}
+        )
+        for ref in references
+    ]
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    losses = []
+    for output, ref in zip(outputs, references):
+        made = output.outputs[0]
+        if list(made.token_ids) != ref:
+            raise SystemExit(f"exit workload: a request generated {list(made.token_ids)}, not its reference {ref}")
+        losses.append(-statistics.fmean(step[token].logprob for step, token in zip(made.logprobs, ref)))
+    (record,) = llm.apply_model(taken_exit_depths)
+    return seconds, losses, [record.get(tuple(p), []) for p in prompts]
+
+
+def taken_exit_depths(model) -> dict:
+    """The exit depths the served model recorded since the last call, by prompt (then forgotten)."""
+    from recurfit.serving.depth import table_for
+
+    record = table_for(model.vllm_config).exits.record
+    taken = dict(record)
+    record.clear()
+    return taken
+
+
+def reference_processor():
+    """A vLLM logits processor that leaves each request with a `reference` in its extra_args only that reference's
+    next token: the request generates its reference, and vLLM's (raw) log-probabilities, taken before logits
+    processors run, are the model's own."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ReferenceTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            reference = (params.extra_args or {}).get(REFERENCE)
+            if reference is None:
+                return None
+
+            def only_next(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+                forced = torch.full_like(logits, float("-inf"))
+                forced[reference[len(output_ids)]] = 0.0
+                return forced
+
+            return only_next
+
+    return ReferenceTokens
 
 
 def speculation(folder, tokenizer, model, root: str, args) -> None:
