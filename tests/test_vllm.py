@@ -53,7 +53,7 @@ except Exception as error:  # not installed, or installed with wheels that fail 
 
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
-from vllm.forward_context import get_forward_context, override_forward_context  # noqa: E402
+from vllm.forward_context import BatchDescriptor, get_forward_context, override_forward_context  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("vLLM runs here on its own device selection, not --device")
 
@@ -389,18 +389,20 @@ def exit_record(model) -> dict:
     return taken
 
 
-def served_with_exit(llm, batch: list[list[int]], xargs: list[dict], cached: list) -> tuple[list, list]:
+def served_with_exit(
+    llm, batch: list[list[int]], xargs: list[dict], cached: list, new_tokens: int = MIXED_TOKENS
+) -> tuple[list, list]:
     """Greedy tokens of one `generate` call, request i with `xargs[i]`, and the exit depths of its generated tokens."""
-    params = [
-        vllm.SamplingParams(temperature=0.0, max_tokens=MIXED_TOKENS, ignore_eos=True, extra_args=x) for x in xargs
-    ]
+    params = [vllm.SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, extra_args=x) for x in xargs]
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     cached[:] = [o.num_cached_tokens for o in outputs]
     (record,) = llm.apply_model(exit_record)
     return [list(o.outputs[0].token_ids) for o in outputs], [record.get(tuple(p)) for p in batch]
 
 
-def expected_with_exit(model, batch: list[list[int]], xargs: list[dict], policy: str = "all") -> tuple[list, list]:
+def expected_with_exit(
+    model, batch: list[list[int]], xargs: list[dict], policy: str = "all", new_tokens: int = MIXED_TOKENS
+) -> tuple[list, list]:
     """recurfit's `generate --exit` on each prompt alone (cap `num_steps`, the rule and min_depth of its request), with
     a `policy` cache: its tokens, and the depth of each token after the first (the prompt's, at the cap), or None for a
     request without exit."""
@@ -411,7 +413,7 @@ def expected_with_exit(model, batch: list[list[int]], xargs: list[dict], policy:
         rule = ExitRule.parse(x.get("exit"), min_steps=x.get("min_depth", 2))
         out = model.generate(
             torch.tensor([prompt]),
-            max_new_tokens=MIXED_TOKENS,
+            max_new_tokens=new_tokens,
             do_sample=False,
             num_steps=x.get("num_steps", model.config.mean_recurrence),
             exit_rule=rule,
@@ -479,7 +481,7 @@ def test_requests_with_an_exit_rule_get_generates_tokens_and_exit_depths_in_mixe
 
 class RecordedPiece:
     """Stands in for one of a model's compiled pieces, recording each call: its tokens, the addresses of its
-    state inputs, and whether CUDA graphs were on (`pieces.cuda_graphs_replay`)."""
+    tensor inputs after the prelude's, and whether CUDA graphs were on (`pieces.cuda_graphs_replay`)."""
 
     def __init__(self, piece, name: str, calls: list):
         self.piece, self.name, self.calls = piece, name, calls
@@ -487,7 +489,7 @@ class RecordedPiece:
     def __call__(self, *args):
         from recurfit.serving.pieces import cuda_graphs_replay
 
-        states = {"core_step": args[1:], "coda": args[1:]}.get(self.name, ())
+        states = args if self.name != "prelude" else ()
         tokens = args[1].shape[0] if self.name != "prelude" else args[1].shape[-1]
         self.calls.append((self.name, tokens, tuple(t.data_ptr() for t in states), cuda_graphs_replay()))
         return self.piece(*args)
@@ -540,11 +542,19 @@ def test_a_compiled_engine_compiles_three_pieces_and_each_token_pays_its_own_dep
 
 def under_piecewise_cuda_graphs(model) -> None:
     """Run every forward under vLLM's PIECEWISE CUDA-graph mode (the GPU default recurfit chooses), as far as the
-    model can tell on a CPU: its forward context says graphs run, no graph is captured."""
+    model can tell on a CPU: its forward context says graphs run at the forward's token count, the engine's capture
+    sizes are vLLM's defaults up to 32 (tests/piecewise_graphs.py), no graph is captured."""
+    from piecewise_graphs import capture_sizes
+
+    model.vllm_config.compilation_config.cudagraph_capture_sizes = capture_sizes(32)
     forward = model.forward
 
     def forward_under_graphs(*args, **kwargs):
-        context = dataclasses.replace(get_forward_context(), cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE)
+        context = dataclasses.replace(
+            get_forward_context(),
+            cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE,
+            batch_descriptor=BatchDescriptor(num_tokens=kwargs["positions"].shape[-1]),
+        )
         with override_forward_context(context):
             return forward(*args, **kwargs)
 
@@ -556,12 +566,15 @@ def buffer_addresses(model) -> dict[str, int]:
     return {name: buffer.data_ptr() for name, buffer in model.model.pieces.buffers.items()}
 
 
-def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_run_without_graphs(tmp_path):
+def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_replay_a_captured_size(tmp_path):
     """vLLM replays a piece's CUDA graph for a batch size reading the addresses it was captured with, and keeps its
-    outputs in a pool later graphs reuse. So under graphs every call of a piece with graphs on reads its states
-    from the pieces' own buffers (their addresses read from the buffers themselves), the core step's too when it
-    runs again on its own output over the whole batch (every request at one depth), and a step over some of the
-    batch's tokens runs without graphs. Tokens stay recurfit's."""
+    outputs in a pool later graphs reuse. So under graphs every call of the core step and the coda reads its inputs
+    (positions, states) from the pieces' own buffers (their addresses read from the buffers themselves), the core
+    step's too when it runs again on its own output over the whole batch (every request at one depth), and a step
+    over some of the batch's tokens runs with graphs too, its tokens padded to the next capture size (1, 2, 4, 8, …
+    here). Tokens stay recurfit's."""
+    from piecewise_graphs import capture_sizes
+
     model = served_model("llama", mean_recurrence=2)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     llm = vllm_engine(folder, compiled=True, max_recurrence=4)
@@ -578,18 +591,26 @@ def test_under_cuda_graphs_each_piece_reads_fixed_addresses_and_partial_steps_ru
         gc.collect()
     for depths, tokens in served.items():
         assert tokens == expected_by_depth(model, batch, list(depths)), depths
-    reads = {"core_step": (buffers["state"], buffers["part"]), "coda": (buffers["state"],)}
-    batch_tokens, whole_batch_steps = None, 0
+    reads = {
+        "core_step": (buffers["positions"], buffers["state"], buffers["part"]),
+        "coda": (buffers["coda_positions"], buffers["coda"]),
+    }
+    batch_tokens, whole_batch_steps, padded_steps = None, 0, 0
     for name, tokens, states, graphs in calls:
         if name == "prelude":
             batch_tokens = tokens
-            assert graphs
-        elif tokens < batch_tokens:
-            assert name == "core_step" and not graphs, (name, tokens, batch_tokens)
         else:
-            assert graphs and states == reads[name], (name, tokens, states, reads[name])
-            whole_batch_steps += name == "core_step"
+            assert states == reads[name], (name, tokens, states, reads[name])
+        assert graphs, (name, tokens)
+        if tokens != batch_tokens:
+            # The CPU runner pads no batch: a step may pad past the batch's own count (29 prompt tokens, 26 of
+            # them deeper than 1: 32), where vLLM's runner would have padded the batch to 32 too.
+            assert name == "core_step" and tokens in capture_sizes(32), (name, tokens, batch_tokens)
+            padded_steps += 1
+        whole_batch_steps += name == "core_step" and tokens == batch_tokens
     assert whole_batch_steps > 4 * len([call for call in calls if call[0] == "coda"]) // 2, whole_batch_steps
+    # Depths 4, 2, 1 while decoding 3 tokens: steps 2, 3 and 4 over 2, 1 and 1 token(s), each forward.
+    assert padded_steps >= MIXED_TOKENS, padded_steps
 
 
 def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_tokens(tmp_path):
@@ -615,6 +636,38 @@ def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_
         assert tokens == expected_by_depth(model, batch, list(depths)), depths
     assert counts["segments"] >= 3 * len(PIECES) and counts["captures"] > 0, counts
     assert counts["replays"] > 10 * counts["captures"], counts
+    assert counts["ungraphed"] == dict.fromkeys(PIECES, 0) and counts["padded"] > 0, counts
+
+
+@pytest.mark.parametrize("attention", ["narrowed", "every-token"])
+def test_under_vllms_piecewise_cuda_graphs_every_step_of_mixed_depths_and_exits_replays_a_graph(tmp_path, attention):
+    """Requests at depths 4-16 with and without exit rules (kl, state, argmax) in one continuous batch (chunked
+    prefill, batches of up to 32 tokens, vLLM's largest capture size here) under the CPU emulation of vLLM's
+    piecewise CUDA graphs (tests/piecewise_graphs.py): no segment of any piece runs without graphs, the steps over
+    part of the batch replaying the graphs of smaller capture sizes, padded; and each request gets the tokens and
+    exit depths of recurfit's `generate --exit` at its cap and rule. Where the metadata narrows (CPU, FlashAttention,
+    Triton) and where attention runs over every token (the other GPU backends)."""
+    from piecewise_graphs import graph_counts, under_emulated_piecewise_graphs
+
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()[3:]  # 7 prompts of 25-56 tokens
+    xargs, new_tokens = list(EXIT_XARGS), 12
+    args = dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=32)
+    llm = vllm_engine(folder, False, args, max_recurrence=16)
+    try:
+        if attention == "every-token":
+            llm.apply_model(attend_over_every_token)
+        llm.apply_model(under_emulated_piecewise_graphs)
+        served = served_with_exit(llm, batch, xargs, [], new_tokens)
+        (counts,) = llm.apply_model(graph_counts)
+    finally:
+        del llm
+        gc.collect()
+    expected = expected_with_exit(model, batch, xargs, new_tokens=new_tokens)
+    assert served[0] == expected[0]
+    assert served[1] == [None if d is None else d[: new_tokens - 1] for d in expected[1]]
+    assert counts["ungraphed"] == dict.fromkeys(PIECES, 0), counts
+    assert counts["padded"] > 0 and counts["replays"] > 10 * counts["captures"], counts
 
 
 def attend_over_every_token(model) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
 # The core layers' attention op: which step's KV cache it uses is chosen when it runs, so vLLM's piecewise graphs
 # split there, as at its own attention (`pieces.split_at_stepped_attention`).
@@ -49,7 +50,8 @@ def stepped_attention(
     addresses it was captured with. So, as vLLM's own `unified_attention_with_output`, it returns nothing and writes
     into an `output` allocated inside the compiled region (a fixed address under graphs); a tensor it returned would
     be allocated anew at each replay, and the next segment would read the one of its capture."""
-    output.copy_(get_forward_context().no_compile_layers[layer].attend(query, key, value))
+    attended = get_forward_context().no_compile_layers[layer].attend(query, key, value)
+    output[: attended.shape[0]].copy_(attended)  # a padded step's padding rows: never read
 
 
 @stepped_attention.register_fake
@@ -76,6 +78,7 @@ class SteppedAttention(nn.Module):
         self.keep: tuple[torch.Tensor, torch.Tensor] | None = None
         self.tracking = False  # keep each token's latest keys and values (steps on some rows only, or exit)
         self.tracked: torch.Tensor | None = None  # narrowed: the rows of the batch a step's keys are (None: all)
+        self.owned = False  # under CUDA graphs: a graph's outputs are overwritten by the next replay, `keep` copies
 
     def forward(self, query, key, value):
         output = torch.empty_like(query)  # attention's output has the queries' shape (heads × head size)
@@ -83,19 +86,23 @@ class SteppedAttention(nn.Module):
         return output
 
     def attend(self, query, key, value):
+        """The step's attention; a step padded to a captured graph size gets its tokens in the first rows (`rows`
+        or `tracked` of them), the rest padding, which the narrowed metadata leaves out (`num_actual_tokens`)."""
         attention = self.steps[self.step]
         if self.rows is None:
             if self.tracking and self.tracked is not None:
-                key_value = zip(self.keep, (key, value))
+                tokens = self.tracked.numel()
+                key_value = zip(self.keep, (key[:tokens], value[:tokens]))
                 self.keep = tuple(kept.index_copy(0, self.tracked, new) for kept, new in key_value)
             elif self.tracking:
-                self.keep = (key, value)
+                self.keep = (key.clone(), value.clone()) if self.owned else (key, value)
             return attention(query, key, value)
         rows, (kept_key, kept_value) = self.rows, self.keep
-        key = kept_key.index_copy(0, rows, key)
-        value = kept_value.index_copy(0, rows, value)
+        tokens = rows.numel()
+        key = kept_key.index_copy(0, rows, key[:tokens])
+        value = kept_value.index_copy(0, rows, value[:tokens])
         self.keep = (key, value)
-        full_query = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, rows, query)
+        full_query = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, rows, query[:tokens])
         return attention(full_query, key, value)[rows]
 
 
@@ -113,7 +120,7 @@ class RecurringRequests:
         self.vllm_config = vllm_config
         self.builders: dict = {}
         self.narrowed: dict[int, object] = {}  # per KV cache group (its layers share metadata and slots), built once
-        self.depths = self.rows = None
+        self.depths = self.rows = self.size = None
         self.step = 0
 
     @staticmethod
@@ -122,9 +129,10 @@ class RecurringRequests:
         metadata = get_forward_context().attn_metadata
         return isinstance(metadata, dict) and type(metadata.get(layer_name)).__name__ in NARROWED_BACKENDS.values()
 
-    def narrow_to(self, depths: torch.Tensor, step: int, rows: torch.Tensor) -> None:
-        """From now on, `only` describes the requests deeper than `step` (their tokens: `rows`)."""
-        self.depths, self.step, self.rows, self.narrowed = depths, step, rows, {}
+    def narrow_to(self, depths: torch.Tensor, step: int, rows: torch.Tensor, size: int | None = None) -> None:
+        """From now on, `only` describes the requests deeper than `step` (their tokens: `rows`), for steps padded
+        to `size` tokens (a captured graph's) when given."""
+        self.depths, self.step, self.rows, self.size, self.narrowed = depths, step, rows, size, {}
 
     @contextlib.contextmanager
     def only(self, layer_names: list[str]) -> Iterator[None]:
@@ -139,7 +147,7 @@ class RecurringRequests:
                 metadata[name] = self.narrowed[id(whole)]
                 if slot is not None:
                     if id(slot) not in self.narrowed:
-                        self.narrowed[id(slot)] = slot[self.rows]
+                        self.narrowed[id(slot)] = self._slots(slot)
                     slots[name] = self.narrowed[id(slot)]
             yield
         finally:
@@ -147,6 +155,14 @@ class RecurringRequests:
                 metadata[name] = whole
                 if slot is not None:
                     slots[name] = slot
+
+    def _slots(self, slot: torch.Tensor) -> torch.Tensor:
+        """The cache slots of the rows' tokens, then `PAD_SLOT_ID` for a padded step's padding tokens, which the
+        cache writes skip: vLLM's runner pads a batch's slots so (`BlockTable`'s slot mapping), and a backend may
+        write as many tokens as the keys it is handed (the CPU backend's `cpu_attn_reshape_and_cache` does)."""
+        narrowed = slot[self.rows]
+        padding = (self.size or 0) - narrowed.numel()
+        return narrowed if padding <= 0 else torch.cat([narrowed, narrowed.new_full((padding,), PAD_SLOT_ID)])
 
     def _narrow(self, layer_name: str, whole, depths: torch.Tensor, step: int, rows: torch.Tensor):
         """`whole`'s metadata for the requests whose depth exceeds `step`, built by the backend's own builder."""

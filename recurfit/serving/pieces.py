@@ -1,8 +1,9 @@
 """The recurrence's three pieces as vLLM compiles them (prelude, one core step, coda), and the rules their piecewise
-CUDA graphs need: inputs at addresses fixed at capture, and no graphs for a step over part of the batch."""
+CUDA graphs need: inputs at addresses fixed at capture, and a step over part of the batch padded to a captured size."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 from collections.abc import Iterator
@@ -43,13 +44,34 @@ def cuda_graphs_replay() -> bool:
 
 @contextlib.contextmanager
 def without_cuda_graphs() -> Iterator[None]:
-    """Within the block, compiled pieces run without CUDA graphs: a graph is captured per batch size (vLLM's
-    batch descriptor), and a step over some of the batch's tokens has another size than the batch."""
+    """Within the block, compiled pieces run without CUDA graphs (a step over more tokens than vLLM captured)."""
     if not cuda_graphs_replay():
         yield
         return
     context = dataclasses.replace(get_forward_context(), cudagraph_runtime_mode=CUDAGraphMode.NONE)
     with override_forward_context(context):
+        yield
+
+
+@contextlib.contextmanager
+def graphs_of(size: int | None) -> Iterator[None]:
+    """Within the block, compiled pieces replay their graphs of `size` tokens (None: run without graphs).
+
+    vLLM's `CUDAGraphWrapper.__call__` (compilation/cuda_graph.py) replays the graph of the forward context's
+    `batch_descriptor` when its `cudagraph_runtime_mode` is the wrapper's (PIECEWISE here), and trusts both; its
+    runner's `CudagraphDispatcher.dispatch` (v1/cudagraph_dispatcher.py) chose them for the batch, padded to a
+    captured size. A step over fewer tokens names another captured size the same way: the descriptor's `num_tokens`
+    only, its other fields (LoRA) as the dispatcher set them."""
+    if size is None:
+        with without_cuda_graphs():
+            yield
+        return
+    context = get_forward_context()
+    if context.batch_descriptor.num_tokens == size:
+        yield
+        return
+    descriptor = dataclasses.replace(context.batch_descriptor, num_tokens=size)
+    with override_forward_context(dataclasses.replace(context, batch_descriptor=descriptor)):
         yield
 
 
@@ -86,12 +108,18 @@ class Pieces(nn.Module):
 
     Under vLLM's piecewise CUDA graphs a piece's graph replays reading the input addresses it was captured with,
     and its outputs live in a pool later graphs reuse. The core step runs several times per forward on the
-    previous step's output, so every piece reads its state from a buffer of fixed address, and each output is
-    copied there before the next piece runs (`fixed`; on a CPU, without graphs, nothing is copied)."""
+    previous step's output, so the core step and the coda read their inputs from buffers of fixed address (the core
+    step's state, adapter part and positions; the coda's state and positions), and each output is copied there
+    before the next piece runs (`fixed`; on a CPU, without graphs, nothing is copied).
+
+    A step over fewer tokens than the batch replays the graph of the next size vLLM captured (`graph_size`), as
+    vLLM's runner pads a batch between capture sizes: its tokens fill the first rows of the same buffers, and the
+    padding rows hold whatever the buffers held (their outputs are never read)."""
 
     def __init__(self, recurrence: nn.Module, vllm_config: VllmConfig):
         super().__init__()
         self.size = vllm_config.scheduler_config.max_num_batched_tokens
+        self.compilation = vllm_config.compilation_config
         self.buffers: dict[str, torch.Tensor] = {}
         for name, cls in (("prelude", CompiledPrelude), ("core_step", CompiledCoreStep), ("coda", CompiledCoda)):
             # Its compiled artifacts cached apart from the other pieces' and, under vLLM's own tag (a speculative
@@ -99,13 +127,41 @@ class Pieces(nn.Module):
             with set_model_tag(f"{backends.model_tag}_recurfit_{name}"):
                 setattr(self, name, cls(vllm_config=vllm_config, recurrence=recurrence))
 
-    def fixed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` in the first rows of the buffer `name` while CUDA graphs run, else `tensor` itself."""
+    def graph_size(self, tokens: int) -> int | None:
+        """The captured size a step over `tokens` tokens replays under graphs: the smallest of vLLM's capture sizes
+        that holds them, as `CudagraphDispatcher._compute_bs_to_padded_graph_size` pads a batch; None above the
+        largest (the step runs without graphs, as vLLM runs such a batch)."""
+        sizes = sorted(self.compilation.cudagraph_capture_sizes or ())
+        index = bisect.bisect_left(sizes, tokens)
+        return sizes[index] if index < len(sizes) else None
+
+    def fixed(self, name: str, tensor: torch.Tensor, size: int | None = None, dim: int = 0) -> torch.Tensor:
+        """`tensor` in the first rows (along `dim`, its tokens) of the buffer `name`, and the buffer's first `size`
+        rows returned (default: as many as `tensor` has), while CUDA graphs run; else `tensor` itself."""
         if not cuda_graphs_replay():
             return tensor
+        rows = tensor.shape[dim]
+        size = rows if size is None else size
         buffer = self.buffers.get(name)
         if buffer is None:  # vLLM's batches hold at most max_num_batched_tokens tokens: allocated once
-            size = max(self.size, tensor.shape[0])
-            buffer = self.buffers[name] = tensor.new_empty((size, *tensor.shape[1:]))
-        view = buffer[: tensor.shape[0]]
-        return view if view.data_ptr() == tensor.data_ptr() else view.copy_(tensor)
+            shape = list(tensor.shape)
+            shape[dim] = max(self.size, size)
+            buffer = self.buffers[name] = tensor.new_zeros(shape)  # padding rows read before written: finite
+        head = buffer.narrow(dim, 0, rows)
+        if head.data_ptr() != tensor.data_ptr():
+            head.copy_(tensor)
+        return buffer.narrow(dim, 0, size)
+
+    def step(self, positions: torch.Tensor, state: torch.Tensor, part: torch.Tensor, size: int | None = None):
+        """One core step over `state`'s tokens through the graph of `size` tokens (None: as many), its output in
+        the state buffer (a replay's output is overwritten by the next graph that replays)."""
+        tokens = state.shape[0]
+        inputs = self.fixed("positions", positions, size, -1), self.fixed("state", state, size)
+        output = self.core_step(*inputs, self.fixed("part", part, size))
+        return self.fixed("state", output[:tokens])
+
+    def final(self, positions: torch.Tensor, state: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """The coda over `state`'s tokens through the graph of `size` tokens (None: as many), those tokens' rows."""
+        tokens = state.shape[0]
+        output = self.coda(self.fixed("coda_positions", positions, size, -1), self.fixed("coda", state, size))
+        return output[:tokens]

@@ -4,9 +4,15 @@ stopped it at), and the steps past a token's depth compute only the others.
 Steps 1..max(depths), each on the tokens not yet at their depth only: the batch pays each request's own depth,
 attention included where the backend's metadata narrows (`RecurringRequests`), else attention for every token up to
 the deepest. Each time some tokens reach their depth, or stop by their exit rule (`recurfit.serving.exit`), the
-others (`rows`) are gathered with their adapter parts and positions, and the states of all scattered back. A step
-over the whole batch reads and writes the pieces' fixed buffers (its CUDA graphs replay); a step over fewer tokens
-runs without graphs.
+others (`rows`) are gathered with their adapter parts and positions, and the states of all scattered back.
+
+Under CUDA graphs every step replays one (`recurfit.serving.pieces`): a step over the whole batch replays the graph
+vLLM chose for the batch; a step over fewer tokens replays the graph of the next size vLLM captured, its tokens in
+the first rows of the pieces' buffers and the padding rows' outputs never read, with the attention, which runs
+between graph segments, over its tokens only (narrowed metadata whose `num_actual_tokens` are the rows, the
+padding's cache slots vLLM's `PAD_SLOT_ID`, as for a batch vLLM's runner pads). The exit rules' probe (the coda at a
+step) replays the coda's graph the same way. Only a batch larger than vLLM's largest capture size runs without
+graphs, as vLLM runs it.
 
 A token that stopped by its rule at step k is read by later tokens at step k at every deeper step, as recurfit's
 `generate` reads it (the latest-step rule of recurfit.model.cache): under the `all` cache policy, once the loop has
@@ -22,7 +28,7 @@ import contextlib
 
 import torch
 
-from .pieces import without_cuda_graphs
+from .pieces import cuda_graphs_replay, graphs_of
 
 
 def recur(model, positions, state, part, depths, stops: tuple[int, ...], exits=None) -> torch.Tensor:
@@ -33,39 +39,48 @@ def recur(model, positions, state, part, depths, stops: tuple[int, ...], exits=N
     layers = [[attention.layer_name for attention in stepped.steps] for stepped in core]
     coda = [model.body.layers[P + R + i].self_attn.attn.layer_name for i in range(C)]
     narrow = requests.narrowable(layers[0][0])
+    graphs = cuda_graphs_replay()  # the buffers then hold a step's inputs, overwritten by the next step's
     if exits is not None:
         depths = exits.depths
-    rows = None  # the running tokens (None: all)
-    running, running_part, running_positions, ran = state, part, positions, 0
+    rows = size = None  # the running tokens (None: all), and the captured size their steps replay
+    running, running_part, ran = state, part, 0
+    running_positions = pieces.fixed("positions", positions, dim=-1)
     try:
         for stepped in core:
             stepped.tracking = exits is not None or not narrow
+            stepped.owned = graphs
         for step in range(stops[-1]):
             if step in stops or (exits is not None and exits.changed):
-                state = running if rows is None else state.index_copy(0, rows, running)
+                if rows is None:
+                    state = running.clone() if graphs else running
+                else:
+                    state = state.index_copy(0, rows, running)
                 kept = ((depths if rows is None else depths[rows]) > step).nonzero().squeeze(1)
                 rows = kept if rows is None else rows[kept]
                 running, running_part = running[kept], running_part[kept]
-                running_positions = positions[..., rows]
                 if rows.numel() == 0:
                     break
+                size = pieces.graph_size(rows.numel()) if graphs else None
+                running, running_part = pieces.fixed("state", running), pieces.fixed("part", running_part)
+                running_positions = pieces.fixed("positions", positions[..., rows], dim=-1)
                 if narrow:
-                    requests.narrow_to(depths, step, rows)
+                    requests.narrow_to(depths, step, rows, size)
             slot = step if model.policy == "all" else 0
             for stepped in core:
                 stepped.step = slot
                 stepped.rows = None if narrow else rows
                 stepped.tracked = rows if narrow else None
-            previous = running.clone() if exits is not None and exits.reads_state and rows is None else running
+            reads_state = exits is not None and exits.reads_state
+            previous = running.clone() if reads_state and (graphs or rows is None) else running
             if rows is None:
-                running = pieces.fixed("state", pieces.core_step(running_positions, running, running_part))
+                running = pieces.step(running_positions, running, running_part)
             else:
                 names = [names[slot] for names in layers]
-                with requests.only(names) if narrow else contextlib.nullcontext(), without_cuda_graphs():
-                    running = pieces.core_step(running_positions, running, running_part)
+                with requests.only(names) if narrow else contextlib.nullcontext(), graphs_of(size):
+                    running = pieces.step(running_positions, running, running_part, size)
             ran = step + 1
             if exits is not None:
-                probe = _probe(pieces, requests, coda, narrow, positions, state, rows, running, running_positions)
+                probe = _probe(pieces, requests, coda, narrow, positions, state, rows, running, running_positions, size)
                 exits.check(ran, previous, running, rows, probe)
         if exits is not None and model.policy == "all":
             _write_stopped_tokens(core, layers, requests, narrow, exits, ran)
@@ -75,19 +90,18 @@ def recur(model, positions, state, part, depths, stops: tuple[int, ...], exits=N
     return running if rows is None else state.index_copy(0, rows, running)
 
 
-def _probe(pieces, requests, coda: list[str], narrow: bool, positions, state, rows, running, running_positions):
+def _probe(pieces, requests, coda: list[str], narrow: bool, positions, state, rows, running, running_positions, size):
     """`probe(local)`: the final hidden states of `local` (indices into `rows`) were the recurrence to stop at
     `running`, as `generate`'s exit probe reads them (the coda's keys it writes are overwritten by the forward's
-    last coda)."""
+    last coda), through the coda's graph of the step's size."""
 
     def probe(local: torch.Tensor) -> torch.Tensor:
         if rows is None:
-            return pieces.coda(positions, running)[local]
+            return pieces.final(positions, running)[local]
         if narrow:
-            with requests.only(coda), without_cuda_graphs():
-                return pieces.coda(running_positions, running)[local]
-        with without_cuda_graphs():
-            return pieces.coda(positions, state.index_copy(0, rows, running))[rows[local]]
+            with requests.only(coda), graphs_of(size):
+                return pieces.final(running_positions, running, size)[local]
+        return pieces.final(positions, state.index_copy(0, rows, running))[rows[local]]
 
     return probe
 

@@ -20,8 +20,8 @@ runs for every token up to the batch's deepest). vLLM compiles three pieces (its
 runs them as they are): the prelude, one core step and the coda, each once whatever the depths served. A core layer's
 attention is one opaque op (`recurfit::stepped_attention`) that runs the current step's vLLM `Attention` when it
 is called, so one compiled core step serves every step and every depth. On a GPU the pieces are captured as
-vLLM's piecewise CUDA graphs: a step over the whole batch replays them, reading its inputs from buffers of fixed
-address (`Pieces`); a step over fewer tokens runs the compiled pieces without graphs.
+vLLM's piecewise CUDA graphs: every step replays them, reading its inputs from buffers of fixed address (`Pieces`),
+a step over fewer tokens than the batch padded to the next size vLLM captured, as vLLM pads a batch.
 
 KV cache, `cache_policy` "all" (default): each core layer's attention runs through r vLLM `Attention` layers,
 one per step (its own name, hence its own paged KV cache): a token at step s attends to the earlier tokens'
@@ -193,7 +193,7 @@ class RecurrentModel(nn.Module):
         state, part = pieces.prelude(input_ids, positions, inputs_embeds)
         state, part = pieces.fixed("state", state), pieces.fixed("part", part)
         state = recur(self, positions, state, part, depths, stops or (1,), exits)
-        return pieces.coda(positions, pieces.fixed("state", state))
+        return pieces.final(positions, state)
 
     # ------------------------------------------------------------ weights
 
