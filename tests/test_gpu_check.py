@@ -29,7 +29,8 @@ PART_STEPS = {
         "train-torchrun"],
     4: ["device", "prepare", "resume-ddp", "resume-fsdp", "autocast-grad", "tests-healing", "recompiles"],
     5: ["device", "train-step-eager", "train-step-compiled"],
-    6: ["device", "prepare-drafting", "train-drafting", "speculative-r32-batch-1", "speculative-r32-batch-32"],
+    6: ["device", "prepare-drafting", "train-drafting", "speculative-r32-batch-1", "speculative-r32-batch-32",
+        "exit-r32-batch-32"],
 }  # fmt: skip
 
 
@@ -195,7 +196,7 @@ def test_cpu_smoke_runs_every_step_of_a_part_and_each_reports_ok(part, tmp_path)
 
 # The steps that are functions (of the parts' modules in benchmarks/gpu_check/), which write result lines of their
 # own; the others are commands.
-STEP_FUNCTIONS = {*STEPS, "prepare", "resume-ddp", "resume-fsdp", "recompiles", "prepare-drafting"}
+STEP_FUNCTIONS = {*STEPS, "prepare", "resume-ddp", "resume-fsdp", "recompiles", "prepare-drafting", "exit-r32-batch-32"}
 PART_FILES = [("results", ".jsonl"), ("summary", ".md"), ("log", ".txt"), ("artifacts", ".tar.gz")]
 PART_ARTIFACTS = {
     2: {"junit-float32.xml", "junit-bfloat16.xml"},
@@ -225,6 +226,12 @@ PART_OUTPUT = {
         "train-drafting": ["Trained 3 steps"],
         "speculative-r32-batch-1": ["self-speculative decoding", "2 sequences", "identical output"],
         "speculative-r32-batch-32": ["self-speculative decoding", "2 sequences", "identical output"],
+        # fp32 on the CPU: the compiled exit's tokens and depths are uncompiled exit's, each token run without a graph
+        "exit-r32-batch-32": [
+            "adaptive exit kl:5e-4",
+            "tokens equal to uncompiled exit's: 100.0%, depths: 100.0%",
+            "exit: CUDA graphs: 0 captured, 0 token(s) replayed, 5 run without a graph",
+        ],
     },
     4: {  # a real kill and resume, exact on the CPU
         "resume-ddp": ["ddp: killed, resumed from step-000008; losses of steps 1-16 within 0.00e+00"],
@@ -249,7 +256,7 @@ def part_one_results(lines: dict) -> None:
         assert record["compile_s"] is not None and record["compiled_vs_eager"]["agreement"] == 1.0
         assert record["compiled_vs_fp32"]["max_logit_error"] < 1e-4
         # no CUDA graphs on the CPU: each of the 6 tokens runs without one, and the line says so
-        assert record["graph_use"] == dict(ran=6, captured=0, replayed=0, failures={})
+        assert record["graph_use"] == {"ran": 6, "captured": 0, "replayed": 0, "exit runs": 0, "failures": {}}
         assert "CUDA graphs: 0 captured, 0 token(s) replayed, 6 run without a graph" in record["text"]
     decode = lines["decode"]
     assert [(r["batch"], r["r"]) for r in decode] == [(1, 2), (1, 4), (2, 4), (2, 2)]

@@ -39,7 +39,7 @@ def graph_use(model, before: dict | None = None) -> dict:
     failures = {str(key): why for key, why in now["failures"].items()}
     if before is None:
         return {**now, "failures": failures}
-    counts = {name: now[name] - before[name] for name in ("ran", "captured", "replayed")}
+    counts = {name: now[name] - before[name] for name in ("ran", "captured", "replayed", "exit runs")}
     return {**counts, "failures": {key: why for key, why in failures.items() if key not in before["failures"]}}
 
 
@@ -48,6 +48,8 @@ def graphs_text(use: dict) -> str:
         f"CUDA graphs: {use['captured']} captured, {use['replayed']} token(s) replayed, {use['ran']} run "
         "without a graph"
     )
+    if use.get("exit runs"):  # under an exit rule: the runs of `check_every` steps replayed past each token's first
+        text += f" ({use['exit runs']} later run(s) of steps replayed under an exit rule)"
     failed = "; ".join(f"{key}: {why}" for key, why in use["failures"].items())
     return text + (f"; captures failed: {failed}" if failed else "")
 
