@@ -327,7 +327,7 @@ MUTATIONS = (
         "v1-backend-without-offsets",
         "the V1 runner loads on FlashInfer, whose metadata has no query_start_loc: the first request ends the engine",
         "recurfit/serving/attention.py",
-        (("not vllm_config.use_v2_model_runner and backend not in NARROWED_BACKENDS:", "False:"),),
+        (("not runs_model_runner_v2(vllm_config) and backend not in NARROWED_BACKENDS:", "False:"),),
         ("tests/test_vllm.py::test_the_v1_runner_refuses_an_attention_backend_whose_metadata_has_no_request_offsets",),
         python=".venv-vllm/bin/python",
     ),

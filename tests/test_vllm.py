@@ -1018,6 +1018,37 @@ def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
         table_for(other)
 
 
+def test_a_decode_batch_finds_its_token_depths_without_waiting_on_the_device():
+    """V1 runner: the attention metadata's token offsets are on the device (the V1 runner's metadata has no host
+    copy), so reading them waits for the device; a batch whose longest query is one token (`max_query_len`, a host
+    integer: every decode batch) needs none of them. Offsets on PyTorch's meta device, which cannot be read back,
+    stand for offsets not yet computed: a decode batch gets its depths, a prefill batch reads (and fails here)."""
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from recurfit.serving.depth import RequestDepth
+
+    class Config(SimpleNamespace):  # an engine's config (weakly referenced, as vLLM's)
+        pass
+
+    served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
+    engine = Config(
+        model_config=SimpleNamespace(hf_config=served, runner_type="generate"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
+        speculative_config=None,
+        use_v2_model_runner=False,
+    )
+    table = RequestDepth(engine, torch.device("cpu"), False)
+    asks = vllm.SamplingParams(extra_args={"num_steps": 4})
+    table.update_state(
+        BatchUpdate(3, [], [(0, asks, None, []), (1, vllm.SamplingParams(), None, []), (2, asks, None, [])], [])
+    )
+    unreadable = torch.tensor([0, 1, 2, 3], device="meta")
+    depths, stops = table.token_depths(unreadable, 4, max_query_len=1)
+    assert depths.tolist() == [4, 2, 4, 1] and stops == (2, 4)
+    with pytest.raises(NotImplementedError, match="meta"):
+        table.token_depths(unreadable, 4, max_query_len=2)
+
+
 def engine_config(folder, v2_runner: bool, engine_args: dict | None = None, **overrides):
     """The VllmConfig `vllm serve folder` builds (its config hook run; no engine started), under Model Runner V2
     or the V1 runner (VLLM_USE_V2_MODEL_RUNNER). vLLM refuses V2 configs where Triton is missing, as here (the CPU
@@ -1031,6 +1062,40 @@ def engine_config(folder, v2_runner: bool, engine_args: dict | None = None, **ov
         settings = dict(dtype="float32", max_model_len=64, max_num_seqs=4, **(engine_args or {}))
         args = EngineArgs(str(folder), hf_overrides=overrides, **settings)
         return args.create_engine_config()
+
+
+def test_on_a_vllm_without_the_v1_runner_the_plugin_takes_model_runner_v2s_routes(tmp_path, monkeypatch):
+    """vLLM 0.34 removed the V1 runner, its logits-processor module (vllm.v1.sample.logits_processor) and
+    `VllmConfig.use_v2_model_runner` with it. The CPU build's classes without them: the depth module loads, and the
+    config hook of a V1 engine's config gives Model Runner V2's processor, which checks depths, and lets through a
+    backend whose metadata the V1 runner could not read (FlashInfer's)."""
+    import importlib.util
+
+    from vllm.config import VllmConfig
+
+    import recurfit.serving.depth as depth
+    from recurfit.serving.attention import check_v1_backend
+    from recurfit.serving.engine import RecurfitEngineConfig
+
+    config = engine_config(saved(served_model("llama", mean_recurrence=2), tmp_path / "llama"), v2_runner=False)
+    assert config.model_config.logits_processors == ["recurfit.serving.depth:RequestDepthUpTo4"]
+    with pytest.raises(ValueError, match="FLASHINFER's"):
+        check_v1_backend(config, True, "FLASHINFER")
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.sample.logits_processor", None)  # an import of it fails
+    spec = importlib.util.spec_from_file_location("recurfit.serving.depth_without_v1", depth.__file__)
+    without_v1 = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, without_v1)  # its dataclasses look their module up
+    spec.loader.exec_module(without_v1)
+    assert without_v1.LogitsProcessor is object and without_v1.DepthParamsUpTo4.maximum == 4
+    with pytest.raises(VLLMValidationError, match=r"integer in \[1, 4\]"):
+        without_v1.DepthParamsUpTo4.validate_params(vllm.SamplingParams(extra_args={"num_steps": 5}))
+
+    monkeypatch.delattr(VllmConfig, "use_v2_model_runner")
+    RecurfitEngineConfig.verify_and_update_config(config)
+    assert config.model_config.logits_processors == ["recurfit.serving.depth:DepthParamsUpTo4"]
+    assert not depth.one_depth_engine(config)
+    check_v1_backend(config, True, "FLASHINFER")
 
 
 def test_each_runners_frontend_validator_takes_the_plugin_and_checks_its_own_engines_depths(tmp_path):
@@ -1480,16 +1545,16 @@ def test_two_engines_of_different_limits_in_one_process_keep_their_own(tmp_path)
     assert served == (expected_by_depth(model, batch, [8, 1, 8]), expected_by_depth(model, batch, [4, 3, 1]))
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "dev"])
 def test_an_untested_vllm_release_is_refused_in_one_line_unless_allowed(monkeypatch, version):
     monkeypatch.delenv(UNTESTED_VLLM, raising=False)
-    for tested in ("0.32.0", "0.32.1+cpu", "0.33.0"):
+    for tested in ("0.32.0", "0.32.1+cpu", "0.33.0", "0.34.0"):
         check_vllm_version(tested)
     with pytest.raises(
-        RuntimeError, match=rf"^recurfit on vLLM: vLLM {version} is untested .*0\.32\.x, 0\.33\.x"
+        RuntimeError, match=rf"^recurfit on vLLM: vLLM {version} is untested .*0\.32\.x, 0\.33\.x, 0\.34\.x"
     ) as error:
         check_vllm_version(version)
-    assert "\n" not in str(error.value) and "pip install 'vllm>=0.32,<0.34'" in str(error.value)
+    assert "\n" not in str(error.value) and "pip install 'vllm>=0.32,<0.35'" in str(error.value)
     monkeypatch.setenv(UNTESTED_VLLM, "1")
     check_vllm_version(version)
 
@@ -1497,9 +1562,9 @@ def test_an_untested_vllm_release_is_refused_in_one_line_unless_allowed(monkeypa
 def test_the_installed_vllm_is_tested_and_a_newer_one_refused_when_the_model_loads(tmp_path, monkeypatch):
     check_vllm_version(vllm.__version__)
     folder = saved(served_model("llama"), tmp_path / "llama")
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
     monkeypatch.delenv(UNTESTED_VLLM, raising=False)
-    with pytest.raises(RuntimeError, match="vLLM 0.34.0 is untested"):
+    with pytest.raises(RuntimeError, match="vLLM 0.35.0 is untested"):
         vllm_greedy(folder, prompts())
 
 

@@ -13,6 +13,8 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 
+from .depth import runs_model_runner_v2
+
 # The core layers' attention op: which step's KV cache it uses is chosen when it runs, so vLLM's piecewise graphs
 # split there, as at its own attention (`pieces.split_at_stepped_attention`).
 STEPPED_ATTENTION = "recurfit::stepped_attention"
@@ -30,7 +32,7 @@ def check_v1_backend(vllm_config: VllmConfig, per_request: bool, backend: str) -
     """Under the V1 runner each token's depth comes from its request's offsets in the attention metadata
     (`query_start_loc`), which these backends' metadata carries and others' (FlashInfer's) does not: refused at
     model load when requests have depths of their own, rather than failing on the first request."""
-    if per_request and not vllm_config.use_v2_model_runner and backend not in NARROWED_BACKENDS:
+    if per_request and not runs_model_runner_v2(vllm_config) and backend not in NARROWED_BACKENDS:
         raise ValueError(
             f"recurfit on vLLM: the V1 runner finds each token's request in the attention metadata's "
             f"query_start_loc, which {backend}'s lacks: serve with --attention-backend FLASH_ATTN (or TRITON_ATTN), "

@@ -45,7 +45,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from vllm.exceptions import VLLMValidationError
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+try:  # the V1 runner's logits processors: vLLM 0.32 and 0.33; 0.34 removed the V1 runner (Model Runner V2 only)
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+except ImportError:
+    BatchUpdate = MoveDirectionality = None
+    LogitsProcessor = object  # RequestDepth is then never loaded: `processor_for` names DepthParams
 
 from ..defaults import MAX_RECURRENCE_FACTOR, depth_for_effort
 from .exit import EXIT, MIN_DEPTH, RequestExits, ServedExit
@@ -125,11 +130,12 @@ class Limits:
 def engine_limits(vllm_config) -> Limits:
     """The limits of the engine `vllm_config` configures (after `RecurfitEngineConfig` has seen it)."""
     limits = Limits.of(vllm_config.model_config.hf_config)
-    if limits.exit.rule({}) is not None and (one_depth_engine(vllm_config) or vllm_config.use_v2_model_runner):
+    if limits.exit.rule({}) is not None and (one_depth_engine(vllm_config) or runs_model_runner_v2(vllm_config)):
         raise ValueError(
             f"recurfit on vLLM: the default exit rule {limits.exit.default!r} (config's exit) is served on vLLM's V1 "
             "runner without speculative decoding only: drop it (--hf-overrides '{\"exit\": null}'), or serve with "
-            "VLLM_USE_V2_MODEL_RUNNER=0 and without --speculative-config."
+            "VLLM_USE_V2_MODEL_RUNNER=0 (vLLM 0.33 or earlier, which have the V1 runner) and without "
+            "--speculative-config."
         )
     return replace(limits, only=limits.default) if one_depth_engine(vllm_config) else limits
 
@@ -140,7 +146,13 @@ def one_depth_engine(vllm_config) -> bool:
     beside speculation, so that no request's own depth can reach the model."""
     if vllm_config.model_config.runner_type == "draft":
         return True
-    return vllm_config.speculative_config is not None and not vllm_config.use_v2_model_runner
+    return vllm_config.speculative_config is not None and not runs_model_runner_v2(vllm_config)
+
+
+def runs_model_runner_v2(vllm_config) -> bool:
+    """Whether the engine runs Model Runner V2: vLLM 0.32 and 0.33 choose between it and the V1 runner
+    (`VllmConfig.use_v2_model_runner`, VLLM_USE_V2_MODEL_RUNNER); 0.34 has no other runner, nor the attribute."""
+    return getattr(vllm_config, "use_v2_model_runner", True)
 
 
 def processor_for(limits: Limits, v2_runner: bool) -> str:
@@ -187,7 +199,7 @@ def check_depth(cls, sampling_params) -> None:
     if problem is None and cls.exits is False and ServedExit().rule(extra_args) is not None:
         problem = (
             "exit (vllm_xargs / SamplingParams.extra_args) is served on vLLM's V1 runner only, not on Model Runner "
-            "V2: drop exit, or serve with VLLM_USE_V2_MODEL_RUNNER=0."
+            "V2: drop exit, or serve with VLLM_USE_V2_MODEL_RUNNER=0 (vLLM 0.33 or earlier, which have the V1 runner)."
         )
     if problem:
         field = MIN_DEPTH if problem.startswith(MIN_DEPTH) else EXIT
@@ -318,11 +330,15 @@ class RequestDepth(LogitsProcessor):
             if direction != MoveDirectionality.SWAP:
                 self.live[first] = False
 
-    def token_depths(self, query_start_loc, num_tokens: int) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    def token_depths(
+        self, query_start_loc, num_tokens: int, max_query_len: int | None = None
+    ) -> tuple[torch.Tensor, tuple[int, ...] | None]:
         """Each token's depth (its request's; padding tokens 1) and the batch's distinct depths (`depth_stops`). A
         batch without requests (vLLM's profiling, warm-up and CUDA-graph capture runs) has None for its stops.
         Rows' tokens start at `query_start_loc` (num_reqs + 1 offsets, from the forward's attention metadata); a
-        forward without it while requests are live is an error, not a warm-up."""
+        forward without it while requests are live is an error, not a warm-up. The offsets are on the device, and the
+        V1 runner's metadata has no host copy: they are read (a wait on the device) only where the batch's longest
+        query (`max_query_len`, on the host) is longer than one token, so decode batches do not wait."""
         if query_start_loc is None:
             if self.live.any():
                 raise RuntimeError(
@@ -334,7 +350,10 @@ class RequestDepth(LogitsProcessor):
         if not self.live[:num_reqs].any():
             return self.tokens.warm_up(num_tokens), None
         rows = self.rows[:num_reqs]
-        lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
+        if max_query_len == 1:  # every request has one token (each has at least one)
+            lengths = torch.ones(num_reqs, dtype=torch.int64)
+        else:
+            lengths = (query_start_loc[1:] - query_start_loc[:-1]).cpu()
         per_token = torch.repeat_interleave(rows, lengths).numpy()
         self.rules = self.exits.for_tokens(lengths.numpy())
         return self.tokens.write(per_token, num_tokens), depth_stops(rows.tolist())

@@ -16,7 +16,7 @@ import os
 from vllm.config import CUDAGraphMode
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from .depth import Limits, is_ours, one_depth_engine, processor_for
+from .depth import Limits, is_ours, one_depth_engine, processor_for, runs_model_runner_v2
 
 SCHEDULER = "recurfit.serving.scheduler.depth_salted_scheduler"  # vLLM's scheduler_cls on a recurfit engine
 
@@ -42,7 +42,7 @@ class RecurfitEngineConfig(VerifyAndUpdateConfig):
         if one_depth_engine(vllm_config):  # the V1 runner refuses any logits processor beside speculation
             model_config.logits_processors = others
             return
-        model_config.logits_processors = [*others, processor_for(limits, vllm_config.use_v2_model_runner)]
+        model_config.logits_processors = [*others, processor_for(limits, runs_model_runner_v2(vllm_config))]
 
 
 def _latest_keys_one_token_at_a_time(vllm_config, limits: Limits) -> None:

@@ -50,7 +50,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
 from ..model.modeling import _truncated_normal_by_inverse_cdf as truncated_normal_by_inverse_cdf
 from . import check_vllm_version
 from .attention import NARROWED_BACKENDS, RecurringRequests, SteppedAttention, check_v1_backend
-from .depth import Limits, TokenDepths, engine_limits, table_for
+from .depth import Limits, TokenDepths, engine_limits, runs_model_runner_v2, table_for
 from .engine import SCHEDULER
 from .exit import TokenExits, TokenRules
 from .families import (
@@ -303,8 +303,10 @@ class RecurfitForCausalLM(nn.Module):
                 self.one_depth = TokenDepths(self.vllm_config.scheduler_config.max_num_batched_tokens, device)
             return self.one_depth.every_token_at(self.limits.only, num_tokens), (self.limits.only,)
         meta = get_forward_context().attn_metadata if is_forward_context_available() else None
-        query_start_loc = next(iter(meta.values())).query_start_loc if isinstance(meta, dict) and meta else None
-        return table_for(self.vllm_config).token_depths(query_start_loc, num_tokens)
+        first = next(iter(meta.values())) if isinstance(meta, dict) and meta else None
+        if first is None:
+            return table_for(self.vllm_config).token_depths(None, num_tokens)
+        return table_for(self.vllm_config).token_depths(first.query_start_loc, num_tokens, first.max_query_len)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -342,7 +344,7 @@ def start_line(vllm_config: VllmConfig, limits: Limits, recurrence: RecurrentMod
         salt = "prefix cache kept apart by depth (recurfit's scheduler)"
     else:
         salt = "prefix cache NOT kept apart by depth"
-    runner = "Model Runner V2" if vllm_config.use_v2_model_runner else "V1 runner"
+    runner = "Model Runner V2" if runs_model_runner_v2(vllm_config) else "V1 runner"
     if vllm_config.model_config.runner_type == "draft":
         depths = f"speculative draft, every token at depth {limits.only}"
     elif limits.only is not None:
