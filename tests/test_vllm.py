@@ -1528,6 +1528,141 @@ def test_the_middleware_without_a_recurfit_engine_fails_loudly():
     assert served == ["/v1/models"]
 
 
+def asgi_call(middleware, path: str, body: dict, app_state) -> tuple[list, list]:
+    """One POST through ASGI `middleware`: the bodies its app received and the messages it sent back."""
+    import asyncio
+
+    received, sent = [], []
+
+    async def app(scope, receive, send):
+        received.append(json.loads((await receive())["body"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "app": SimpleNamespace(state=app_state)}
+    asyncio.run(middleware(app)(scope, receive, send))
+    return received, sent
+
+
+def recurfit_app_state(effort_map: dict | None = None) -> SimpleNamespace:
+    """The app state of `vllm serve` for a recurfit folder of r̄ 4, max 16, efforts low 2 / medium 4 / high 16."""
+    served = SimpleNamespace(mean_recurrence=4, max_recurrence=16, depth_for_effort={"low": 2, "medium": 4, "high": 16})
+    model = SimpleNamespace(architectures=["RecurrentForCausalLM"], hf_config=served, runner_type="generate")
+    engine = SimpleNamespace(model_config=model, speculative_config=None, use_v2_model_runner=True)
+    return SimpleNamespace(vllm_config=engine, args=SimpleNamespace(reasoning_effort_map=effort_map))
+
+
+def test_the_token_in_token_out_and_cohere_routes_report_their_depth_and_refuse_what_they_cannot_carry():
+    """vLLM's token-in/token-out route (/inference/v1/generate) carries a request's arguments in
+    `sampling_params.extra_args`, Cohere's chat (/cohere/v2/chat) none (its requests run at the default depth): both
+    get the depth header and the count on /metrics; a depth out of range, or one Cohere's chat would drop, is a
+    400 naming num_steps, and the request never reaches the engine."""
+    from recurfit.serving.middleware import DEPTH_HEADER, EffortToDepth, requests_by_depth
+
+    def counted(depth: int) -> float:
+        return requests_by_depth().labels(depth=str(depth))._value.get()
+
+    state, before = recurfit_app_state(), counted(8)
+    generate = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "extra_args": {"num_steps": 8, "x": 1}}}
+    received, sent = asgi_call(EffortToDepth, "/inference/v1/generate", generate, state)
+    assert received == [{**generate, "cache_salt": "recurfit-r8-max16-all"}]
+    assert (DEPTH_HEADER.encode(), b"8") in sent[0]["headers"]
+    assert counted(8) == before + 1
+    received, sent = asgi_call(EffortToDepth, "/inference/v1/generate", {**generate, "sampling_params": {}}, state)
+    assert received[0]["sampling_params"] == {"extra_args": {"num_steps": 4}}
+    assert (DEPTH_HEADER.encode(), b"4") in sent[0]["headers"]
+    received, sent = asgi_call(EffortToDepth, "/inference/v1/generate", {"token_ids": [1]}, state)
+    assert received == [{"token_ids": [1]}] and sent[0]["headers"] == []  # no sampling_params: vLLM's 422
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    received, sent = asgi_call(EffortToDepth, "/cohere/v2/chat", chat, state)
+    assert received == [chat] and (DEPTH_HEADER.encode(), b"4") in sent[0]["headers"]
+    refused = (
+        ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"extra_args": {"num_steps": 17}}}, "got 17"),
+        ("/cohere/v2/chat", {**chat, "vllm_xargs": {"num_steps": 8}}, r"default depth \(4\), not num_steps 8"),
+    )
+    for path, body, message in refused:
+        received, sent = asgi_call(EffortToDepth, path, body, state)
+        error = json.loads(sent[1]["body"])["error"]
+        assert received == [] and sent[0]["status"] == 400 and error["param"] == "num_steps"
+        assert re.search(message, error["message"]), error["message"]
+
+
+def test_a_request_salted_by_the_middleware_keeps_the_block_hashes_vllm_computed_in_its_input_thread(tmp_path):
+    """The middleware gives each body the cache salt the engine's scheduler would (after the client's), so vLLM
+    hashes its prompt's blocks with it in its input thread and the scheduler keeps them rather than hashing again on
+    the engine's thread; a salt whose last part is another depth's, or none of recurfit's, is salted and hashed
+    again. Where vLLM would refuse the salt (over 128 characters), the body keeps the client's."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from recurfit.serving.depth import Limits
+    from recurfit.serving.middleware import with_depth, with_salt
+    from recurfit.serving.scheduler import salt_by_depth
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(4, sha256)
+    limits = Limits(default=4, maximum=16, effort={}, policy="all")
+    body = with_salt(with_depth({"prompt": "hi", "cache_salt": "tenant"}, limits), limits, "/v1/completions")
+    assert body["cache_salt"] == "tenant;recurfit-r4-max16-all"
+    long = "t" * 120
+    assert with_salt(with_depth({"cache_salt": long}, limits), limits, "/v1/completions")["cache_salt"] == long
+
+    def salted(salt, depth=4):
+        request = Request(
+            "r",
+            list(range(2, 14)),
+            SamplingParams(extra_args={"num_steps": depth}),
+            None,
+            cache_salt=salt,
+            block_hasher=hasher,
+        )
+        first = request.block_hashes
+        salt_by_depth(request, limits)
+        return request, first
+
+    kept, first = salted(body["cache_salt"])
+    assert kept.block_hashes is first and kept.cache_salt == body["cache_salt"]
+    assert kept.block_hashes == salted("tenant")[0].block_hashes  # what the scheduler makes of the client's salt
+    for salt, depth, expected in (
+        ("tenant;recurfit-r4-max16-all", 8, "tenant;recurfit-r4-max16-all;recurfit-r8-max16-all"),
+        ("recurfit-r4-max16-all-x", 4, "recurfit-r4-max16-all-x;recurfit-r4-max16-all"),
+    ):
+        again, first = salted(salt, depth)
+        assert again.cache_salt == expected and again.block_hashes is not first
+        assert again.block_hashes != first and len(again.block_hashes) == 3
+
+
+def test_the_depth_follows_the_effort_the_chat_template_sees_after_the_servers_effort_map():
+    """`vllm serve --reasoning-effort-map` rewrites a request's effort before the chat template sees it: the depth
+    is that effort's (`depth_for_effort` of the rewritten one), on every effort field, and an effort the map makes
+    one the table lacks is a 400 saying so."""
+    from recurfit.serving.middleware import DEPTH_HEADER, EffortToDepth
+
+    state = recurfit_app_state({"medium": "low", "xhigh": "max"})
+    for body in (
+        {"messages": [], "reasoning_effort": "medium"},
+        {"input": "hi", "reasoning": {"effort": "medium"}},
+        {"messages": [], "output_config": {"effort": "medium"}},
+    ):
+        path = "/v1/responses" if "input" in body else "/v1/chat/completions"
+        received, sent = asgi_call(EffortToDepth, path, body, state)
+        assert received[0]["vllm_xargs"] == {"num_steps": 2} and (DEPTH_HEADER.encode(), b"2") in sent[0]["headers"]
+    received, sent = asgi_call(EffortToDepth, "/v1/chat/completions", {"reasoning_effort": "high"}, state)
+    assert received[0]["vllm_xargs"] == {"num_steps": 16}  # not in the map: as it is
+    received, sent = asgi_call(EffortToDepth, "/v1/chat/completions", {"reasoning_effort": "xhigh"}, state)
+    error = json.loads(sent[1]["body"])["error"]
+    assert received == [] and sent[0]["status"] == 400 and error["param"] == "reasoning_effort"
+    assert "got 'xhigh' (which --reasoning-effort-map makes 'max')" in error["message"]
+
+
 def test_two_engines_of_different_limits_in_one_process_keep_their_own(tmp_path):
     """Two engines in one process (as tests and benchmarks run them): each checks depths against its own
     max_recurrence, and each model reads its own engine's depths, so each request gets recurfit's tokens at its

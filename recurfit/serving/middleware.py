@@ -5,7 +5,8 @@ effort mapped to a depth, the depth checked and reported.
 
 vLLM passes a chat request's `reasoning_effort` (the Responses API's `reasoning.effort`, Anthropic's
 `output_config.effort`) only to the chat template, never to the sampling parameters: this middleware turns it into
-the request's `vllm_xargs.num_steps` through `depth_for_effort` in config.json. A folder without the table
+the request's `vllm_xargs.num_steps` through `depth_for_effort` in config.json, as the template sees it (after the
+server's `--reasoning-effort-map`). A folder without the table
 (`recurfit train` writes one) gets `recurfit.defaults.depth_for_effort` of the served depths, and so does a folder
 whose table `--hf-overrides` leaves while changing `mean_recurrence` or `max_recurrence`. It also refuses, with a
 400, what the engine cannot refuse itself (beam search at a depth), adds each answer's depth to its headers
@@ -22,16 +23,22 @@ import json
 from . import ARCHITECTURE
 from .depth import NUM_STEPS, Limits, depth_problem, engine_limits
 
-# The routes whose request bodies the middleware reads (the ones vLLM serves generation on with these fields; a
-# SageMaker /invocations body is one of them).
-GENERATION_PATHS = {
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/chat/completions/batch",
-    "/v1/responses",
-    "/v1/messages",
-    "/invocations",
+# The routes whose request bodies the middleware reads (the ones vLLM serves generation on; a SageMaker /invocations
+# body is one of the first five's), by where each body carries a request's own arguments, the depth among them:
+# `vllm_xargs`, the token-in/token-out route's `sampling_params.extra_args`, none for Cohere's chat (whose body vLLM
+# reads into a model without them: its requests run at the default depth).
+DEPTH_FIELDS = {
+    "/v1/completions": "vllm_xargs",
+    "/v1/chat/completions": "vllm_xargs",
+    "/v1/chat/completions/batch": "vllm_xargs",
+    "/v1/responses": "vllm_xargs",
+    "/v1/messages": "vllm_xargs",
+    "/invocations": "vllm_xargs",
+    "/inference/v1/generate": "sampling_params.extra_args",
+    "/cohere/v2/chat": None,
 }
+GENERATION_PATHS = set(DEPTH_FIELDS)
+MAX_SALT, SALT_FORBIDS = 128, "@/\\\x00"  # vLLM's rules for a request's cache_salt (`validate_cache_salt`)
 # Where a request names its reasoning effort: chat (and chat batch), the Responses API, Anthropic's messages.
 EFFORT_FIELDS = ("reasoning_effort", "reasoning.effort", "output_config.effort")
 
@@ -44,14 +51,18 @@ class RefusedDepth(ValueError):
         self.parameter = parameter
 
 
-def with_depth(request: dict, limits: Limits) -> dict:
-    """A request body (completions, chat, chat batch, responses, Anthropic messages) with its resolved depth in
-    `vllm_xargs.num_steps`: the depth it names (`vllm_xargs.num_steps`), else its reasoning effort (`EFFORT_FIELDS`)
-    through `depth_for_effort`, else the default. A RefusedDepth for a depth out of range, an effort not in the
-    table, or beam search at another depth than the default (vLLM's beam search passes no per-request arguments to
-    the model)."""
-    xargs = request.get("vllm_xargs") or {}
-    if not isinstance(xargs, dict):
+def with_depth(request: dict, limits: Limits, path: str = "/v1/completions", effort_map: dict | None = None) -> dict:
+    """A request body of generation route `path` with its resolved depth in its arguments' `num_steps`
+    (`DEPTH_FIELDS`): the depth it names there, else its reasoning effort (`EFFORT_FIELDS`) through `depth_for_effort`,
+    else the default. The effort is the one the chat template sees: the server's `--reasoning-effort-map`
+    (`effort_map`) rewrites it first, as vLLM does. A RefusedDepth for a depth out of range or on a route that carries
+    none, an effort not in the table, or beam search at another depth than the default (vLLM's beam search passes no
+    per-request arguments to the model)."""
+    field = DEPTH_FIELDS[path]
+    if field is None:
+        return _at_default_depth(request, limits, path)
+    xargs, parent = _field(request, field) or {}, field.rpartition(".")[0]
+    if not isinstance(xargs, dict) or parent and not isinstance(_field(request, parent), dict):
         return request  # vLLM's own validation refuses it
     effort_field, effort = next(
         (
@@ -67,12 +78,14 @@ def with_depth(request: dict, limits: Limits) -> dict:
         if problem:
             raise RefusedDepth(problem, NUM_STEPS)
     elif effort is not None:
-        if effort not in limits.effort:
+        seen = (effort_map or {}).get(effort, effort)
+        if seen not in limits.effort:
+            mapped = f" (which --reasoning-effort-map makes {seen!r})" if seen != effort else ""
             raise RefusedDepth(
-                f"{effort_field} must be one of {sorted(limits.effort)} (depth_for_effort), got {effort!r}.",
+                f"{effort_field} must be one of {sorted(limits.effort)} (depth_for_effort), got {effort!r}{mapped}.",
                 effort_field,
             )
-        depth = limits.effort[effort]
+        depth = limits.effort[seen]
         if limits.only is not None and depth != limits.only:
             raise RefusedDepth(
                 f"{effort_field} {effort!r} means depth {depth} (depth_for_effort), but this server runs every "
@@ -88,7 +101,47 @@ def with_depth(request: dict, limits: Limits) -> dict:
             "use_beam_search or the depth.",
             "use_beam_search",
         )
-    return {**request, "vllm_xargs": {**xargs, NUM_STEPS: depth}}
+    return _with_field(request, field, {**xargs, NUM_STEPS: depth})
+
+
+def with_salt(request: dict, limits: Limits, path: str) -> dict:
+    """A body `with_depth` resolved, with the cache salt recurfit's scheduler would give it (`Limits.salt`, after the
+    client's own): vLLM then hashes its prompt's blocks with it in its input thread, and the scheduler keeps them
+    instead of hashing again on the engine's thread (`scheduler.salt_by_depth`). Left as it is where the route takes
+    no salt or the salt would break vLLM's rules for one (at most 128 characters, none of '@/\\' or NUL)."""
+    field, client = DEPTH_FIELDS[path], request.get("cache_salt")
+    depth = depth_of(request, limits, path)
+    if field is None or depth is None or not (client is None or isinstance(client, str) and client):
+        return request
+    salt = limits.salt(depth, client, _field(request, field))
+    if len(salt) > MAX_SALT or set(salt) & set(SALT_FORBIDS):
+        return request
+    return {**request, "cache_salt": salt}
+
+
+def _at_default_depth(request: dict, limits: Limits, path: str) -> dict:
+    """A body of a route that carries no request arguments, as it is: a RefusedDepth if it names another depth than
+    the default, which vLLM would drop."""
+    named = _field(request, f"vllm_xargs.{NUM_STEPS}")
+    if named is not None and named != limits.default:
+        raise RefusedDepth(
+            f"{path} takes no vllm_xargs, so its requests run at this server's default depth ({limits.default}), "
+            f"not num_steps {named!r}: drop num_steps, or send the request to /v1/chat/completions.",
+            NUM_STEPS,
+        )
+    return request
+
+
+def depth_of(request: dict, limits: Limits, path: str) -> int | None:
+    """The depth of a body `with_depth` resolved (None for one it left to vLLM to refuse)."""
+    field = DEPTH_FIELDS[path]
+    return limits.default if field is None else _field(request, f"{field}.{NUM_STEPS}")
+
+
+def _with_field(request: dict, dotted: str, value) -> dict:
+    """`request` with `value` at a dotted path (a copy of each object on the way)."""
+    head, _, rest = dotted.partition(".")
+    return {**request, head: _with_field(request.get(head) or {}, rest, value) if rest else value}
 
 
 def _field(request: dict, dotted: str):
@@ -112,6 +165,12 @@ def served_limits(scope) -> Limits:
             "or start the server without this middleware."
         )
     return engine_limits(vllm_config)
+
+
+def effort_map(scope) -> dict | None:
+    """The server's `--reasoning-effort-map` (vLLM 0.33 and later; in the app's state), which rewrites a request's
+    reasoning effort before its chat template sees it."""
+    return getattr(getattr(getattr(scope.get("app"), "state", None), "args", None), "reasoning_effort_map", None)
 
 
 DEPTH_HEADER = "x-recurfit-depth"  # each answer's header: the depth its request ran at
@@ -155,13 +214,15 @@ class EffortToDepth:
         except ValueError:
             request = None
         if isinstance(request, dict):
+            path = scope["path"]
             try:
-                request = with_depth(request, limits)
+                request = with_salt(with_depth(request, limits, path, effort_map(scope)), limits, path)
             except RefusedDepth as refused:
                 return await _error(send, 400, str(refused), refused.parameter)
             body = json.dumps(request).encode()
             scope = dict(scope, headers=_with_length(scope["headers"], len(body)))
-            send = _reporting(send, request["vllm_xargs"][NUM_STEPS])
+            depth = depth_of(request, limits, path)
+            send = send if depth is None else _reporting(send, depth)
         sent = False
 
         async def replay():

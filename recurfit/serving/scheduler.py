@@ -131,9 +131,14 @@ def no_exit_beside_speculation(limits: Limits, extra_args: dict | None) -> None:
 
 
 def salt_by_depth(request, limits: Limits) -> None:
-    """`request` (vLLM's engine-side Request) with its depth's salt, and its block hashes computed again with it."""
-    params = request.sampling_params
-    depth = limits.served_depth(params.extra_args if params is not None else None)
-    request.cache_salt = limits.salt(depth, request.cache_salt, params.extra_args if params is not None else None)
+    """`request` (vLLM's engine-side Request) with its depth's salt, and its block hashes computed again with it, on
+    the engine's thread (what it costs: benchmarks/salt_rehash.py). A salt whose last part (after its last ';') is
+    already the depth's (the middleware sets it) is kept, with the hashes vLLM computed from it in its input thread:
+    it is the salt this would make from its other parts, and no other depth's salt ends so."""
+    extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
+    depth = limits.served_depth(extra_args)
+    if (request.cache_salt or "").rpartition(";")[2] == limits.salt(depth, None, extra_args):
+        return
+    request.cache_salt = limits.salt(depth, request.cache_salt, extra_args)
     request.block_hashes = []
     request.update_block_hashes()

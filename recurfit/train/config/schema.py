@@ -289,7 +289,7 @@ class TrainConfig:
     fsdp_shard_size: int | None = None
     # Seconds a process waits in a collective before the run fails. Each process writes its own shards of a
     # checkpoint, so the longest wait is the final model, gathered and written by the main process alone (a 14B
-    # model's 56 GB of fp32 weights: minutes on a network disk), or its hashing of a checkpoint on --resume.
+    # model's 56 GB of fp32 weights: minutes on a network disk); on --resume the processes share the hashing.
     distributed_timeout: int = 900
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
