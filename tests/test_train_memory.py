@@ -157,7 +157,7 @@ def test_the_fsdp_plan_counts_the_buffers_fsdp2_allocates_in_bf16(fsdp_buffers, 
     found = fsdp_buffers[layout]
     overrides = dict(distributed="fsdp", precision="bf16", fsdp_units="layer" if layout == "layer" else "recurrence")
     config, model = tied_plan_model(**overrides) if layout == "tied" else tiny_plan_model(**overrides)
-    planned = plan(config, model, world=2, device="cpu")
+    planned = plan(config, model, world=2)  # a GPU's (NCCL's) plan: gloo's own copy aside (module docstring)
     reductions, gathers = found["reductions"], found["gathers"]
     assert {(r["gradient_itemsize"], r["reduce_itemsize"]) for r in reductions} == {(2, 4)}
     final = [r for r in reductions if r["final"]]  # the units whose forward reads token ids, in FSDP2's order

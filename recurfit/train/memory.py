@@ -88,7 +88,8 @@ FSDP2, as torch's `_fully_shard` allocates (torch/distributed/fsdp/_fully_shard/
                       the head, the body and the token embeddings in that order: each reshards its weights, then
                       foreach_reduce holds its gradients and their 4-byte reduce-scatter input at once, while the
                       units after it still hold their weights and gradients; the activations are gone. For a large
-                      body this is the peak: (g + 4) × the body's trained weights
+                      body this is the peak: (g + 4) × the body's trained weights. A CPU process group (gloo)
+                      adds a copy of the whole input in its reduce_scatter_tensor: the plan of a CPU run counts it
 
 Gradients are counted during the forward: they persist from one micro-batch into the next whenever a process
 runs two or more per step (a process with a single micro-batch peaks a little lower). The plan is checked
@@ -339,7 +340,7 @@ def plan_memory(
         logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
         validation=validation_bytes(config, model, tokens, device),
-        **(_fsdp_phase_bytes(config, model, tokens, k, autocast) if fsdp else _NO_FSDP),
+        **(_fsdp_phase_bytes(config, model, tokens, k, autocast, world, device) if fsdp else _NO_FSDP),
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -397,10 +398,20 @@ _NO_FSDP = dict.fromkeys(
 )
 
 
-def _fsdp_phase_bytes(config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool) -> dict[str, int]:
+def _fsdp_phase_bytes(
+    config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool, world: int, device: str
+) -> dict[str, int]:
     """FSDP2's own buffers and the whole gradients, as torch's `_fully_shard` allocates them (the module
     docstring, "FSDP2", gives the sequence), at the phases `MemoryPlan.phases` adds them in."""
     g, r = _gathered_bytes(autocast), REDUCE_BYTES
+
+    def reducing(trained: int) -> int:
+        """A unit's reduction (foreach_reduce): its fp32 reduce-scatter input, beside its gradients until they are
+        copied in, then beside the 1/W output (and, over gloo on a CPU, the copy of the whole input its
+        reduce_scatter_tensor makes; NCCL makes none)."""
+        copy = r * trained if device == "cpu" else 0
+        return r * trained + max(g * trained, r * trained // world + copy)
+
     by_layer = _by_layer(config)
     units, body = sharding_units(model, by_layer)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -442,7 +453,7 @@ def _fsdp_phase_bytes(config: TrainConfig, model: nn.Module, tokens: int, k: int
     sizes = [_sizes([unit]) for unit in per_use]
     once_window = max(
         (
-            g * (w + t) + r * t + g * (sizes[i - 1][0] if i else 0)
+            g * w + reducing(t) + g * (sizes[i - 1][0] if i else 0)
             for i, (unit, (w, t)) in enumerate(zip(per_use, sizes))
             if not any(unit is layer for layer in core)
         ),
@@ -467,7 +478,7 @@ def _fsdp_phase_bytes(config: TrainConfig, model: nn.Module, tokens: int, k: int
     final = 0
     for i, (_, trained) in enumerate(late):
         after = late[i + 1 :]
-        final = max(final, g * sum(w + t for w, t in after) + g * trained + r * trained)
+        final = max(final, g * sum(w + t for w, t in after) + reducing(trained))
     return dict(
         body_all_gather=body_all_gather,
         all_gather_buffer=all_gather,
