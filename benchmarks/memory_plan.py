@@ -52,12 +52,12 @@ FSDP_WORLDS = (2, 4)
 
 def cases(quick: bool, distill_only: bool = False, fsdp: bool = False) -> list[dict]:
     if fsdp:
-        runs = [
-            dict(shape="D", k=2, loss="chunked", world=world, units=units)
+        return [
+            dict(shape="D", k=2, loss="chunked", world=world, units=units, precision=precision)
+            for precision in ("fp32", "bf16")
             for units in FSDP_UNITS
             for world in FSDP_WORLDS
         ]
-        return runs + [dict(shape="D", k=2, loss="chunked", world=2, units="recurrence", precision="bf16")]
     if quick:
         return [dict(shape="A", k=2, loss="chunked")]
     distilled = [dict(shape="A", k=4, loss=loss, distill=True) for loss in ("chunked", "plain")]
@@ -75,6 +75,58 @@ def status(field: str) -> int:
     with open("/proc/self/status") as file:
         line = next(line for line in file if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
+
+
+def clear_peak() -> None:
+    """Reset VmHWM to the current resident set."""
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")
+
+
+class Phases:
+    """Where the peak falls: the high-water mark of each interval between FSDP2's hooks (each unit's pre- and
+    post-forward, pre- and post-backward, and its collectives: foreach_all_gather, foreach_all_gather_copy_out,
+    foreach_reduce, each entered and left), labelled by the hook that ends it, above the resident set `before`."""
+
+    HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward")
+    COLLECTIVES = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+
+    def __init__(self, before: int):
+        self.before, self.marks = before, []
+
+    def mark(self, label: str) -> None:
+        self.marks.append((label, status("VmHWM") - self.before, status("VmRSS") - self.before))
+        clear_peak()
+
+    def watch(self):
+        """Patch FSDP2's hooks and collectives to mark their entries and exits; returns the undo."""
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+
+        originals = []
+
+        def patched(owner, name, fqn):
+            original = getattr(owner, name)
+
+            def call(*args, **kwargs):
+                where = f"{name} {fqn(args)}"
+                self.mark(f"> {where}")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.mark(f"< {where}")
+
+            originals.append((owner, name, original))
+            setattr(owner, name, call)
+
+        for name in self.HOOKS:
+            patched(group_module.FSDPParamGroup, name, lambda args: args[0]._module_fqn or "root")
+        for name in self.COLLECTIVES:
+            patched(group_module, name, lambda args: "")
+        return lambda: [setattr(owner, name, original) for owner, name, original in originals]
+
+    def peak(self) -> tuple[str, int]:
+        label, peak, _ = max(self.marks, key=lambda mark: mark[1])
+        return label, peak
 
 
 def build(case: dict):
@@ -167,8 +219,9 @@ def measure(case: dict) -> dict:
     teacher_parameters = sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0
     plan = plan_memory(config, model, size["seq"], world=world, device="cpu", teacher_parameters=teacher_parameters)
     before = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as file:
-        file.write("5")  # reset VmHWM to the current resident set
+    clear_peak()
+    phases = Phases(before)
+    unwatch = phases.watch() if case.get("phases") else lambda: None
     for _ in range(2):
         for micro_batch in rows:
             inputs, targets = micro_batch[:, :-1], micro_batch[:, 1:]
@@ -191,21 +244,30 @@ def measure(case: dict) -> dict:
                         teacher_logits = teacher(input_ids=inputs).logits if teacher is not None else None
                     loss = plain_loss(healing, logits, targets, teacher_logits)
                     del output, logits, teacher_logits
+            phases.mark("loss")
             (loss / len(rows)).backward()
             del loss
+            phases.mark("backward")
         global_grad_norm(model.parameters(), 1.0)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    measured = status("VmHWM") - before
+        phases.mark("optimizer step")
+    unwatch()
+    measured = max(peak for _, peak, _ in phases.marks)
+    where = phases.peak()[0]
     if processes is not None:  # the largest process's
-        peaks = torch.zeros(world, dtype=torch.float64)
-        peaks[processes.rank] = measured
-        measured = int(processes.sum(peaks).max())
+        import torch.distributed as dist
+
+        every = [None] * world
+        dist.all_gather_object(every, (measured, where, phases.marks if case.get("phases") else []))
+        measured, where, marks = max(every, key=lambda one: one[0])
+        phases.marks = marks
         del model, optimizers
         processes.close()
     weights = plan.parameters + plan.teacher  # resident before the steps, as measured
-    return {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts()}
+    result = {**case, "measured": measured, "predicted": plan.peak - weights, "parts": plan.parts(), "at": where}
+    return result | ({"marks": phases.marks} if case.get("phases") else {})
 
 
 def sharded(model, bf16: bool, layers: bool):
@@ -307,6 +369,7 @@ def main() -> None:
     parser.add_argument("--loss", action="store_true", help="the loss alone, plain against chunked")
     parser.add_argument("--distill", action="store_true", help="only the distillation cases")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over 2 and 4 gloo processes")
+    parser.add_argument("--phases", action="store_true", help="also record where each peak falls (FSDP2's hooks)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -321,11 +384,13 @@ def main() -> None:
     results = []
     print(f"{'case':58s} {'loss':8s} {'predicted':>10s} {'measured':>10s} {'ratio':>6s}")
     for case in cases(args.quick, args.distill, args.fsdp):
-        result = run_child(case)
+        result = run_child(case | ({"phases": True} if args.phases else {}))
         results.append(result)
         predicted, measured = result["predicted"], result["measured"]
         ratio = f"{predicted / measured:6.3f}" if result["loss"] == "chunked" else "     —"
         print(f"{label(result):58s} {result['loss']:8s} {predicted / 2**20:8.0f} Mi {measured / 2**20:7.0f} Mi {ratio}")
+        if args.phases:
+            print(f"    peak at: {result['at']}")
     if args.json:
         with open(args.json, "w") as file:
             json.dump(results, file, indent=1)
