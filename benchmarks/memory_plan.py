@@ -7,7 +7,9 @@
     .venv/bin/python benchmarks/memory_plan.py --loss       # the loss alone at Llama-3's 128,256-token vocabulary
     .venv/bin/python benchmarks/memory_plan.py --distill    # only the distillation cases
     .venv/bin/python benchmarks/memory_plan.py --fsdp       # FSDP2 over 2 and 4 gloo processes (torchrun),
-                                                            # a model whose recurrent body dominates
+                                                            # a model whose recurrent body dominates, fp32 and
+                                                            # bf16, both fsdp_units
+    .venv/bin/python benchmarks/memory_plan.py --fsdp --phases  # and where each peak falls among FSDP2's hooks
 
 Each measurement runs in a fresh process: build the model (retrofit of a random parent) and its optimizers,
 read the resident set (VmRSS), reset the kernel's high-water mark (`/proc/self/clear_refs`), run two
