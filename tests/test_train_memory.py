@@ -62,6 +62,18 @@ def test_fsdp_shards_what_it_shards():
     assert four.optimizer_muon == one.optimizer_muon // 4  # BatchedMuon keeps each process's shard of momentum
 
 
+def test_hsdp_plans_each_process_as_fsdp2_over_its_shard_group(monkeypatch):
+    """Under HSDP each process holds what FSDP2 over its group of `fsdp_shard_size` processes holds (a copy per
+    group): on 2 nodes of 2, every part of the plan is FSDP2 over 2's, not over 4's; without the setting, torchrun's
+    LOCAL_WORLD_SIZE (a node's processes) is the group, and a dry run with neither takes every process as one node."""
+    config, model = tiny_plan_model(distributed="fsdp", precision="bf16")
+    hsdp, _ = tiny_plan_model(distributed="fsdp", precision="bf16", fsdp_shard_size=2)
+    two, four = plan(config, model, world=2).parts(), plan(config, model, world=4).parts()
+    assert plan(hsdp, model, world=4).parts() == two != four
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert plan(config, model, world=4).parts() == two
+
+
 def _size(modules) -> int:
     return sum(p.numel() for m in modules for p in m.parameters())
 

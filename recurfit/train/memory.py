@@ -102,6 +102,7 @@ allocator adds fragmentation that no term here counts: the fit leaves a tenth of
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,7 @@ from torch import nn
 
 from ..model.sampling import split_depth
 from .config import TrainConfig
-from .distributed import sharding_units
+from .distributed import fsdp_shard_size, sharding_units
 from .head import chunk_rows
 from .initial_model import is_recurrent
 from .losses import supervised_steps, teacher_dtype
@@ -317,7 +318,7 @@ def plan_memory(
     micro = micro or config.batch.micro
     autocast = trains_in_bf16(config.precision, device)
     fsdp = config.distributed == "fsdp" and world > 1
-    shard = world if fsdp else 1
+    shard = sharding_processes(config, world) if fsdp else 1
     k = split_depth(config.depth.mean_recurrence, config.depth.backprop_depth)[1] if is_recurrent(model) else 1
     trained = [p for p in model.parameters() if p.requires_grad]
     muon, adamw = _optimizer_bytes(config, model)
@@ -340,7 +341,7 @@ def plan_memory(
         logits_and_loss=_loss_bytes(config, model, tokens, autocast, device),
         optimizer_step=step,
         validation=validation_bytes(config, model, tokens, device),
-        **(_fsdp_phase_bytes(config, model, tokens, k, autocast, world, device) if fsdp else _NO_FSDP),
+        **(_fsdp_phase_bytes(config, model, tokens, k, autocast, shard, device) if fsdp else _NO_FSDP),
         micro=micro,
         seq_len=seq_len,
         k=k,
@@ -356,6 +357,14 @@ def _optimizer_bytes(config: TrainConfig, model: nn.Module) -> tuple[int, int]:
         return 0, 8 * _numel(p for p in model.parameters() if p.requires_grad)
     matrices, others = split_parameters(model)
     return 4 * _numel(matrices), 8 * _numel(others)
+
+
+def sharding_processes(config: TrainConfig, world: int) -> int:
+    """The processes that share one sharded copy of the model under FSDP2: all of them, or under HSDP
+    (`fsdp_shard_size`, by default a node's processes: torchrun's LOCAL_WORLD_SIZE, all of them in a dry run) a
+    group of them. Each process holds 1/that of the sharded states; the all-reduce across the groups reduces the
+    gradients' shard in place."""
+    return fsdp_shard_size(config.fsdp_shard_size, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def _distributed_bytes(config: TrainConfig, model: nn.Module, world: int, autocast: bool) -> int:
@@ -399,10 +408,11 @@ _NO_FSDP = dict.fromkeys(
 
 
 def _fsdp_phase_bytes(
-    config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool, world: int, device: str
+    config: TrainConfig, model: nn.Module, tokens: int, k: int, autocast: bool, shard: int, device: str
 ) -> dict[str, int]:
     """FSDP2's own buffers and the whole gradients, as torch's `_fully_shard` allocates them (the module
-    docstring, "FSDP2", gives the sequence), at the phases `MemoryPlan.phases` adds them in."""
+    docstring, "FSDP2", gives the sequence), at the phases `MemoryPlan.phases` adds them in; `shard` processes
+    share a copy."""
     g, r = _gathered_bytes(autocast), REDUCE_BYTES
 
     def reducing(trained: int) -> int:
@@ -410,7 +420,7 @@ def _fsdp_phase_bytes(
         copied in, then beside the 1/W output (and, over gloo on a CPU, the copy of the whole input its
         reduce_scatter_tensor makes; NCCL makes none)."""
         copy = r * trained if device == "cpu" else 0
-        return r * trained + max(g * trained, r * trained // world + copy)
+        return r * trained + max(g * trained, r * trained // shard + copy)
 
     by_layer = _by_layer(config)
     units, body = sharding_units(model, by_layer)
