@@ -979,6 +979,24 @@ def test_breakable_cuda_graphs_are_refused_and_opted_out_of_before_vllm_turns_th
     assert os.environ[BREAKABLE_CUDA_GRAPHS] == "0" and not is_breakable_cudagraph_enabled()
 
 
+class EngineConfig(SimpleNamespace):
+    """An engine's config (vLLM's object is one per engine, weakly referenced)."""
+
+
+def v1_depth_table():
+    """A V1 engine's config serving depth 2 (at most 8) to 4 requests, and its `RequestDepth` table."""
+    from recurfit.serving.depth import RequestDepth
+
+    served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
+    engine = EngineConfig(
+        model_config=SimpleNamespace(hf_config=served, runner_type="generate"),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
+        speculative_config=None,
+        use_v2_model_runner=False,
+    )
+    return engine, RequestDepth(engine, torch.device("cpu"), False)
+
+
 def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
     """V1 runner: every forward's token depths are written into one buffer (the same address, warm-up runs
     included, allocated once), with the batch's distinct depths
@@ -986,19 +1004,9 @@ def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
     vLLM's moves; a forward without attention metadata while requests are live is an error, not a warm-up."""
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-    from recurfit.serving.depth import RequestDepth, table_for
+    from recurfit.serving.depth import table_for
 
-    class Config(SimpleNamespace):  # an engine's config (vLLM's object is one per engine, weakly referenced)
-        pass
-
-    served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
-    engine = Config(
-        model_config=SimpleNamespace(hf_config=served, runner_type="generate"),
-        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
-        speculative_config=None,
-        use_v2_model_runner=False,
-    )
-    table = RequestDepth(engine, torch.device("cpu"), False)
+    engine, table = v1_depth_table()
     assert table_for(engine) is table
     warm, stops = table.token_depths(None, 5)
     assert stops is None
@@ -1013,7 +1021,7 @@ def test_token_depths_are_written_into_one_buffer_with_the_batchs_stops():
     assert depths.tolist() == [2] and stops == (2,) and depths.data_ptr() == warm.data_ptr()
     table.update_state(BatchUpdate(0, [0], [], []))
     assert table.token_depths(torch.tensor([0, 1]), 1)[1] is None
-    other = Config(**vars(engine))  # another engine in the same process: not this table's
+    other = EngineConfig(**vars(engine))  # another engine in the same process: not this table's
     with pytest.raises(RuntimeError, match="runs without recurfit's depth logits processor"):
         table_for(other)
 
@@ -1025,19 +1033,7 @@ def test_a_decode_batch_finds_its_token_depths_without_waiting_on_the_device():
     stand for offsets not yet computed: a decode batch gets its depths, a prefill batch reads (and fails here)."""
     from vllm.v1.sample.logits_processor import BatchUpdate
 
-    from recurfit.serving.depth import RequestDepth
-
-    class Config(SimpleNamespace):  # an engine's config (weakly referenced, as vLLM's)
-        pass
-
-    served = SimpleNamespace(mean_recurrence=2, max_recurrence=8, depth_for_effort=None)
-    engine = Config(
-        model_config=SimpleNamespace(hf_config=served, runner_type="generate"),
-        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=16),
-        speculative_config=None,
-        use_v2_model_runner=False,
-    )
-    table = RequestDepth(engine, torch.device("cpu"), False)
+    _, table = v1_depth_table()
     asks = vllm.SamplingParams(extra_args={"num_steps": 4})
     table.update_state(
         BatchUpdate(3, [], [(0, asks, None, []), (1, vllm.SamplingParams(), None, []), (2, asks, None, [])], [])
