@@ -1,6 +1,7 @@
 """Tests of `recurfit/evaluate/lm.py`."""
 
 import pytest
+import torch
 from conftest import (
     _requests,
     char_tokenizer,
@@ -42,6 +43,24 @@ def test_lm_eval_compiled_generation_equals_eager(lm_pair):
     # step's plumbing quickly (inductor itself: tests/test_model_compiled.py)
     compiled = lm_pair(2, compile="eager").generate_until(_requests("generate_until", prompts))
     assert compiled == lm_pair(2).generate_until(_requests("generate_until", prompts))
+
+
+def test_lm_eval_compiled_generation_under_an_exit_rule_equals_eager():
+    """compile=true with exit: the token ids lm-eval's generation gets equal eager decoding's under the same rule,
+    and differ from the fixed depth's (at r = 16, argmax:1 stops rows early enough to change the tiny model's
+    tokens), so the rule reaches the compiled decoder. Token ids, not text: most of the tiny model's 97 ids are
+    outside the character tokenizer's 46, which decode to nothing."""
+    from recurfit.evaluate.lm import RecurfitLM
+
+    model, tokenizer = recurrent(state_init_std=0.0), char_tokenizer()
+    context = torch.tensor([[4, 5, 6, 7, 8], [9, 10, 11, 12, 13]])
+
+    def generated(**kwargs) -> torch.Tensor:
+        lm = RecurfitLM(pretrained=model, tokenizer=tokenizer, batch_size=2, num_steps=16, **kwargs)
+        return lm._model_generate(context, 13, stop=["@@@"], attention_mask=torch.ones_like(context), do_sample=False)
+
+    compiled = generated(exit="argmax:1", compile="eager")
+    assert torch.equal(compiled, generated(exit="argmax:1")) and not torch.equal(compiled, generated())
 
 
 def test_lm_eval_runs_a_fixed_depth_parent_without_num_steps():

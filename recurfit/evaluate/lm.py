@@ -52,7 +52,7 @@ class RecurfitLM(HFLM):
         token's final state (warm start). `exit`: adaptive depth for generated tokens, as on the CLI
         ("kl:5e-4", "argmax:3"), no earlier than `min_steps`, asking whether all rows settled every
         `exit_check_every` steps. `compile`: generate through a compiled static-cache
-        decoding step (fixed depth, so not with `exit`); log-likelihoods run eagerly."""
+        decoding step (with `exit` too: the same tokens and depths); log-likelihoods run eagerly."""
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}.")
         if kwargs.get("trust_remote_code"):
@@ -60,8 +60,6 @@ class RecurfitLM(HFLM):
         self.exit_rule = ExitRule.parse(exit, min_steps=int(min_steps), check_every=int(exit_check_every))
         # lm-eval's model_args arrive as strings: true/false, or a torch.compile backend's name
         self.compile = {"true": True, "1": True, "false": False, "0": False}.get(str(compile).lower(), compile)
-        if self.compile and self.exit_rule is not None:
-            raise ValueError("compile=true decodes at a fixed depth: drop exit.")
         if kwargs.get("add_bos_token") is not None and not isinstance(kwargs.get("tokenizer"), (str, type(None))):
             kwargs["tokenizer"] = with_bos(kwargs["tokenizer"], kwargs["add_bos_token"])
         kwargs.setdefault("backend", "causal")
@@ -82,10 +80,8 @@ class RecurfitLM(HFLM):
     def _decoding_kwargs(self) -> dict:
         if not self.recurrent:
             return {}
-        warm_start = self.state_init == "previous"
-        if self.compile:
-            return {**self._depth_kwargs(), "warm_start": warm_start, "compile": self.compile}
-        return {**self._depth_kwargs(), "exit_rule": self.exit_rule, "warm_start": warm_start}
+        decoding = {"exit_rule": self.exit_rule, "warm_start": self.state_init == "previous"}
+        return {**self._depth_kwargs(), **decoding, **({"compile": self.compile} if self.compile else {})}
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         with torch.no_grad(), self._autocast():
