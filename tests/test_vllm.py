@@ -435,13 +435,14 @@ def test_requests_with_an_exit_rule_get_generates_tokens_and_exit_depths_in_mixe
     token that stopped early is read by later tokens at its last step, in every deeper step's cache). A second
     round rotates the rules over the prompts: prefix blocks are reused only by requests of the same rule and cap,
     and a third round repeats the first, its blocks read from the cache, with the same tokens. Rules the engine
-    cannot parse are refused with the field and the fix."""
+    cannot parse are refused with the field and the fix. The compiled engine reads the rules' decisions every 2
+    steps (`exit_check_every`), its stopped tokens frozen in the batch between reads: the same tokens and depths."""
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
     first = [EXIT_XARGS[i % len(EXIT_XARGS)] for i in range(len(batch))]
     second = [EXIT_XARGS[(i + 1) % len(EXIT_XARGS)] for i in range(len(batch))]
     args = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32, block_size=32)
-    llm = vllm_engine(folder, compiled, args, max_recurrence=16)
+    llm = vllm_engine(folder, compiled, args, max_recurrence=16, exit_check_every=2 if compiled else 1)
     try:
         cached: list[list[int]] = [[], [], []]
         rounds = [(x, served_with_exit(llm, batch, x, cached[i])) for i, x in enumerate((first, second))]
@@ -639,27 +640,44 @@ def test_under_vllms_piecewise_cuda_graph_contract_each_request_gets_its_depths_
     assert counts["ungraphed"] == dict.fromkeys(PIECES, 0) and counts["padded"] > 0, counts
 
 
-@pytest.mark.parametrize("attention", ["narrowed", "every-token"])
-def test_under_vllms_piecewise_cuda_graphs_every_step_of_mixed_depths_and_exits_replays_a_graph(tmp_path, attention):
+def exit_waits(model) -> tuple[int, int]:
+    """Since the engine started: the steps that asked an exit rule, and the host's waits on the device to read what
+    they decided (`RequestExits.asked`, `.waits`)."""
+    from recurfit.serving.depth import table_for
+
+    exits = table_for(model.vllm_config).exits
+    return exits.asked, exits.waits
+
+
+@pytest.mark.parametrize(
+    "attention, check_every", [("narrowed", 1), ("narrowed", 3), ("every-token", 3)], ids=lambda v: str(v)
+)
+def test_under_vllms_piecewise_cuda_graphs_every_step_of_mixed_depths_and_exits_replays_a_graph(
+    tmp_path, attention, check_every
+):
     """Requests at depths 4-16 with and without exit rules (kl, state, argmax) in one continuous batch (chunked
     prefill, batches of up to 32 tokens, vLLM's largest capture size here) under the CPU emulation of vLLM's
     piecewise CUDA graphs (tests/piecewise_graphs.py): no segment of any piece runs without graphs, the steps over
     part of the batch replaying the graphs of smaller capture sizes, padded; and each request gets the tokens and
     exit depths of recurfit's `generate --exit` at its cap and rule. Where the metadata narrows (CPU, FlashAttention,
-    Triton) and where attention runs over every token (the other GPU backends)."""
+    Triton) and where attention runs over every token (the other GPU backends). With the server's
+    `exit_check_every` at 3, stopped tokens stay in the batch, frozen, until the host next reads the device: the
+    same tokens and depths, with the host's reads of the rules' decisions down from one per step that asks them to
+    one per 3 steps."""
     from piecewise_graphs import graph_counts, under_emulated_piecewise_graphs
 
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()[3:]  # 7 prompts of 25-56 tokens
     xargs, new_tokens = list(EXIT_XARGS), 12
     args = dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=32)
-    llm = vllm_engine(folder, False, args, max_recurrence=16)
+    llm = vllm_engine(folder, False, args, max_recurrence=16, exit_check_every=check_every)
     try:
         if attention == "every-token":
             llm.apply_model(attend_over_every_token)
         llm.apply_model(under_emulated_piecewise_graphs)
         served = served_with_exit(llm, batch, xargs, [], new_tokens)
         (counts,) = llm.apply_model(graph_counts)
+        ((asked, waits),) = llm.apply_model(exit_waits)
     finally:
         del llm
         gc.collect()
@@ -668,6 +686,8 @@ def test_under_vllms_piecewise_cuda_graphs_every_step_of_mixed_depths_and_exits_
     assert served[1] == [None if d is None else d[: new_tokens - 1] for d in expected[1]]
     assert counts["ungraphed"] == dict.fromkeys(PIECES, 0), counts
     assert counts["padded"] > 0 and counts["replays"] > 10 * counts["captures"], counts
+    # A forward asks its rules at steps 1..n and reads them at the multiples of check_every among those: n // 3 of n.
+    assert waits == asked if check_every == 1 else 0 < waits <= asked // 3, (asked, waits)
 
 
 def attend_over_every_token(model) -> None:
@@ -845,20 +865,27 @@ def test_olmo3s_yarn_rope_gives_recurfits_tokens(tmp_path):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
     """The `latest` cache, at the server's r and in a batch of depths 1-8: a token past its depth leaves its one
-    cache entry as its last step wrote it."""
+    cache entry as its last step wrote it. So does a token its exit rule stopped (requests with kl, state and argmax
+    rules beside requests without; the compiled engine reads the rules' decisions every 3 steps, its stopped tokens
+    frozen in the batch in between): the tokens and exit depths of `generate --exit` with a `latest` cache."""
     model = served_model("llama", mean_recurrence=4)
     folder, batch = saved(model, tmp_path / "llama"), prompts()
     expected = recurfit_greedy(model, batch, 4, policy="latest")
     assert expected != recurfit_greedy(model, batch, 4)  # the policies differ on this model
     # Each request's generated tokens one per forward, and a KV cache vLLM never preempts in (16 requests fit).
     one_forward = dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_seqs=16)
-    llm = vllm_engine(folder, compiled, one_forward, cache_policy="latest", max_recurrence=8)
+    check_every = 3 if compiled else 1
+    llm = vllm_engine(
+        folder, compiled, one_forward, cache_policy="latest", max_recurrence=8, exit_check_every=check_every
+    )
+    mixed, depths = mixed_prompts()[:8], [1, 2, 4, 8] * 2
+    rules = [{**x, "num_steps": min(x.get("num_steps", 4), 8)} for x in EXIT_XARGS] + [{"num_steps": 2}]
     try:
         params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-        mixed, depths = mixed_prompts()[:8], [1, 2, 4, 8] * 2
         served = served_by_depth(llm, mixed, depths)
+        exited = served_with_exit(llm, mixed, rules, [])
     finally:
         del llm
         gc.collect()
@@ -866,6 +893,10 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
         chosen = [i for i, d in enumerate(depths) if d == r]
         rows = recurfit_greedy(model, [mixed[i] for i in chosen], r, policy="latest", new_tokens=MIXED_TOKENS)
         assert [served[i] for i in chosen] == rows, f"r = {r}"
+    tokens, exit_depths = expected_with_exit(model, mixed, rules, policy="latest")
+    assert exited[0] == tokens
+    assert exited[1] == [None if d is None else d[: MIXED_TOKENS - 1] for d in exit_depths]
+    assert min(d for stopped in exited[1] if stopped for d in stopped) < 8  # tokens stop before their cap
 
 
 @pytest.mark.parametrize(
@@ -879,6 +910,11 @@ def test_latest_policy_equals_recurfits_latest_cache(tmp_path, compiled):
             r"recurfit on vLLM: cache_policy 'latest' .* turn off enable_prefix_caching and enable_chunked_prefill ",
         ),
         ("llama", {"max_recurrence": 1, "mean_recurrence": 2}, "max_recurrence must be an integer >= mean_rec"),
+        (
+            "llama",
+            {"exit_check_every": 0},
+            r"exit_check_every \(config.json or --hf-overrides\) must be an integer >= 1",
+        ),
     ],
 )
 def test_unservable_settings_are_refused_in_one_line(tmp_path, family, overrides, message):

@@ -81,6 +81,7 @@ class SteppedAttention(nn.Module):
         self.tracking = False  # keep each token's latest keys and values (steps on some rows only, or exit)
         self.tracked: torch.Tensor | None = None  # narrowed: the rows of the batch a step's keys are (None: all)
         self.owned = False  # under CUDA graphs: a graph's outputs are overwritten by the next replay, `keep` copies
+        self.frozen: torch.Tensor | None = None  # a bool per row: stopped by its exit rule, kept as it was (exit)
 
     def forward(self, query, key, value):
         output = torch.empty_like(query)  # attention's output has the queries' shape (heads × head size)
@@ -91,6 +92,8 @@ class SteppedAttention(nn.Module):
         """The step's attention; a step padded to a captured graph size gets its tokens in the first rows (`rows`
         or `tracked` of them), the rest padding, which the narrowed metadata leaves out (`num_actual_tokens`)."""
         attention = self.steps[self.step]
+        if self.frozen is not None and self.keep is not None:  # (none is frozen before a first step has run)
+            key, value = self._frozen_keep_theirs(key, value)
         if self.rows is None:
             if self.tracking and self.tracked is not None:
                 tokens = self.tracked.numel()
@@ -106,6 +109,19 @@ class SteppedAttention(nn.Module):
         self.keep = (key, value)
         full_query = query.new_zeros((key.shape[0], *query.shape[1:])).index_copy(0, rows, query[:tokens])
         return attention(full_query, key, value)[rows]
+
+    def _frozen_keep_theirs(self, key, value):
+        """`key` and `value` with the tokens that stopped by their exit rule but are still in the step's rows
+        (`frozen`, a bool per row) given the keys and values of their last step, so that what they write and what
+        later tokens read is that step's (recurfit's latest-step rule)."""
+        tokens = self.frozen.numel()
+        chosen = self.tracked if self.tracked is not None else self.rows
+        mask = self.frozen.view(-1, *([1] * (key.dim() - 1)))
+        theirs = []
+        for new, kept in zip((key, value), self.keep):
+            last = kept[:tokens] if chosen is None else kept[chosen]
+            theirs.append(torch.cat([torch.where(mask, last, new[:tokens]), new[tokens:]]))
+        return theirs
 
 
 class RecurringRequests:

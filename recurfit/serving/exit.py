@@ -6,7 +6,10 @@
 `exit` is the rule as `recurfit generate --exit` writes it (`ExitRule.parse`: "kl:5e-4", "state:0.01",
 "argmax:2"; "none" turns a server default off), `min_depth` the steps a token runs before the rule is asked (as
 `--min-steps`, default 2), and the request's depth (`num_steps`, or the default) is the cap. A server's default rule
-is the folder's `exit` (and `min_depth`) in config.json, or `--hf-overrides '{"exit": "kl:5e-4"}'`.
+is the folder's `exit` (and `min_depth`) in config.json, or `--hf-overrides '{"exit": "kl:5e-4"}'`. How often the
+host asks which tokens stopped is the server's `exit_check_every` (as `generate --exit-check-every`; default 1): it
+changes no token and no exit depth, only the steps at which stopped tokens leave the batch (between checks they
+stay in it, frozen), so it is the engine's setting, not a request's.
 
 As in `generate`, the rule applies to generated tokens only (a prompt runs every step of its depth), and a token
 that stopped at step k is read by later tokens at step k at every deeper step: under the `all` cache policy its
@@ -31,8 +34,10 @@ from ..generation.exit import ExitRule
 EXIT = "exit"  # the keys in SamplingParams.extra_args (vllm_xargs on the server)
 MIN_DEPTH = "min_depth"
 NO_EXIT = "none"
+CHECK_EVERY = "exit_check_every"  # the server's setting (config.json or --hf-overrides)
 KL, STATE, ARGMAX = (EXIT_CRITERIA.index(name) for name in ("kl", "state", "argmax"))
 DEFAULT_MIN_DEPTH = ExitRule.__dataclass_fields__["min_steps"].default
+DEFAULT_CHECK_EVERY = ExitRule.__dataclass_fields__["check_every"].default
 
 
 @dataclass(frozen=True)
@@ -41,12 +46,20 @@ class ServedExit:
 
     default: str | None = None
     min_depth: int = DEFAULT_MIN_DEPTH
+    check_every: int = DEFAULT_CHECK_EVERY  # core steps between the host's reads of which tokens stopped
 
     @classmethod
     def of(cls, config) -> ServedExit:
         default = getattr(config, EXIT, None)
         min_depth = getattr(config, MIN_DEPTH, None)
-        served = cls(default, DEFAULT_MIN_DEPTH if min_depth is None else min_depth)
+        check_every = getattr(config, CHECK_EVERY, None)
+        check_every = DEFAULT_CHECK_EVERY if check_every is None else check_every
+        if type(check_every) is not int or check_every < 1:
+            raise ValueError(
+                f"recurfit on vLLM: {CHECK_EVERY} (config.json or --hf-overrides) must be an integer >= 1, the core "
+                f"steps between the host's checks of which tokens stopped, got {check_every!r}."
+            )
+        served = cls(default, DEFAULT_MIN_DEPTH if min_depth is None else min_depth, check_every)
         problem = served.problem({})
         if problem:
             raise ValueError(f"recurfit on vLLM: the served default exit rule (config's exit, min_depth): {problem}")
@@ -111,6 +124,7 @@ class RequestExits:
         self.prompt = np.zeros(rows, dtype=np.int64)  # prompt lengths: tokens at or past it are generated
         self.logs: list[list[int] | None] = [None] * rows
         self.record: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        self.asked = self.waits = 0  # steps that asked a rule, and of them the ones the host read (`TokenExits`)
 
     def add(self, row: int, extra_args: dict | None, prompt: list[int] | None) -> None:
         """A request at `row`: its rule (checked at the frontend; one that reached the worker unchecked runs without
@@ -145,7 +159,8 @@ class RequestExits:
         if not (self.criterion[:rows] >= 0).any():
             return None
         columns = (self.criterion, self.threshold, self.patience, self.min_steps, self.prompt)
-        return TokenRules(*(np.repeat(column[:rows], lengths) for column in columns), self.logs[:rows], lengths)
+        tokens = (np.repeat(column[:rows], lengths) for column in columns)
+        return TokenRules(*tokens, self.logs[:rows], lengths, self.served.check_every, self)
 
 
 @dataclass
@@ -159,12 +174,19 @@ class TokenRules:
     prompt: np.ndarray
     logs: list
     lengths: np.ndarray
+    check_every: int = DEFAULT_CHECK_EVERY
+    table: RequestExits | None = None  # where they came from: `TokenExits.log` adds its waits to its count
 
 
 class TokenExits:
     """One forward's exits: which tokens may stop (generated tokens of requests with a rule: `live` until they do),
     each one's depth (`depths`, its cap until it stops at a step; the step loop reads it), and what the rules compare
-    from one step to the next (`check`), as recurfit.generation.exit.ExitTracker does per row."""
+    from one step to the next (`check`), as recurfit.generation.exit.ExitTracker does per row.
+
+    Everything a step decides stays on the device; the host reads it once every `check_every` steps (`changed`), and
+    the step loop then drops the stopped tokens from the batch. Between reads a stopped token stays in the batch,
+    frozen (`frozen`): the loop keeps its state and the keys and values of its last step, as `generate` freezes rows
+    with `check_every` > 1."""
 
     def __init__(self, rules: TokenRules, positions: torch.Tensor, depths: torch.Tensor, read_logits):
         device, count = depths.device, len(rules.criterion)
@@ -183,25 +205,43 @@ class TokenExits:
         self.criteria = {int(c) for c in np.unique(rules.criterion[rules.criterion >= 0])}
         self.reads_state = STATE in self.criteria
         self.read_logits = read_logits
-        self.rules, self.changed = rules, False
+        self.rules, self.check_every, self.changed = rules, rules.check_every, False
         self.previous_log_p = self.previous_token = None
         self.stable = torch.zeros(self.tokens.numel(), dtype=torch.int64, device=device)
+        self.asked_steps = self.waits = 0  # steps that asked a rule; the host's reads of their decisions (`changed`)
+        self.follow(None)
 
     @classmethod
     def of(cls, rules: TokenRules | None, positions, depths, read_logits) -> TokenExits | None:
         exits = None if rules is None else cls(rules, positions, depths, read_logits)
         return exits if exits is not None and exits.tokens.numel() else None
 
-    def check(self, step: int, previous: torch.Tensor, state: torch.Tensor, rows, probe) -> None:
-        """After core step `step` (1-based) over `rows` of the batch (None: all; `previous` and `state` hold those
-        rows only): stop the live tokens whose rule settled (`depths` set to `step`; `changed` says whether any
-        did). `probe(local)` gives the final hidden states of `local` (indices into the rows) at `state`."""
-        live = self.live if rows is None else self.live[rows]
-        local = live.nonzero().squeeze(1)
+    def follow(self, rows: torch.Tensor | None) -> None:
+        """The step loop runs `rows` of the batch from now on (None: all): the tokens among them still live are the
+        ones `check` asks (`candidates`; `local`, their indices into the rows: a wait on the device where the loop
+        narrows anyway)."""
+        self.local = (self.live if rows is None else self.live[rows]).nonzero().squeeze(1)
+        self.candidates = self.local if rows is None else rows[self.local]
+        self.running = len(self.live) if rows is None else rows.numel()
+
+    def frozen(self) -> torch.Tensor | None:
+        """A bool per row the loop runs: the tokens that stopped since it last narrowed (it keeps them as they were);
+        None where none can be (checked at every step, a stopped token leaves the batch at the next)."""
+        if self.check_every == 1 or self.local.numel() == 0:
+            return None
+        frozen = torch.zeros(self.running, dtype=torch.bool, device=self.live.device)
+        return frozen.index_copy(0, self.local, ~self.live[self.candidates])
+
+    def check(self, step: int, previous: torch.Tensor, state: torch.Tensor, probe) -> None:
+        """After core step `step` (1-based) over the rows `follow` named (`previous` and `state` hold those rows
+        only): stop the live tokens whose rule settled (`depths` set to `step`), on the device. At every
+        `check_every`-th step the host reads whether any stopped since the loop narrowed (`changed`).
+        `probe(local)` gives the final hidden states of `local` (indices into the rows) at `state`."""
+        local, tokens = self.local, self.candidates
         self.changed = False
         if local.numel() == 0:
             return
-        tokens = local if rows is None else rows[local]
+        self.asked_steps += 1
         criterion, slot = self.criterion[tokens], self.slot[tokens]
         settled = torch.zeros_like(local, dtype=torch.bool)
         if self.reads_state:
@@ -211,9 +251,13 @@ class TokenExits:
         if self.criteria & {KL, ARGMAX}:
             logits = self.read_logits(probe(local)).float()
             settled |= self._settled_distribution(step, logits, criterion, slot, tokens)
-        stopped = tokens[settled & (step >= self.min_steps[tokens])]
-        if stopped.numel():
-            self.depths[stopped], self.live[stopped], self.changed = step, False, True
+        live = self.live[tokens]
+        stopped = settled & live & (step >= self.min_steps[tokens])
+        self.depths[tokens] = torch.where(stopped, step, self.depths[tokens])
+        self.live[tokens] = live & ~stopped
+        if step % self.check_every == 0:
+            self.changed = not bool(self.live[tokens].all())  # the one wait on the device per check
+            self.waits += 1
 
     def _settled_distribution(self, step, logits, criterion, slot, tokens) -> torch.Tensor:
         """kl: KL(p_s ‖ p_{s-1}) < threshold; argmax: the most likely token held for `patience` steps."""
@@ -237,7 +281,11 @@ class TokenExits:
         return self.depths < self.caps
 
     def log(self) -> None:
-        """Each generated token's exit depth appended to its request's record (`RequestExits.record`)."""
+        """Each generated token's exit depth appended to its request's record (`RequestExits.record`), and the
+        forward's steps that asked a rule and waits to the table's counts."""
+        if self.rules.table is not None:
+            self.rules.table.asked += self.asked_steps
+            self.rules.table.waits += self.waits
         depths = self.depths[self.tokens].tolist()
         starts = np.concatenate([[0], np.cumsum(self.rules.lengths)])
         owners = np.searchsorted(starts, self.tokens.cpu().numpy(), side="right") - 1

@@ -4,7 +4,9 @@ stopped it at), and the steps past a token's depth compute only the others.
 Steps 1..max(depths), each on the tokens not yet at their depth only: the batch pays each request's own depth,
 attention included where the backend's metadata narrows (`RecurringRequests`), else attention for every token up to
 the deepest. Each time some tokens reach their depth, or stop by their exit rule (`recurfit.serving.exit`), the
-others (`rows`) are gathered with their adapter parts and positions, and the states of all scattered back.
+others (`rows`) are gathered with their adapter parts and positions, and the states of all scattered back. The host
+learns of exits once every `exit_check_every` steps; in between, a stopped token stays in the rows, frozen: its
+state kept, and its attention given its stopping step's keys and values (`SteppedAttention.frozen`).
 
 Under CUDA graphs every step replays one (`recurfit.serving.pieces`): a step over the whole batch replays the graph
 vLLM chose for the batch; a step over fewer tokens replays the graph of the next size vLLM captured, its tokens in
@@ -65,28 +67,34 @@ def recur(model, positions, state, part, depths, stops: tuple[int, ...], exits=N
                 running_positions = pieces.fixed("positions", positions[..., rows], dim=-1)
                 if narrow:
                     requests.narrow_to(depths, step, rows, size)
+                if exits is not None:
+                    exits.follow(rows)
             slot = step if model.policy == "all" else 0
+            frozen = None if exits is None else exits.frozen()
             for stepped in core:
-                stepped.step = slot
+                stepped.step, stepped.frozen = slot, frozen
                 stepped.rows = None if narrow else rows
                 stepped.tracked = rows if narrow else None
-            reads_state = exits is not None and exits.reads_state
-            previous = running.clone() if reads_state and (graphs or rows is None) else running
+            kept_before = exits is not None and (exits.reads_state or frozen is not None)
+            previous = running.clone() if kept_before and (graphs or rows is None) else running
             if rows is None:
                 running = pieces.step(running_positions, running, running_part)
             else:
                 names = [names[slot] for names in layers]
                 with requests.only(names) if narrow else contextlib.nullcontext(), graphs_of(size):
                     running = pieces.step(running_positions, running, running_part, size)
+            if frozen is not None:  # tokens stopped since the last check keep their state (`generate`'s frozen rows)
+                running = pieces.fixed("state", torch.where(frozen[:, None], previous, running))
             ran = step + 1
             if exits is not None:
                 probe = _probe(pieces, requests, coda, narrow, positions, state, rows, running, running_positions, size)
-                exits.check(ran, previous, running, rows, probe)
+                exits.check(ran, previous, running, probe)
         if exits is not None and model.policy == "all":
             _write_stopped_tokens(core, layers, requests, narrow, exits, ran)
     finally:
         for stepped in core:
             stepped.step, stepped.tracking, stepped.rows, stepped.keep, stepped.tracked = 0, False, None, None, None
+            stepped.frozen = None
     return running if rows is None else state.index_copy(0, rows, running)
 
 
