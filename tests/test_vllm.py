@@ -137,7 +137,7 @@ def recurfit_greedy(
 
 def vllm_engine(folder, compiled: bool = False, engine_args: dict | None = None, **overrides):
     """`vllm.LLM` on `folder`: eager (`enforce_eager=True`), or in vLLM's default compiled mode."""
-    settings = dict(max_model_len=128, kv_cache_memory_bytes=64 << 20, seed=0, **(engine_args or {}))
+    settings = dict(max_model_len=128, kv_cache_memory_bytes=64 << 20, seed=0) | (engine_args or {})
     return vllm.LLM(str(folder), dtype="float32", enforce_eager=not compiled, hf_overrides=overrides, **settings)
 
 
@@ -478,6 +478,38 @@ def test_requests_with_an_exit_rule_get_generates_tokens_and_exit_depths_in_mixe
     hits = [32 * (len(p) > 32 and salted(p, x) in written) for p, x in zip(batch, second)]
     assert cached == [[0] * 10, hits, [0] * 4 + [32] * 6], cached
     assert hits == [0] * 4 + [32] * 5 + [0]  # the last: no rule at cap 16, where the first round wrote kl:0.5
+
+
+def test_a_request_preempted_under_an_exit_rule_recomputes_its_generated_tokens_at_its_cap(tmp_path):
+    """A KV cache too small for the batch: vLLM preempts requests and recomputes each as one prefill, its generated
+    tokens with it. Those tokens run at the request's cap, as a prompt does (each request's tokens in a forward at one
+    depth, which the narrowed attention metadata describes), not by its exit rule: every request completes, the
+    ones without a rule with `generate`'s tokens at their depth, and each generated token that decoded alone got an
+    exit depth, the ones fed back in a recompute none. Without that, recomputed tokens stopped by their rule inside
+    a many-token request, the narrowed metadata no longer matched the tokens, and vLLM's CPU attention corrupted
+    the heap: the process aborted."""
+    model = served_model("llama", mean_recurrence=4)
+    folder, batch = saved(model, tmp_path / "llama"), mixed_prompts()
+    xargs = [EXIT_XARGS[i % len(EXIT_XARGS)] for i in range(len(batch))]
+    # 224 tokens of KV cache at max_recurrence 16: room for two or three of the ten requests at a time.
+    args = dict(enable_prefix_caching=False, kv_cache_memory_bytes=2 << 20, block_size=32, disable_log_stats=False)
+    llm = vllm_engine(folder, False, args, max_recurrence=16)
+    try:
+        tokens, depths = served_with_exit(llm, batch, xargs, [])
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    finally:
+        del llm
+        gc.collect()
+    assert preemptions > 0
+    assert all(len(row) == MIXED_TOKENS for row in tokens)
+    plain = [i for i, x in enumerate(xargs) if "exit" not in x]
+    expected = expected_by_depth(model, [batch[i] for i in plain], [xargs[i].get("num_steps", 4) for i in plain])
+    assert [tokens[i] for i in plain] == expected
+    # A token decoded alone gets an exit depth; the latest token of a preempted request is first fed back inside
+    # its recompute, at the cap, and gets none: one fewer per preemption.
+    counts = [len(d) for x, d in zip(xargs, depths) if "exit" in x]
+    assert all(MIXED_TOKENS - 1 - preemptions <= n <= MIXED_TOKENS - 1 for n in counts), counts
+    assert min(counts) < MIXED_TOKENS - 1, counts
 
 
 class RecordedPiece:

@@ -38,6 +38,7 @@ CHECK_EVERY = "exit_check_every"  # the server's setting (config.json or --hf-ov
 KL, STATE, ARGMAX = (EXIT_CRITERIA.index(name) for name in ("kl", "state", "argmax"))
 DEFAULT_MIN_DEPTH = ExitRule.__dataclass_fields__["min_steps"].default
 DEFAULT_CHECK_EVERY = ExitRule.__dataclass_fields__["check_every"].default
+NEVER = np.iinfo(np.int64).max  # a prompt length no position reaches: the row's tokens never exit
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class RequestExits:
         if rule is not None:
             self.threshold[row], self.patience[row], self.min_steps[row] = rule.threshold, rule.patience, rule.min_steps
         # A prompt given as embeddings has no length here: its tokens then never exit (as if without a rule).
-        self.prompt[row] = len(prompt) if prompt is not None else np.iinfo(np.int64).max
+        self.prompt[row] = len(prompt) if prompt is not None else NEVER
         self.logs[row] = None
         if rule is not None and prompt is not None:
             self.logs[row] = self.record.setdefault(tuple(prompt), [])
@@ -158,7 +159,11 @@ class RequestExits:
         rows = len(lengths)
         if not (self.criterion[:rows] >= 0).any():
             return None
-        columns = (self.criterion, self.threshold, self.patience, self.min_steps, self.prompt)
+        # A row of several tokens is a prompt's chunk, or a preempted request recomputed as one prefill with its
+        # generated tokens (exit is refused beside speculation): those run at the cap, as `generate` runs a prompt,
+        # so each request's tokens in a forward share one depth, which the narrowed attention metadata relies on.
+        prompt = np.where(lengths == 1, self.prompt[:rows], NEVER)
+        columns = (self.criterion, self.threshold, self.patience, self.min_steps, prompt)
         tokens = (np.repeat(column[:rows], lengths) for column in columns)
         return TokenRules(*tokens, self.logs[:rows], lengths, self.served.check_every, self)
 
