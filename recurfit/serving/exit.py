@@ -204,7 +204,8 @@ class TokenExits:
         generated = on(rules.prompt) <= positions[..., :count]
         self.live = torch.zeros_like(self.depths, dtype=torch.bool)
         self.live[:count] = (self.criterion >= 0) & generated
-        self.tokens = self.live.nonzero().squeeze(1)  # the tokens that may exit, in order (one wait on the device)
+        self.follow(None)
+        self.tokens = self.local  # the tokens that may exit, in order
         self.slot = torch.full_like(self.depths, -1)
         self.slot[self.tokens] = torch.arange(self.tokens.numel(), device=device)
         self.criteria = {int(c) for c in np.unique(rules.criterion[rules.criterion >= 0])}
@@ -214,7 +215,6 @@ class TokenExits:
         self.previous_log_p = self.previous_token = None
         self.stable = torch.zeros(self.tokens.numel(), dtype=torch.int64, device=device)
         self.asked_steps = self.waits = 0  # steps that asked a rule; the host's reads of their decisions (`changed`)
-        self.follow(None)
 
     @classmethod
     def of(cls, rules: TokenRules | None, positions, depths, read_logits) -> TokenExits | None:
